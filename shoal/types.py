@@ -1,0 +1,234 @@
+"""Plain data shared by every layer of shoal.
+
+This module imports nothing of shoal's (and no torch), so the dependency arrows
+only point down: cli -> server -> engine -> runner/model -> types.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # client went away or abort() was called
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction, never mutated.
+
+    Defaults are the neutral values (no penalty, no truncation) so a field left
+    alone changes nothing; the server layer fills request > server > model
+    defaults before building one of these.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the context limit
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0  # HF/CTRL style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    no_repeat_ngram_size: int = 0
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; k: the chosen token's plus the top k
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Beam search is a mode of the same engine: num_beams > 1 switches it on.
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalize the list-ish fields so equal params compare and hash equal.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k < 0:
+            object.__setattr__(self, "top_k", 0)
+        errors = self._errors()
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def _errors(self) -> list[str]:
+        e = []
+        if self.n < 1:
+            e.append(f"n must be at least 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            e.append(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            e.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            e.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            e.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.typical_p <= 1:
+            e.append(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if self.repetition_penalty <= 0:
+            e.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            e.append(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            e.append(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.no_repeat_ngram_size < 0:
+            e.append(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            e.append(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.min_tokens < 0:
+            e.append(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            e.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.num_beams < 1:
+            e.append(f"num_beams must be at least 1, got {self.num_beams}")
+        if self.num_beams > 1 and self.n > self.num_beams:
+            e.append(f"n ({self.n}) must not exceed num_beams ({self.num_beams})")
+        return e
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.num_beams > 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What every protocol adapter turns a request into."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0  # lower runs first; ties are FIFO
+    prompt: str | None = None  # the rendered text, for logs and echo only
+    arrival_time: float | None = None
+
+
+class Logprob(NamedTuple):
+    token_id: int
+    logprob: float
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's logprob and the top-k alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n choices of a request: cumulative, with the newest delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that matched
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request after a step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+# ---------------------------------------------------------------- step plan
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute `token_ids` at `start_pos`..
+
+    The sequence's KV for positions [0, start_pos) is already in the blocks of
+    `block_table`; this step writes positions [start_pos, start_pos + len(token_ids)).
+    `sample` is True when the last of these tokens is the sequence's newest
+    known token, so its logits give the next token.
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+    params: SamplingParams
+    # Token history the sampler needs for penalties (prompt, then output).
+    prompt_len: int = 0
+    history: tuple[int, ...] = ()
+    # Per-sequence generator seed and how many tokens this sequence has sampled,
+    # so seeded sampling is the same alone or in a batch.
+    seed: int | None = None
+    num_sampled: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything the model runner needs for one forward pass. Plain data."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) copy-on-write before the forward
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The runner's answer for one sequence with `sample=True`."""
+
+    seq_id: int
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[Logprob, ...] = ()

@@ -1,0 +1,105 @@
+"""Tiny random-weight models and a tiny tokenizer, built by the tests themselves.
+
+Nothing here downloads anything: the tokenizer is a byte-level BPE trained in a
+few milliseconds on a fixed corpus, the models are transformers models built
+from small configs with a fixed seed and saved as safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "What is the capital of France? Paris is the capital of France.",
+    "def add(x, y):\n    return x + y\n",
+    "Hello, world! 0123456789 héllo naïve café 日本語 emoji 🙂 ",
+    "Once upon a time there was a small model that loved to count: one two three four five.",
+    "<think>reasoning goes here</think> and then the answer.",
+]
+
+
+def make_tokenizer(vocab_size: int = 400):
+    """A byte-level BPE tokenizer with ChatML special tokens (ids 0, 1, 2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+# Small but shaped like the real thing: GQA (4 query heads over 2 KV heads),
+# several layers, a head_dim that is not the hidden size / heads for Qwen3.
+_BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32)),
+}
+
+
+def make_tiny_model(arch: str, path: Path, *, seed: int = 0, rope_parameters: dict | None = None, **overrides) -> Path:
+    """Write a random-weight `arch` model folder (config, safetensors, tokenizer) to `path`."""
+    import transformers
+
+    tokenizer = make_tokenizer()
+    config_cls_name, model_cls_name, extra = ARCHS[arch]
+    kwargs = {**_BASE, **extra, "vocab_size": len(tokenizer), **overrides}
+    if rope_parameters is not None:
+        kwargs["rope_parameters"] = rope_parameters
+    config = getattr(transformers, config_cls_name)(**kwargs)
+    config.architectures = [model_cls_name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls_name)(config).to(torch.float32).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so a loader
+    # that drops them, or applies them wrongly, changes the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2], "temperature": 0.7}))
+    return path
