@@ -1,0 +1,75 @@
+"""Frozen configuration, one dataclass per subsystem, validated on construction.
+
+No torch here: the engine's bookkeeping reads these too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' or a number -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", value, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read {value!r} as a size in bytes (try '2GiB' or '500MiB')")
+    number, unit = float(m.group(1)), m.group(2).upper()
+    return int(number * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # 32 in flight keeps a 2-core CPU busy on decode; more mostly adds latency.
+    max_num_seqs: int = 64
+    # Tokens per forward pass. Big enough that a prefill chunk amortizes the
+    # weight reads, small enough that decodes sharing the step are not stalled.
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # KV-cache budget in bytes on CPU; on CUDA a fraction of free memory.
+    kv_cache_memory: int = 1 * GiB
+    gpu_memory_fraction: float = 0.8
+    num_blocks: int | None = None  # overrides the budget (tests use tiny pools)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # cpu | cuda | auto
+    max_model_len: int | None = None  # None: the model's own limit
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    check_integrity: bool = False  # run the pool's integrity check after every step (tests)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")

@@ -1,0 +1,123 @@
+"""AsyncEngine: the step loop in a background thread, an async iterator per request.
+
+The HTTP side never touches the Engine: it puts commands (add, abort) into a
+thread-safe inbox; the loop applies them between steps and hands each
+request's outputs back to the asyncio loop that asked for them. A client that
+goes away cancels its iterator, which sends an abort, applied at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from shoal.engine.engine import Engine
+from shoal.types import GenerationRequest, RequestOutput
+
+log = logging.getLogger("shoal.engine")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ async side
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come; the last has finished=True.
+
+        Raises ValueError (before any output) when the engine rejects the request.
+        """
+        self.engine.validate(request)  # read-only: safe from this thread
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(("add", request, sink))
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._inbox.put(("stop", None, None))
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            # Block when idle; otherwise just drain what arrived during the step.
+            self._apply(block=not self.engine.has_unfinished())
+            if self._stopped.is_set():
+                break
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a model failure must not take the server down
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is not None:
+                    sink.put(out)
+                    if out.finished:
+                        del self._sinks[out.request_id]
+
+    def _apply(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg, sink = cmd
+            if kind == "add":
+                try:
+                    self.engine.add_request(arg)
+                    self._sinks[arg.request_id] = sink
+                except Exception as exc:
+                    sink.put(exc)
+            elif kind == "abort":
+                self.engine.abort(arg)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_all(self, exc: Exception) -> None:
+        err = EngineDeadError(f"the engine failed while running this request: {exc}")
+        for request_id, sink in list(self._sinks.items()):
+            self.engine.abort(request_id)
+            sink.put(err)
+        self._sinks.clear()
+        self.engine.discard_pending_outputs()  # their sinks already got the error

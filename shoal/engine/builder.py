@@ -1,0 +1,50 @@
+"""Wire an Engine from an EngineConfig: load the checkpoint, build the model, size the KV cache."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from shoal.config import EngineConfig
+from shoal.engine.engine import Engine
+from shoal.model.loader import load_checkpoint
+from shoal.model.registry import model_class
+from shoal.runner.model_runner import DTYPES, ModelRunner, plan_kv_cache, resolve_device
+
+log = logging.getLogger("shoal.engine")
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    t0 = time.perf_counter()
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    dtype = DTYPES[config.dtype]
+    ckpt = load_checkpoint(config.model, dtype=dtype)
+    hf = ckpt.hf_config
+    max_model_len = config.max_model_len or config.scheduler.max_model_len
+    max_model_len = min(max_model_len, hf.max_position_embeddings)
+    if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {hf.max_position_embeddings} positions")
+
+    with torch.device("meta"):
+        model = model_class(hf.architectures)(hf, max_model_len)
+    model = model.to_empty(device=device)
+    # Rotary tables are buffers computed at construction: rebuild them for real on the device.
+    rotary = type(model.model.layers[0].self_attn.rotary)(model.config, max_model_len).to(device)
+    for layer in model.model.layers:
+        layer.self_attn.rotary = rotary
+    model.load_weights(ckpt.state_dict)
+    model = model.to(dtype).eval()
+    spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)
+    runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype)
+    engine = Engine(runner, ckpt.tokenizer, ckpt.eos_token_ids, config, max_model_len)
+    engine.checkpoint_info = ckpt  # tokenizer, chat template, generation defaults for the layers above
+    ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
+    log.info(
+        "engine ready in %.1fs: %s, %s on %s, max_model_len %d, %d KV blocks",
+        time.perf_counter() - t0, model.config.architecture, config.dtype, device, max_model_len, spec.num_blocks,
+    )
+    return engine

@@ -1,0 +1,281 @@
+"""Engine: add_request / abort / step. One step is schedule, run, postprocess.
+
+The engine is stateless per request beyond the request's own lifetime: no
+sessions. It is driven by one thread (the AsyncEngine's loop, or the caller of
+`LLM.generate`); nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from shoal.config import EngineConfig, SchedulerConfig
+from shoal.engine.block_pool import KVBlockPool
+from shoal.engine.detokenizer import IncrementalDetokenizer
+from shoal.engine.scheduler import Scheduler
+from shoal.engine.sequence import Sequence
+from shoal.types import (
+    CompletionOutput,
+    FinishReason,
+    GenerationRequest,
+    RequestMetrics,
+    RequestOutput,
+    SampledToken,
+    TokenLogprobs,
+)
+
+log = logging.getLogger("shoal.engine")
+
+
+@dataclass
+class _Choice:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    out: CompletionOutput
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    request: GenerationRequest
+    choices: list[_Choice]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(c.out.finished for c in self.choices)
+
+
+@dataclass
+class EngineStats:
+    """Plain counters the server exports; the engine only increments them."""
+
+    requests_added: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+
+
+class Engine:
+    def __init__(self, runner, tokenizer, eos_token_ids: tuple[int, ...], config: EngineConfig, max_model_len: int) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.vocab_size = runner.config.vocab_size
+        self.pool = KVBlockPool(runner.num_blocks, runner.block_size)
+        sched = config.scheduler
+        self.scheduler = Scheduler(
+            SchedulerConfig(sched.max_num_seqs, max(sched.max_num_batched_tokens, 1), max_model_len), self.pool
+        )
+        self.stats = EngineStats()
+        self._requests: dict[str, _RequestState] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        from shoal.engine.builder import build_engine
+
+        return build_engine(config)
+
+    # ------------------------------------------------------------ requests
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise ValueError with a message for the user if the request cannot run."""
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                f"(the prompt plus at least one output token must fit)"
+            )
+        p = request.params
+        bad_bias = [t for t in (p.logit_bias or {}) if not 0 <= int(t) < self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(self, request: GenerationRequest) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.validate(request)
+        p = request.params
+        now = time.monotonic()
+        choices = []
+        first: Sequence | None = None
+        for i in range(p.n):
+            seq = Sequence(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                params=p,
+                index=i,
+                priority=request.priority,
+                arrival=first.arrival if first else -1,
+                fork_parent=first,
+                seed=None if p.seed is None else p.seed + i,
+            )
+            first = first or seq
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                stop=p.stop,
+                include_stop_str_in_output=p.include_stop_str_in_output,
+                skip_special_tokens=p.skip_special_tokens,
+            )
+            out = CompletionOutput(index=i, logprobs=[] if p.logprobs is not None else None)
+            choices.append(_Choice(seq, detok, out))
+        state = _RequestState(request, choices, RequestMetrics(arrival_time=request.arrival_time or now))
+        self._requests[request.request_id] = state
+        for c in choices:
+            self.scheduler.add(c.seq)
+        self.stats.requests_added += 1
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its output (finish_reason abort) comes with the next step()."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return False
+        for c in state.choices:
+            if not c.out.finished:
+                self._finish(c, FinishReason.ABORT)
+        self.stats.requests_aborted += 1
+        self._pending.append(self._output(state))
+        self._retire(state)
+        return True
+
+    def discard_pending_outputs(self) -> None:
+        self._pending.clear()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return outputs
+        now = time.monotonic()
+        for seq, _ in sched.scheduled:
+            m = self._requests[seq.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        sampled = self.runner.execute(sched.plan)
+        self.scheduler.on_step_done(sched, sampled)
+        self.stats.steps += 1
+        self.stats.preemptions = self.scheduler.num_preemptions
+        outputs.extend(self._postprocess(sampled))
+        if self.config.check_integrity:
+            self.check_integrity()
+        return outputs
+
+    def _postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
+        touched: dict[str, _RequestState] = {}
+        now = time.monotonic()
+        for s in sampled:
+            seq = self.scheduler.get(s.seq_id)
+            state = self._requests[seq.request_id]
+            choice = state.choices[seq.index]
+            self._accept_token(choice, s)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            touched[seq.request_id] = state
+        outputs = []
+        for state in touched.values():
+            outputs.append(self._output(state))
+            if state.finished:
+                self.stats.requests_finished += 1
+                self._retire(state)
+        return outputs
+
+    def _accept_token(self, choice: _Choice, s: SampledToken) -> None:
+        seq, out, p = choice.seq, choice.out, choice.seq.params
+        tok = s.token_id
+        out.token_ids.append(tok)
+        choice.delta_token_ids.append(tok)
+        out.cumulative_logprob += s.logprob
+        if out.logprobs is not None:
+            out.logprobs.append(TokenLogprobs(tok, s.logprob, list(s.top_logprobs[: p.logprobs])))
+        self.stats.generated_tokens += 1
+        n_out = seq.num_output_tokens
+        reason = stop_reason = None
+        # Nothing stops a choice before min_tokens (the sampler bans EOS and stop ids until then).
+        may_stop = n_out > p.min_tokens
+        if may_stop and not p.ignore_eos and tok in self.eos_token_ids:
+            reason = FinishReason.STOP
+        elif may_stop and tok in p.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, tok
+        else:
+            match = choice.detok.add_token(tok)
+            if match is not None and may_stop:
+                reason, stop_reason = FinishReason.STOP, match.stop
+        if reason is None:
+            if p.max_tokens is not None and n_out >= p.max_tokens:
+                reason = FinishReason.LENGTH
+            elif seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is not None:
+            out.stop_reason = stop_reason
+            self._finish(choice, reason)
+
+    def _finish(self, choice: _Choice, reason: FinishReason) -> None:
+        choice.out.finish_reason = reason
+        self.scheduler.finish(choice.seq, reason)
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        """A snapshot: the caller may keep it while the engine goes on."""
+        outs = []
+        for c in state.choices:
+            o = c.out
+            delta = c.detok.take_delta(finished=o.finished)
+            o.text += delta
+            outs.append(
+                CompletionOutput(
+                    index=o.index,
+                    text=o.text,
+                    token_ids=list(o.token_ids),
+                    logprobs=list(o.logprobs) if o.logprobs is not None else None,
+                    finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason,
+                    delta_text=delta,
+                    delta_token_ids=c.delta_token_ids,
+                    cumulative_logprob=o.cumulative_logprob,
+                )
+            )
+            c.delta_token_ids = []
+        finished = state.finished
+        if finished and state.metrics.finished_time is None:
+            state.metrics.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=state.request.request_id,
+            prompt_token_ids=list(state.request.prompt_token_ids),
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=state.choices[0].seq.num_cached_tokens,
+            metrics=state.metrics,
+        )
+
+    def _retire(self, state: _RequestState) -> None:
+        self._requests.pop(state.request.request_id, None)
+        self.stats.cached_prompt_tokens += state.choices[0].seq.num_cached_tokens
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self.scheduler.held_block_tables())

@@ -1,0 +1,107 @@
+"""The offline API: `LLM(model="smollm2").generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from shoal.config import CacheConfig, EngineConfig, SchedulerConfig
+from shoal.engine.engine import Engine
+from shoal.types import GenerationRequest, RequestOutput, SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Runs an Engine in the caller's thread until every prompt is done.
+
+    Keyword arguments not naming an EngineConfig field go to its scheduler or
+    cache config (`max_num_seqs=8`, `block_size=16`, `num_blocks=64`, ...).
+    """
+
+    def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
+        self.engine = Engine.from_config(_engine_config(model, kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in the order given."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [self._encode(p) for p in prompts]
+        return self._run(token_lists, params, priority, use_tqdm, texts=[p if isinstance(p, str) else None for p in prompts])
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        token_lists = [self.apply_chat_template(c, **(chat_template_kwargs or {})) for c in conversations]
+        return self._run(token_lists, params, None, use_tqdm, texts=[None] * len(token_lists))
+
+    def apply_chat_template(self, messages: Sequence[Message], **kwargs: Any) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True, **kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ------------------------------------------------------------ internals
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def _run(self, token_lists, params, priority, use_tqdm, texts) -> list[RequestOutput]:
+        n = len(token_lists)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * n
+        if len(plist) != n:
+            raise ValueError(f"{n} prompts but {len(plist)} SamplingParams")
+        order = []
+        for i, ids in enumerate(token_lists):
+            rid = f"offline-{next(self._ids)}"
+            req = GenerationRequest(rid, tuple(ids), plist[i], priority=priority[i] if priority else 0, prompt=texts[i])
+            self.engine.add_request(req)
+            order.append(rid)
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(n) if use_tqdm else None
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[r] for r in order]
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req")
+
+
+def _engine_config(model: str, kwargs: dict[str, Any]) -> EngineConfig:
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
+    config = EngineConfig(model=model, **kwargs)
+    if "max_model_len" in kwargs:
+        sched.setdefault("max_model_len", kwargs["max_model_len"])
+    return replace(config, scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache))

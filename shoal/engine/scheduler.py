@@ -1,0 +1,255 @@
+"""Scheduler: which sequences run this step, and how many tokens each. No torch.
+
+There is no prefill phase and no decode phase here: every sequence has
+`num_computed_tokens` and `num_tokens`, and a step gives each scheduled
+sequence up to `num_tokens - num_computed_tokens` of the step's token budget.
+A long prompt is thereby chunked across steps and shares them with decodes.
+
+Order:
+  1. running sequences, highest priority (lowest number) first; when blocks
+     run out, the lowest-priority, newest running sequence is preempted (its
+     blocks freed, its progress reset: it is recomputed when readmitted);
+  2. waiting sequences in (priority, arrival) order, while budget, seats
+     (`max_num_seqs`) and free blocks last. Waiting never preempts running.
+
+The result is a plain-data `StepPlan` plus the bookkeeping the engine needs to
+apply the step's outcome (`on_step_done`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from shoal.config import SchedulerConfig
+from shoal.engine.block_pool import KVBlockPool, hash_block_tokens
+from shoal.engine.sequence import Sequence, SequenceStatus
+from shoal.types import FinishReason, SampledToken, SamplingParams, ScheduledSeq, StepPlan
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Whether the sampler needs this sequence's token history."""
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or p.no_repeat_ngram_size > 0
+    )
+
+
+@dataclass
+class SchedulerOutput:
+    plan: StepPlan
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: KVBlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []  # sorted by Sequence.sort_key
+        self._by_id: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ queues
+    def add(self, seq: Sequence) -> None:
+        if seq.prompt_len + 1 > self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {seq.prompt_len} tokens; with at least one output token that exceeds "
+                f"max_model_len {self.config.max_model_len}"
+            )
+        seq.status = SequenceStatus.WAITING
+        self._by_id[seq.seq_id] = seq
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._by_id.get(seq_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take a sequence out of the queues and release its blocks."""
+        if seq.finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._by_id[seq.seq_id]
+
+    def held_block_tables(self) -> list[list[int]]:
+        """Every block table that holds references (for the integrity check)."""
+        return [s.block_table for s in self.running + self.waiting if s.block_table]
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(plan=StepPlan(()))
+        copies: list[tuple[int, int]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve_or_preempt(seq, num_new, out):
+                break  # `seq` itself was the newest and got preempted
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[j]
+            if seq in out.preempted:
+                break  # just preempted for lack of blocks: it cannot fit this step
+            parent = seq.fork_parent
+            if parent is not None and not self._fork_ready(seq, parent):
+                j += 1  # siblings wait for the first choice to compute the prompt
+                continue
+            num_new_if = self._tokens_after_fork(seq) if seq.fork_parent else seq.num_uncomputed_tokens
+            num_new = min(num_new_if, budget)
+            if not self._admit(seq, num_new, copies):
+                break
+            self.waiting.pop(j)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=Sequence.sort_key)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+        out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), tuple(copies))
+        return out
+
+    def _reserve_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Make sure `seq` has blocks for `num_new` more tokens, preempting from the back."""
+        need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
+        while need > self.pool.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _admit(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> bool:
+        if seq.fork_parent is not None:
+            return self._fork(seq, num_new, copies)
+        need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
+        if need > self.pool.num_free:
+            return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    # ------------------------------------------------------------ n > 1
+    @staticmethod
+    def _fork_ready(seq: Sequence, parent: Sequence) -> bool:
+        if parent.status is SequenceStatus.RUNNING and parent.num_computed_tokens >= parent.prompt_len:
+            return True
+        if parent.status is SequenceStatus.FINISHED:
+            seq.fork_parent = None  # nothing to share any more: compute the prompt itself
+            return True
+        return False
+
+    def _tokens_after_fork(self, seq: Sequence) -> int:
+        return seq.prompt_len - self._shared_prefix_len(seq)
+
+    @staticmethod
+    def _shared_prefix_len(seq: Sequence) -> int:
+        # The last prompt token is recomputed: its logits give this choice's first token.
+        return seq.prompt_len - 1
+
+    def _fork(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> bool:
+        """Share the parent's prompt KV: full blocks by reference, the partial one by copy.
+
+            parent blocks: [ full | full | partial ]   (prompt positions 0 .. P-2 shared)
+            child blocks:  [ same | same | copy    ]   (writes P-1 onwards itself)
+        """
+        parent = seq.fork_parent
+        assert parent is not None
+        shared = self._shared_prefix_len(seq)
+        bs = self.pool.block_size
+        num_full, partial = divmod(shared, bs)
+        need = self.pool.blocks_for_tokens(shared + num_new) - num_full
+        if need > self.pool.num_free:
+            return False
+        full = parent.block_table[:num_full]
+        self.pool.incref(full)
+        fresh = self.pool.allocate(need)
+        if partial:
+            copies.append((parent.block_table[num_full], fresh[0]))
+        seq.block_table = full + fresh
+        seq.num_computed_tokens = shared
+        seq.num_cached_tokens = shared
+        seq.fork_parent = None
+        return True
+
+    # ------------------------------------------------------------ preemption
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: free the blocks, keep the known tokens."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+
+    # ------------------------------------------------------------ plan / update
+    @staticmethod
+    def _scheduled_seq(seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        p = seq.params
+        return ScheduledSeq(
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.token_ids[start:end]),
+            start_pos=start,
+            block_table=tuple(seq.block_table),
+            sample=end == seq.num_tokens,
+            params=p,
+            prompt_len=seq.prompt_len,
+            history=tuple(seq.token_ids) if needs_history(p) else (),
+            seed=seq.seed,
+            num_sampled=seq.num_output_tokens,
+        )
+
+    def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> None:
+        """Advance the computed counters, append the sampled tokens, hash full blocks."""
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+            self._hash_full_blocks(seq)
+        for s in sampled:
+            self._by_id[s.seq_id].token_ids.append(s.token_id)
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        bs = self.pool.block_size
+        hashes = self.pool.block_hashes
+        # Walk back from the newest full block to the first one without a hash.
+        num_full = seq.num_computed_tokens // bs
+        k = num_full
+        while k > 0 and hashes[seq.block_table[k - 1]] is None:
+            k -= 1
+        parent = hashes[seq.block_table[k - 1]] if k > 0 else None
+        for b in range(k, num_full):
+            parent = hash_block_tokens(parent, seq.token_ids[b * bs : (b + 1) * bs])
+            self.pool.set_block_hash(seq.block_table[b], parent)

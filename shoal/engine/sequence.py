@@ -1,0 +1,82 @@
+"""A sequence's state: plain Python, no tensors.
+
+Progress is two counters: `num_computed_tokens` (KV written to the cache) and
+`num_tokens` (known: prompt plus sampled). Prefill, chunked prefill, decode and
+recompute after preemption are all "computed catches up with known":
+
+    token_ids:  | computed (KV in blocks) | known, not yet computed |
+                0                num_computed_tokens            num_tokens
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from shoal.types import FinishReason, SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index: int = 0  # which of the request's n choices this is
+    priority: int = 0
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    # Order of arrival, for FIFO among equal priorities; siblings share it.
+    arrival: int = -1
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # For n > 1: siblings wait for the first sequence of their request to compute
+    # the prompt, then share its blocks (see Scheduler._fork).
+    fork_parent: Sequence | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from elsewhere (fork / prefix cache)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.arrival < 0:
+            self.arrival = self.seq_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int, int]:
+        """Lower runs first: priority, then arrival, then choice index."""
+        return (self.priority, self.arrival, self.index)

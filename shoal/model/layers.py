@@ -1,0 +1,224 @@
+"""Building blocks shared by every model family.
+
+References: transformers' modeling_llama.py / modeling_qwen3.py (the numerics
+we must match), nano-vllm's layers (fused qkv and gate_up projections).
+
+Projections are fused (q|k|v into one matrix, gate|up into another) because on
+a 2-core CPU each linear call has a fixed cost: 30 layers x 5 fewer calls per
+step is measurable. The checkpoint names stay HF's; `STACKED_PARAMS` maps them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.model.attention import AttentionMetadata, paged_attention, write_kv
+from shoal.model.config import ModelConfig
+
+# (fused parameter, checkpoint parameter, shard index): weight-name mapping as data.
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # HF normalizes in float32 and casts back before scaling.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position, HF's rotate-half layout."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, as transformers computes them."""
+    hf = config.hf_config
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        dim = config.head_dim
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+    if rope_type == "dynamic":
+        raise NotImplementedError("dynamic NTK rope scaling changes with sequence length; not supported yet")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.c = config
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        c = self.c
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(T, c.num_heads, c.head_dim)
+        k = k.view(T, c.num_kv_heads, c.head_dim)
+        v = v.view(T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(o.view(T, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, N pre-norm decoder layers, final norm: the HF `model.` prefix."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = Rotary(config, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv, meta)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only LM. Families subclass it to say what differs (see llama.py)."""
+
+    qk_norm = False
+    attention_bias: bool | None = None  # None: as the config says
+
+    def __init__(self, hf_config, max_positions: int) -> None:
+        super().__init__()
+        self.config = ModelConfig.from_hf(hf_config, qk_norm=self.qk_norm, attention_bias=self.attention_bias)
+        self.model = DecoderModel(self.config, max_positions)
+        if not self.config.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] in float32."""
+        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing the stacked projections; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in state_dict.items():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if "rotary_emb" in name:
+                continue
+            for fused, part, shard in STACKED_PARAMS:
+                if f".{part}." in name:
+                    target = name.replace(f".{part}.", f".{fused}.")
+                    _copy_shard(params[target], tensor, shard, self.config, fused)
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+                params[name].copy_(tensor)
+                loaded.add(name)
+        missing = [n for n in params if not _is_loaded(n, loaded)]
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _shard_sizes(config: ModelConfig, fused: str) -> list[int]:
+    if fused == "qkv_proj":
+        return [config.q_size, config.kv_size, config.kv_size]
+    return [config.intermediate_size, config.intermediate_size]
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int, config: ModelConfig, fused: str) -> None:
+    sizes = _shard_sizes(config, fused)
+    offset = sum(sizes[:shard])
+    dst = param.narrow(0, offset, sizes[shard])
+    if dst.shape != tensor.shape:
+        raise ValueError(f"{fused} shard {shard}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+    dst.copy_(tensor)
+
+
+def _is_loaded(name: str, loaded: set[str]) -> bool:
+    if name in loaded:
+        return True
+    for fused, _, shard in STACKED_PARAMS:
+        if f".{fused}." in name:
+            n = 3 if fused == "qkv_proj" else 2
+            return all(f"{name}#{i}" in loaded for i in range(n))
+    return False

@@ -1,0 +1,24 @@
+"""Architecture name (as in config.json's `architectures`) -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("shoal.model.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("shoal.model.mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("shoal.model.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("shoal.model.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architectures: list[str] | None):
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(f"unsupported architecture {architectures}; shoal runs {', '.join(supported_architectures())}")

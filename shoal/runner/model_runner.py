@@ -1,0 +1,203 @@
+"""ModelRunner: owns the KV tensors, turns a StepPlan into tensors, runs the model, samples.
+
+Every tensor of a step is built here, in `_prepare`, once: the model and the
+sampler only consume them. The runner makes no scheduling decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shoal.config import CacheConfig
+from shoal.model.attention import AttentionMetadata, ChunkMeta
+from shoal.model.layers import DecoderForCausalLM
+from shoal.runner.sampler import SamplerRow, SamplingBatch, sample
+from shoal.types import Logprob, SampledToken, ScheduledSeq, StepPlan
+
+log = logging.getLogger("shoal.runner")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def seeded_generator(seed: int, num_sampled: int, device: torch.device) -> torch.Generator:
+    """A generator that depends only on (seed, position): the same seed gives the
+    same tokens alone, in a batch, after preemption, or on another rank."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + num_sampled) % (1 << 63))
+    return g
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+
+def plan_kv_cache(model_bytes_per_token: int, cache: CacheConfig, device: torch.device, max_model_len: int) -> KVCacheSpec:
+    """How many blocks fit the budget; refuse when one max_model_len sequence does not fit."""
+    per_block = model_bytes_per_token * cache.block_size
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        num_blocks = int(free * cache.gpu_memory_fraction) // per_block
+    else:
+        num_blocks = cache.kv_cache_memory // per_block
+    needed = -(-max_model_len // cache.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens ({num_blocks * per_block / 2**20:.1f} MiB), "
+            f"but one sequence of max_model_len={max_model_len} needs {needed} "
+            f"({needed * per_block / 2**20:.1f} MiB): raise --kv-cache-memory or lower --max-model-len"
+        )
+    return KVCacheSpec(num_blocks, cache.block_size, per_block)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        spec: KVCacheSpec,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = spec.block_size
+        self.num_blocks = spec.num_blocks
+        self.eos_token_ids = eos_token_ids
+        c = self.config
+        # One tensor for all layers: [layers, 2 (k|v), blocks, block_size, Hkv, D].
+        self.kv = torch.zeros(c.num_layers, 2, spec.num_blocks, spec.block_size, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(c.num_layers)]
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",
+            spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, self.kv.numel() * self.kv.element_size() / 2**20,
+        )
+
+    # ------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[SampledToken]:
+        if plan.block_copies:
+            src = torch.tensor([s for s, _ in plan.block_copies], device=self.device)
+            dst = torch.tensor([d for _, d in plan.block_copies], device=self.device)
+            self.kv[:, :, dst] = self.kv[:, :, src]
+        if plan.empty:
+            return []
+        seqs, input_ids, positions, meta, sample_rows = self._prepare(plan)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampled = [s for s in seqs if s.sample]
+        if not sampled:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return self._sample(sampled, logits)
+
+    def _prepare(self, plan: StepPlan):
+        dev, bs = self.device, self.block_size
+        G = self.config.group_size
+        window = self.config.sliding_window
+        # Decodes first (one query token each), then chunks: see attention.py.
+        decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
+        chunks = [s for s in plan.seqs if len(s.token_ids) > 1]
+        seqs = decodes + chunks
+
+        ids: list[int] = []
+        pos: list[int] = []
+        for s in seqs:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
+        slot_parts = []
+        if decodes:
+            max_blocks = max(len(s.block_table) for s in decodes)
+            bt = torch.tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in decodes], dtype=torch.long, device=dev)
+            dpos = positions[: len(decodes)]
+            slot_parts.append(bt.gather(1, (dpos // bs).unsqueeze(1)).squeeze(1) * bs + dpos % bs)
+            keys = torch.arange(max_blocks * bs, device=dev)
+            mask = keys.unsqueeze(0) <= dpos.unsqueeze(1)  # [Bd, S]
+            if window is not None:
+                mask &= keys.unsqueeze(0) > dpos.unsqueeze(1) - window
+            meta.decode_block_tables = bt
+            meta.decode_mask = mask[:, None, None, :]
+        start = len(decodes)
+        for s in chunks:
+            L = len(s.token_ids)
+            ctx = s.start_pos + L
+            bt = torch.tensor(s.block_table, dtype=torch.long, device=dev)
+            cpos = positions[start : start + L]
+            slot_parts.append(bt[cpos // bs] * bs + cpos % bs)
+            mask = None
+            if s.start_pos or G > 1 or window is not None:
+                keys = torch.arange(ctx, device=dev)
+                m = keys.unsqueeze(0) <= cpos.unsqueeze(1)  # [L, ctx]
+                if window is not None:
+                    m &= keys.unsqueeze(0) > cpos.unsqueeze(1) - window
+                mask = m.repeat(G, 1)  # rows g*L + i, matching the folded queries
+            meta.chunks.append(ChunkMeta(start, L, bt, ctx, mask))
+            start += L
+        meta.slot_mapping = torch.cat(slot_parts)
+
+        # Row of each sampled sequence's last token in the flat batch.
+        rows, offset = [], 0
+        for s in seqs:
+            offset += len(s.token_ids)
+            if s.sample:
+                rows.append(offset - 1)
+        sample_rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        return seqs, input_ids, positions, meta, sample_rows
+
+    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
+        rows = []
+        for s in seqs:
+            p = s.params
+            gen = None if p.greedy or s.seed is None else seeded_generator(s.seed, s.num_sampled, self.device)
+            hist = s.history
+            rows.append(
+                SamplerRow(
+                    params=p,
+                    prompt_token_ids=hist[: s.prompt_len],
+                    output_token_ids=hist[s.prompt_len :],
+                    num_output_tokens=s.num_sampled,
+                    eos_token_ids=self.eos_token_ids,
+                    generator=gen,
+                    num_logprobs=_num_logprobs(p),
+                )
+            )
+        batch = SamplingBatch.build(rows, logits.shape[-1], self.device)
+        out = sample(logits, batch)
+        # The step's one host sync: everything the engine needs, in one transfer each.
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result = []
+        for i, s in enumerate(seqs):
+            k = rows[i].num_logprobs
+            top = tuple(Logprob(t, lp) for t, lp in zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids else ()
+            result.append(SampledToken(s.seq_id, token_ids[i], logprobs[i], top))
+        return result
+
+
+def _num_logprobs(p) -> int:
+    k = p.logprobs or 0
+    if p.use_beam_search:
+        k = max(k, 2 * p.num_beams)  # beam search picks among the top 2*beams of each beam
+    return k

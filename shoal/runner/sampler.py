@@ -1,0 +1,433 @@
+"""Turn one step's logits into one token per row.
+
+Runs once per engine step over the whole batch, so everything below is a fixed
+sequence of batched tensor ops with no host sync and no Python loop over rows
+(the only per-row Python is in `SamplingBatch.build`, over plain data, and the
+noise draw for rows that carry their own seeded generator).
+
+Pipeline (same order as HF `generate` and vLLM):
+
+    raw logits [B, V]
+      -> logits processors, every row:  repetition penalty -> presence/frequency
+         penalty -> logit_bias -> bans (no_repeat_ngram, min_tokens, ignore_eos)
+      -> greedy rows: argmax
+      -> sampled rows only: temperature -> top-k -> top-p -> min-p -> typical-p
+         -> softmax -> exponential race (argmax(probs / q), q ~ Exp(1))
+    logprobs (chosen token and top-K) always come from the *raw* logits.
+
+`SamplingBatch.build` decides once per step which stages anybody in the batch
+uses; `sample` skips the rest, so an all-greedy batch without penalties costs
+one argmax (plus a logsumexp for the chosen token's logprob).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from shoal.types import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class SamplerRow:
+    """Plain data for one sampled row; the runner makes one per sequence."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int] = ()  # read only for repetition_penalty / no_repeat_ngram
+    output_token_ids: Sequence[int] = ()  # generated so far
+    eos_token_ids: tuple[int, ...] = ()  # the model's EOS set
+    generator: torch.Generator | None = None  # seeded per request, on the logits' device; None: global RNG
+    num_logprobs: int = 0  # top logprobs wanted besides the chosen token's
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling inputs as tensors, built once from `SamplerRow`s.
+
+    A field is None when no row in the batch uses that stage, and `sample`
+    skips the stage. Shapes: B rows, V vocab, Bs = rows that sample (not greedy).
+    """
+
+    batch_size: int
+    vocab_size: int
+
+    # -- logits processors, over all B rows
+    repetition_penalty: torch.Tensor | None = None  # [B, 1] float32, 1.0 for rows without
+    seen_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in prompt + output
+    presence_penalty: torch.Tensor | None = None  # [B, 1] float32
+    frequency_penalty: torch.Tensor | None = None  # [B, 1] float32
+    output_counts: torch.Tensor | None = None  # [B, V] float32: occurrences in the output
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [N], tokens [N]) int64
+    bias_values: torch.Tensor | None = None  # [N] float32, added at bias_index
+    ban_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [M], tokens [M]) set to -inf
+
+    # -- sampling, over the Bs sampled rows
+    all_greedy: bool = True
+    all_sampled: bool = False
+    sample_rows: torch.Tensor | None = None  # [Bs] int64 row indices; None when all_sampled
+    temperature: torch.Tensor | None = None  # [Bs, 1] float32
+    top_k: torch.Tensor | None = None  # [Bs, 1] int64 in [1, V] (V for rows with top-k off)
+    max_top_k: int = 0  # largest k of the rows with top-k on
+    top_p_rm: torch.Tensor | None = None  # [Bs, 1] float32: 1 - top_p, computed in float64 like HF
+    top_p_on: torch.Tensor | None = None  # [Bs, 1] bool
+    min_p: torch.Tensor | None = None  # [Bs, 1] float32, 0 for rows without
+    typical_p: torch.Tensor | None = None  # [Bs, 1] float32
+    typical_on: torch.Tensor | None = None  # [Bs, 1] bool
+    generators: tuple[torch.Generator | None, ...] = ()  # [Bs], None: global RNG
+
+    # -- logprobs
+    num_top_logprobs: int = 0  # K = max num_logprobs in the batch
+
+    @property
+    def any_processor(self) -> bool:
+        return (
+            self.repetition_penalty is not None
+            or self.presence_penalty is not None
+            or self.bias_index is not None
+            or self.ban_index is not None
+        )
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplerRow], vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        V = vocab_size
+        B = len(rows)
+        dev = torch.device(device)
+        b = cls(batch_size=B, vocab_size=V)
+
+        def f32(xs: list[float]) -> torch.Tensor:  # [n] -> [n, 1]
+            return torch.tensor(xs, dtype=torch.float32, device=dev).unsqueeze(1)
+
+        # -------- repetition penalty: mask of tokens seen in prompt + output (HF)
+        rep = [r.params.repetition_penalty for r in rows]
+        if any(p != 1.0 for p in rep):
+            b.repetition_penalty = f32(rep)
+            ids = [list(r.prompt_token_ids) + list(r.output_token_ids) if p != 1.0 else [] for r, p in zip(rows, rep)]
+            row_idx, tok_idx = _flat_index(ids, V, dev)
+            b.seen_mask = torch.zeros(B, V, dtype=torch.bool, device=dev)
+            b.seen_mask[row_idx, tok_idx] = True
+
+        # -------- presence / frequency: per-token counts over the output (OpenAI)
+        pres = [r.params.presence_penalty for r in rows]
+        freq = [r.params.frequency_penalty for r in rows]
+        if any(pres) or any(freq):
+            b.presence_penalty = f32(pres)
+            b.frequency_penalty = f32(freq)
+            ids = [list(r.output_token_ids) if (pp or fp) else [] for r, pp, fp in zip(rows, pres, freq)]
+            row_idx, tok_idx = _flat_index(ids, V, dev)
+            b.output_counts = torch.zeros(B, V, dtype=torch.float32, device=dev)
+            b.output_counts.index_put_(
+                (row_idx, tok_idx), torch.ones(len(tok_idx), dtype=torch.float32, device=dev), accumulate=True
+            )
+
+        # -------- logit_bias: sparse (row, token, value); ids outside the vocab are dropped
+        bias_rows: list[int] = []
+        bias_toks: list[int] = []
+        bias_vals: list[float] = []
+        for i, r in enumerate(rows):
+            for tok, val in (r.params.logit_bias or {}).items():
+                tok = int(tok)
+                if 0 <= tok < V:
+                    bias_rows.append(i)
+                    bias_toks.append(tok)
+                    bias_vals.append(float(val))
+        if bias_rows:
+            b.bias_index = (_i64(bias_rows, dev), _i64(bias_toks, dev))
+            b.bias_values = torch.tensor(bias_vals, dtype=torch.float32, device=dev)
+
+        # -------- bans: (row, token) pairs forced to -inf
+        ban_rows: list[int] = []
+        ban_toks: list[int] = []
+        for i, r in enumerate(rows):
+            banned = _banned_tokens(r)
+            ban_toks.extend(t for t in banned if 0 <= t < V)
+            ban_rows.extend([i] * (len(ban_toks) - len(ban_rows)))
+        if ban_rows:
+            b.ban_index = (_i64(ban_rows, dev), _i64(ban_toks, dev))
+
+        # -------- sampling params of the non-greedy rows
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        b.all_greedy = not sampled
+        b.all_sampled = len(sampled) == B and B > 0
+        if sampled:
+            ps = [rows[i].params for i in sampled]
+            if not b.all_sampled:
+                b.sample_rows = _i64(sampled, dev)
+            if any(p.temperature != 1.0 for p in ps):
+                b.temperature = f32([p.temperature for p in ps])
+            ks = [p.top_k for p in ps if 0 < p.top_k < V]
+            if ks:
+                b.max_top_k = max(ks)
+                b.top_k = _i64([p.top_k if 0 < p.top_k < V else V for p in ps], dev).unsqueeze(1)
+            if any(p.top_p < 1.0 for p in ps):
+                b.top_p_rm = f32([1.0 - p.top_p for p in ps])
+                b.top_p_on = torch.tensor([p.top_p < 1.0 for p in ps], device=dev).unsqueeze(1)
+            if any(p.min_p > 0.0 for p in ps):
+                b.min_p = f32([p.min_p for p in ps])
+            if any(p.typical_p < 1.0 for p in ps):
+                b.typical_p = f32([p.typical_p for p in ps])
+                b.typical_on = torch.tensor([p.typical_p < 1.0 for p in ps], device=dev).unsqueeze(1)
+            b.generators = tuple(rows[i].generator for i in sampled)
+
+        b.num_top_logprobs = min(max((r.num_logprobs for r in rows), default=0), V)
+        return b
+
+
+def _i64(xs: list[int], dev: torch.device) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64, device=dev)
+
+
+def _flat_index(ids: list[list[int]], V: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged per-row token lists -> (row [N], token [N]) index pair, ids outside [0, V) dropped."""
+    flat = torch.tensor([t for row in ids for t in row], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(r) for r in ids], dtype=torch.int64))
+    keep = (flat >= 0) & (flat < V)
+    return rows[keep].to(dev), flat[keep].to(dev)
+
+
+def _banned_tokens(r: SamplerRow) -> list[int]:
+    """Token ids this row may not pick this step (duplicates are harmless)."""
+    p = r.params
+    banned: list[int] = []
+    if p.ignore_eos:
+        banned.extend(r.eos_token_ids)
+    if len(r.output_token_ids) < p.min_tokens:
+        banned.extend(r.eos_token_ids)
+        banned.extend(p.stop_token_ids)
+    if p.no_repeat_ngram_size > 0:
+        banned.extend(no_repeat_ngram_bans(list(r.prompt_token_ids) + list(r.output_token_ids), p.no_repeat_ngram_size))
+    return banned
+
+
+def no_repeat_ngram_bans(tokens: list[int], n: int) -> list[int]:
+    """Tokens that would complete an n-gram already in `tokens` (HF NoRepeatNGramLogitsProcessor).
+
+    The next token completes the n-gram (last n-1 tokens, next); it is banned iff
+    some earlier window tokens[i : i+n-1] equals that prefix, and then the
+    window's successor tokens[i+n-1] is the banned token. O(len * n) in Python,
+    only for rows that ask for it.
+    """
+    L = len(tokens)
+    if n <= 0 or L < n:
+        return []
+    if n == 1:
+        return list(set(tokens))
+    prefix = tokens[L - n + 1 :]
+    first = prefix[0]
+    return [tokens[i + n - 1] for i in range(L - n + 1) if tokens[i] == first and tokens[i : i + n - 1] == prefix]
+
+
+# ---------------------------------------------------------------- processors (all rows)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """HF/CTRL: seen tokens' logits x penalty if negative, / penalty otherwise.
+
+    logits [B, V], penalty [B, 1] (1.0 = off, exact no-op), seen [B, V] bool.
+    """
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_presence_frequency(
+    logits: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI: logit -= presence * (count > 0) + frequency * count. presence/frequency [B, 1], counts [B, V]."""
+    return logits - (presence * (counts > 0) + frequency * counts)
+
+
+def apply_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalties, logit_bias and bans on every row [B, V]. Never modifies the input."""
+    fresh = False  # whether `logits` is already our own tensor (safe to modify in place)
+    if batch.repetition_penalty is not None:
+        logits = apply_repetition_penalty(logits, batch.repetition_penalty, batch.seen_mask)
+        fresh = True
+    if batch.presence_penalty is not None:
+        logits = apply_presence_frequency(logits, batch.presence_penalty, batch.frequency_penalty, batch.output_counts)
+        fresh = True
+    if (batch.bias_index is not None or batch.ban_index is not None) and not fresh:
+        logits = logits.clone()
+    if batch.bias_index is not None:
+        logits.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
+    if batch.ban_index is not None:
+        logits.index_put_(batch.ban_index, logits.new_tensor(_NEG_INF))
+    return logits
+
+
+# ---------------------------------------------------------------- warpers (sampled rows)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [Bs, V] / temperature [Bs, 1] (HF TemperatureLogitsWarper)."""
+    return logits / temperature
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Keep the k largest logits (and ties with the k-th), like HF TopKLogitsWarper.
+
+    k [Bs, 1] in [1, V], V meaning off. One topk of the batch's largest k; rows
+    with k == V keep everything.
+    """
+    V = logits.shape[-1]
+    top = logits.topk(max_k, dim=-1).values  # [Bs, max_k] descending
+    kth = top.gather(1, (k.clamp(max=max_k) - 1))  # [Bs, 1] k-th largest
+    kth = kth.masked_fill(k >= V, _NEG_INF)
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    k: torch.Tensor | None,
+    top_p_rm: torch.Tensor | None,
+    top_p_on: torch.Tensor | None,
+) -> torch.Tensor:
+    """Top-k then top-p with one ascending sort (HF TopK then TopPLogitsWarper).
+
+    In ascending order the k-th largest sits at column V - k, and masking below
+    it leaves exactly the sorted tensor HF's top-p would sort again, so the
+    cumulative sums match HF bit for bit. top_p_rm [Bs, 1] = 1 - top_p: a sorted
+    position is removed while the mass up to and including it is <= 1 - top_p;
+    the largest token always stays.
+    """
+    V = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1)  # [Bs, V] ascending
+    remove = None
+    if k is not None:
+        kth = sorted_logits.gather(1, V - k)  # [Bs, 1]; k == V -> the minimum -> keeps all
+        remove = sorted_logits < kth
+        sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
+    if top_p_rm is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [Bs, V]
+        remove_p = cum <= top_p_rm
+        remove_p[:, -1] = False
+        remove_p &= top_p_on  # rows with top_p == 1 are untouched (HF skips the warper)
+        remove = remove_p if remove is None else remove | remove_p
+    mask = remove.scatter(1, sorted_idx, remove)  # back to vocab order
+    return logits.masked_fill(mask, _NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with prob < min_p * max prob (HF MinPLogitsWarper). min_p [Bs, 1], 0 = off."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, _NEG_INF)  # the max never falls below (min_p <= 1)
+
+
+def apply_typical_p(logits: torch.Tensor, mass: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (HF TypicalLogitsWarper), per-row mass [Bs, 1].
+
+    Sort tokens by |-log p - H| (closest to the entropy first) and keep the
+    shortest prefix whose mass reaches `mass`, plus ties with its last score.
+    """
+    V = logits.shape[-1]
+    logp = logits.log_softmax(dim=-1)
+    ent = -(logp * logp.exp()).nansum(-1, keepdim=True)  # [Bs, 1]; -inf * 0 = nan is skipped
+    shifted = (-logp - ent).abs()
+    sorted_scores, sorted_idx = shifted.sort(dim=-1)
+    cum = logits.gather(-1, sorted_idx).softmax(dim=-1).cumsum(dim=-1)
+    last = (cum < mass).sum(dim=1, keepdim=True).clamp_(max=V - 1)  # [Bs, 1]
+    remove = sorted_scores > sorted_scores.gather(1, last)
+    remove[:, 0] = False
+    remove &= on
+    mask = remove.scatter(1, sorted_idx, remove)
+    return logits.masked_fill(mask, _NEG_INF)
+
+
+def apply_warpers(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature -> top-k -> top-p -> min-p -> typical on the sampled rows' logits [Bs, V]."""
+    if batch.temperature is not None:
+        logits = apply_temperature(logits, batch.temperature)
+    if batch.top_p_rm is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p_rm, batch.top_p_on)
+    elif batch.top_k is not None:
+        logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    if batch.typical_p is not None:
+        logits = apply_typical_p(logits, batch.typical_p, batch.typical_on)
+    return logits
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits each row is finally picked from, [B, V]: processors on every row,
+    warpers on sampled rows (greedy rows take the argmax of this). For tests and
+    debugging; `sample` does the same without materializing the full tensor."""
+    logits = apply_processors(logits.float(), batch)
+    if batch.all_greedy:
+        return logits
+    if batch.all_sampled:
+        return apply_warpers(logits, batch)
+    warped = apply_warpers(logits[batch.sample_rows], batch)
+    return logits.index_copy(0, batch.sample_rows, warped)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sampled rows' processed logits [Bs, V] -> probabilities [Bs, V]."""
+    return apply_warpers(logits, batch).softmax(dim=-1)
+
+
+def exponential_noise(batch: SamplingBatch, n: int, V: int, device: torch.device) -> torch.Tensor:
+    """q ~ Exp(1), [n, V]. Rows with a generator draw their own row from it, so a
+    seeded row's q depends only on its generator; the rest share one global draw.
+
+    exponential_ never returns 0 on CUDA (zeros are filtered) and only with
+    probability 2^-53 per element on CPU, so probs / q needs no clamp.
+    """
+    q = torch.empty(n, V, device=device)
+    gens = batch.generators
+    if any(g is None for g in gens):
+        q.exponential_()
+    for j, g in enumerate(gens):
+        if g is not None:
+            q[j].exponential_(generator=g)  # same draws as torch.empty(V).exponential_(generator=g)
+    return q
+
+
+def sample_from_probs(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p, with no
+    host sync (unlike torch.multinomial). [n, V] -> [n] int64."""
+    return (probs / q).argmax(dim=-1)
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32: chosen token under log_softmax(raw logits)
+    top_ids: torch.Tensor | None  # [B, K] int64, most likely first, from the raw distribution
+    top_logprobs: torch.Tensor | None  # [B, K] float32, descending
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """One token per row of `logits` [B, V] (the raw model output)."""
+    raw = logits.float()
+    processed = apply_processors(raw, batch)  # [B, V]; `raw` itself is never modified
+
+    if batch.all_greedy:
+        token_ids = processed.argmax(dim=-1)
+    else:
+        sub = processed if batch.all_sampled else processed[batch.sample_rows]  # [Bs, V]
+        probs = logits_to_probs(sub, batch)
+        q = exponential_noise(batch, probs.shape[0], probs.shape[1], probs.device)
+        sampled = sample_from_probs(probs, q)  # [Bs]
+        if batch.all_sampled:
+            token_ids = sampled
+        else:
+            token_ids = processed.argmax(dim=-1).index_copy_(0, batch.sample_rows, sampled)
+
+    # Logprobs under the raw model distribution (what vLLM/OpenAI report).
+    lse = raw.logsumexp(dim=-1)  # [B]
+    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
+    top_ids = top_logprobs = None
+    if batch.num_top_logprobs > 0:
+        top_vals, top_ids = raw.topk(batch.num_top_logprobs, dim=-1)  # sorted descending
+        top_logprobs = top_vals - lse.unsqueeze(1)
+    return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)

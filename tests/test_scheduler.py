@@ -1,0 +1,201 @@
+"""Scheduler unit tests: exact budgets, block ids, preemption order. No model involved."""
+
+import pytest
+
+from shoal.config import SchedulerConfig
+from shoal.engine.block_pool import KVBlockPool
+from shoal.engine.scheduler import Scheduler
+from shoal.engine.sequence import Sequence, SequenceStatus
+from shoal.types import FinishReason, SampledToken, SamplingParams
+
+P = SamplingParams(max_tokens=100)
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, max_model_len=64):
+    pool = KVBlockPool(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), pool), pool
+
+
+def seq(n_prompt, rid="r", priority=0, **kw):
+    return Sequence(request_id=rid, prompt_token_ids=list(range(10, 10 + n_prompt)), params=P, priority=priority, **kw)
+
+
+def run_step(s: Scheduler, token=7):
+    """Schedule, pretend the model ran, feed back one token per sampling sequence."""
+    out = s.schedule()
+    sampled = [SampledToken(x.seq_id, token, 0.0) for x in out.plan.seqs if x.sample]
+    s.on_step_done(out, sampled)
+    s.pool.check_integrity(s.held_block_tables())
+    return out
+
+
+def test_prefill_then_decode_is_one_path_of_computed_catching_up():
+    s, pool = make()
+    a = seq(6)
+    s.add(a)
+    out = run_step(s)
+    (x,) = out.plan.seqs
+    assert (x.token_ids, x.start_pos, x.block_table, x.sample) == (tuple(range(10, 16)), 0, (0, 1), True)
+    assert (a.num_computed_tokens, a.num_tokens, a.status) == (6, 7, SequenceStatus.RUNNING)
+    out = run_step(s)
+    (x,) = out.plan.seqs
+    assert (x.token_ids, x.start_pos, x.block_table) == ((7,), 6, (0, 1))
+    # Position 7 still fits block 1; position 8 needs a third block.
+    out = run_step(s)
+    assert out.plan.seqs[0].block_table == (0, 1)
+    out = run_step(s)
+    assert (out.plan.seqs[0].start_pos, out.plan.seqs[0].block_table) == (8, (0, 1, 2))
+
+
+def test_long_prompt_is_chunked_by_the_token_budget_and_mixed_with_decodes():
+    s, pool = make(budget=8)
+    a, b = seq(3, "a"), seq(20, "b")
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    assert [(x.seq_id, len(x.token_ids), x.sample) for x in out.plan.seqs] == [(a.seq_id, 3, True), (b.seq_id, 5, False)]
+    out = run_step(s)
+    # a decodes (1 token), b gets the remaining 7 of the budget.
+    assert [(x.seq_id, len(x.token_ids), x.start_pos) for x in out.plan.seqs] == [(a.seq_id, 1, 3), (b.seq_id, 7, 5)]
+    out = run_step(s)
+    assert [(len(x.token_ids), x.start_pos) for x in out.plan.seqs] == [(1, 4), (7, 12)]
+    out = run_step(s)
+    assert [(len(x.token_ids), x.start_pos, x.sample) for x in out.plan.seqs] == [(1, 5, True), (1, 19, True)]
+    assert b.num_tokens == 21 and b.num_computed_tokens == 20
+
+
+def test_max_num_seqs_limits_admission():
+    s, _ = make(max_num_seqs=2)
+    seqs = [seq(2, str(i)) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    out = run_step(s)
+    assert [x.seq_id for x in out.plan.seqs] == [seqs[0].seq_id, seqs[1].seq_id]
+    assert s.waiting == [seqs[2]]
+
+
+def test_priority_orders_waiting_lower_first_ties_fifo():
+    s, _ = make(max_num_seqs=1)
+    low, high1, high2 = seq(2, "low", priority=5), seq(2, "h1", priority=-1), seq(2, "h2", priority=-1)
+    for q in (low, high1, high2):
+        s.add(q)
+    assert [q.request_id for q in s.waiting] == ["h1", "h2", "low"]
+    out = run_step(s)
+    assert out.plan.seqs[0].seq_id == high1.seq_id
+
+
+def test_preemption_takes_the_newest_running_and_frees_its_blocks():
+    # 4 blocks of 2 tokens. Two sequences of 3 prompt tokens take 2 blocks each.
+    s, pool = make(num_blocks=4, block_size=2, budget=16)
+    a, b = seq(3, "a"), seq(3, "b")
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert (a.block_table, b.block_table, pool.num_free) == ([0, 1], [2, 3], 0)
+    run_step(s)  # position 3 still fits the second block
+    # Both now hold 5 tokens: position 4 needs a third block each. a goes first
+    # and takes one by preempting b (the newest); b's blocks are freed.
+    out = run_step(s)
+    assert out.preempted == [b]
+    assert [x.seq_id for x in out.plan.seqs] == [a.seq_id]
+    assert a.block_table == [0, 1, 3]
+    assert (b.status, b.num_computed_tokens, b.block_table, b.num_tokens) == (SequenceStatus.WAITING, 0, [], 5)
+    assert s.waiting == [b]
+    assert pool.num_free == 1
+
+
+def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_newest():
+    s, pool = make(num_blocks=2, block_size=2, budget=16)
+    a = seq(3, "a")
+    s.add(a)
+    run_step(s)
+    run_step(s)  # 5 tokens known, blocks [0, 1] full
+    out = run_step(s)
+    assert out.preempted == [a] and out.plan.seqs == ()
+    assert pool.num_free == 2
+
+
+def test_preempted_sequence_recomputes_prompt_and_output_when_readmitted():
+    s, pool = make(num_blocks=4, block_size=2, budget=16)
+    a, b = seq(3, "a"), seq(3, "b")
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    run_step(s)
+    run_step(s)  # b preempted with 5 known tokens
+    s.finish(a, FinishReason.STOP)
+    out = run_step(s)
+    (x,) = out.plan.seqs
+    assert x.seq_id == b.seq_id and x.start_pos == 0 and len(x.token_ids) == 5 and x.sample
+    assert b.num_preemptions == 1 and s.num_preemptions == 1
+
+
+def test_waiting_is_not_admitted_without_blocks_and_never_preempts_running():
+    s, pool = make(num_blocks=3, block_size=2, budget=16)
+    a, b = seq(4, "a"), seq(4, "b")
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    assert [x.seq_id for x in out.plan.seqs] == [a.seq_id]
+    assert s.waiting == [b] and out.preempted == []
+
+
+def test_finish_releases_blocks_and_abort_of_waiting_works():
+    s, pool = make()
+    a, b = seq(5, "a"), seq(5, "b")
+    s.add(a)
+    run_step(s)
+    s.add(b)
+    s.finish(b, FinishReason.ABORT)
+    s.finish(a, FinishReason.ABORT)
+    assert (pool.num_free, s.has_unfinished()) == (16, False)
+    assert a.finish_reason is FinishReason.ABORT and a.block_table == []
+
+
+def test_prompt_longer_than_context_is_rejected():
+    s, _ = make(max_model_len=8)
+    with pytest.raises(ValueError, match="prompt has 8 tokens"):
+        s.add(seq(8))
+
+
+def test_fork_shares_full_prompt_blocks_and_copies_the_partial_one():
+    s, pool = make(block_size=4)
+    parent = seq(10, "r")  # positions 0..9: blocks 0, 1 full, block 2 holds 8, 9
+    child = seq(10, "r", index=1, arrival=parent.arrival, fork_parent=parent)
+    s.add(parent)
+    s.add(child)
+    out = run_step(s)
+    assert [x.seq_id for x in out.plan.seqs] == [parent.seq_id]  # the child waits for the prompt
+    assert parent.block_table == [0, 1, 2]
+    out = run_step(s)
+    # Child shares positions 0..8 (all but the last prompt token): blocks 0, 1 by
+    # reference, block 2 by copy into a fresh block 3; it recomputes position 9.
+    assert out.plan.block_copies == ((2, 3),)
+    assert child.block_table == [0, 1, 3]
+    x = {q.seq_id: q for q in out.plan.seqs}[child.seq_id]
+    assert (x.token_ids, x.start_pos, x.sample) == ((19,), 9, True)
+    assert pool.ref_counts[:4] == [2, 2, 1, 1]
+    assert child.num_cached_tokens == 9
+
+
+def test_fork_on_a_block_boundary_copies_nothing():
+    s, pool = make(block_size=4)
+    parent = seq(9, "r")  # shared prefix is 8 tokens = exactly 2 blocks
+    child = seq(9, "r", index=1, arrival=parent.arrival, fork_parent=parent)
+    s.add(parent)
+    s.add(child)
+    run_step(s)
+    out = run_step(s)
+    assert out.plan.block_copies == ()
+    assert child.block_table == [0, 1, 3]
+
+
+def test_block_hashes_are_set_for_full_blocks_only():
+    s, pool = make(block_size=4)
+    a = seq(6)
+    s.add(a)
+    run_step(s)
+    assert pool.block_hashes[0] is not None and pool.block_hashes[1] is None
+    run_step(s)
+    run_step(s)  # 8 computed: block 1 is full now
+    assert pool.block_hashes[1] is not None
