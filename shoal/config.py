@@ -29,7 +29,7 @@ class SchedulerConfig:
     # Tokens per forward pass. Big enough that a prefill chunk amortizes the
     # weight reads, small enough that decodes sharing the step are not stalled.
     max_num_batched_tokens: int = 512
-    max_model_len: int = 8192
+    max_model_len: int = 8192  # the engine sets the model's (or --max-model-len)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -24,8 +24,7 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = DTYPES[config.dtype]
     ckpt = load_checkpoint(config.model, dtype=dtype)
     hf = ckpt.hf_config
-    max_model_len = config.max_model_len or config.scheduler.max_model_len
-    max_model_len = min(max_model_len, hf.max_position_embeddings)
+    max_model_len = config.max_model_len or hf.max_position_embeddings
     if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {hf.max_position_embeddings} positions")
 

@@ -31,6 +31,7 @@ tail that is still a proper prefix of a stop string, and only as long as it is.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,6 +96,10 @@ class IncrementalDetokenizer:
         self._skip_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         self._stops = tuple(s for s in dict.fromkeys(stop) if s)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        # Quick rejects: any stop at all (one C-level search for all of them), and
+        # the characters a held-back tail can end with.
+        self._any_stop = re.compile("|".join(map(re.escape, self._stops))) if self._stops else None
+        self._prefix_end_chars = frozenset(c for s in self._stops for c in s[:-1])
         self._include_stop = include_stop_str_in_output
 
         # Window state: token strings (seed, then output), offsets into them.
@@ -236,6 +241,8 @@ class IncrementalDetokenizer:
         # A match must end inside `delta` (else it would have matched before) and
         # cannot start in released text (that is held back while it could).
         start = max(0, old_len - self._max_stop_len + 1)
+        if self._any_stop.search(pending, start) is None:
+            return None
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for s in self._stops:
             i = pending.find(s, start)
@@ -265,6 +272,8 @@ class IncrementalDetokenizer:
     def _hold_len(self, pending: str) -> int:
         """Length of the longest tail of `pending` that is a proper prefix of a stop string."""
         last = pending[-1]
+        if last not in self._prefix_end_chars:
+            return 0
         best = 0
         n = len(pending)
         for s in self._stops:

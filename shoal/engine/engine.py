@@ -224,8 +224,8 @@ class Engine:
         elif may_stop and tok in p.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, tok
         else:
-            match = choice.detok.add_token(tok)
-            if match is not None and may_stop:
+            match = choice.detok.add_token(tok, check_stop=may_stop)
+            if match is not None:
                 reason, stop_reason = FinishReason.STOP, match.stop
         if reason is None:
             if p.max_tokens is not None and n_out >= p.max_tokens:

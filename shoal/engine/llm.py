@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from shoal.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -99,9 +98,9 @@ def _progress(total: int):
 
 
 def _engine_config(model: str, kwargs: dict[str, Any]) -> EngineConfig:
+    top = {k: kwargs.pop(k) for k in list(kwargs) if k in EngineConfig.__dataclass_fields__}
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
     cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
-    config = EngineConfig(model=model, **kwargs)
-    if "max_model_len" in kwargs:
-        sched.setdefault("max_model_len", kwargs["max_model_len"])
-    return replace(config, scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache))
+    if kwargs:
+        raise TypeError(f"unknown LLM arguments: {', '.join(sorted(kwargs))}")
+    return EngineConfig(model=model, **top, scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache))

@@ -34,6 +34,7 @@ def needs_history(p: SamplingParams) -> bool:
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
         or p.no_repeat_ngram_size > 0
+        or p.min_tokens > 0  # EOS is banned while the output is shorter
     )
 
 

@@ -175,7 +175,6 @@ class ModelRunner:
                     params=p,
                     prompt_token_ids=hist[: s.prompt_len],
                     output_token_ids=hist[s.prompt_len :],
-                    num_output_tokens=s.num_sampled,
                     eos_token_ids=self.eos_token_ids,
                     generator=gen,
                     num_logprobs=_num_logprobs(p),

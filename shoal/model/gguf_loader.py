@@ -1,0 +1,456 @@
+"""GGUF checkpoints (llama.cpp's single-file format) -> HF-named weights, config and tokenizer.
+
+Everything is read and dequantized with the `gguf` package; this module only
+decides what the pieces mean in Hugging Face terms:
+
+* tensor names: llama.cpp's `blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`
+  (the tables below);
+* layout: llama.cpp's converter permutes the q/k rows of llama-arch models for its
+  rotary kernel, which we undo (`unpermute_qk`);
+* hyperparameters: the `{arch}.*` metadata -> a transformers config class;
+* tokenizer: the vocabulary, merges and special-token ids in the metadata -> a
+  `tokenizers.Tokenizer`, wrapped as a transformers fast tokenizer.
+
+transformers' own GGUF loading (`from_pretrained(..., gguf_file=...)`) is the
+reference the tests compare against; where this module decides something, the
+comment says whose rule it follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import transformers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tqdm.auto import tqdm
+
+log = logging.getLogger("shoal.loader")
+
+# ---------------------------------------------------------------- architectures
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    config_class: str  # transformers config class name
+    model_class: str  # what config.architectures names
+    qk_permuted: bool  # convert_hf_to_gguf.py applied LlamaModel.permute to q/k rows
+
+
+# llama.cpp writes Llama *and* Mistral checkpoints as arch "llama" (convert_hf_to_gguf's
+# LlamaModel is registered for both, with undo_permute = True); Qwen2Model and
+# Qwen3Model are plain TextModels, which write q/k rows as they are.
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec("LlamaConfig", "LlamaForCausalLM", qk_permuted=True),
+    "qwen2": ArchSpec("Qwen2Config", "Qwen2ForCausalLM", qk_permuted=False),
+    "qwen3": ArchSpec("Qwen3Config", "Qwen3ForCausalLM", qk_permuted=False),
+}
+
+# `{arch}.<key>` metadata -> config attribute.
+HPARAMS: dict[str, str] = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+}
+
+# llama.cpp tensor name (without .weight/.bias) -> HF name, outside the blocks ...
+TOP_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# ... and inside block N (`blk.N.<key>` -> `model.layers.N.<value>`).
+BLOCK_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors with no HF parameter: Llama 3.1's rope factors go into the config instead.
+CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
+
+# llama.cpp's sampling metadata -> SamplingParams / generation_config names.
+SAMPLING_KEYS: dict[str, str] = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+@dataclass
+class GGUFCheckpoint:
+    config: transformers.PretrainedConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: transformers.PreTrainedTokenizerFast
+    generation_eos_ids: tuple[int, ...]  # end-of-generation ids besides the tokenizer's eos (eot, eom)
+    generation_defaults: dict[str, float]
+
+
+# ---------------------------------------------------------------- reading
+
+
+class GGUFFileReader(gguf.GGUFReader):
+    """`gguf.GGUFReader`, parsing over a plain-ndarray view of its memory map.
+
+    The reader makes a few tiny numpy views per metadata value, three per
+    vocabulary entry. Sliced from an `np.memmap`, each view runs memmap's
+    Python-level `__array_finalize__`; that made parsing SmolLM2's 49k tokens and
+    49k merges take 3-4 s, against ~0.9 s over a plain view of the same mapping.
+    The view keeps the mapping alive (it is the view's base) and read-only.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._array
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._array = value.view(np.ndarray)
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """Every key/value of the file as Python values (str, int, float, bool, lists)."""
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> GGUFCheckpoint:
+    """Read a GGUF file into HF-named `dtype` tensors, a config and a tokenizer."""
+    t0 = time.perf_counter()
+    reader = GGUFFileReader(path)
+    meta = read_metadata(reader)
+    t1 = time.perf_counter()
+    arch = meta["general.architecture"]
+    if arch not in ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+
+    tokenizer = build_tokenizer(meta)
+    t2 = time.perf_counter()
+    tensors = {t.name: t for t in reader.tensors}
+    config = build_config(meta, tensors, tokenizer)
+    state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress)
+    t3 = time.perf_counter()
+    log.info(
+        "GGUF %s: read metadata %.2f s, tokenizer %.2f s, dequantized %d tensors %.2f s",
+        Path(path).name, t1 - t0, t2 - t1, len(state_dict), t3 - t2,
+    )
+    eos_extra = tuple(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta)
+    defaults = {name: meta[key] for key, name in SAMPLING_KEYS.items() if key in meta}
+    return GGUFCheckpoint(config, state_dict, tokenizer, eos_extra, defaults)
+
+
+# ---------------------------------------------------------------- weights
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    base, _, suffix = gguf_name.rpartition(".")  # suffix: "weight" or "bias"
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        hf = BLOCK_TENSORS.get(part)
+        return f"model.layers.{layer}.{hf}.{suffix}" if hf else None
+    hf = TOP_TENSORS.get(base)
+    return f"{hf}.{suffix}" if hf else None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's `LlamaModel.permute` on q/k rows (weight or bias).
+
+    HF's rotary embedding pairs dimension i of a head with i + d/2 (rotate_half);
+    ggml's pairs 2i with 2i + 1. The converter regroups each head's d rows as
+    `w.reshape(n_head, 2, d // 2, ...).swapaxes(1, 2)`, i.e. GGUF row (h, i, half)
+    holds HF row (h, half, i). Reading the rows as (h, i, half) and swapping back
+    restores HF order. `n_head` is the number of heads in *this* tensor (kv heads for k).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """One GGUF tensor as float32 in HF's (out_features, in_features) order.
+
+    GGUF lists dims fastest-first (ne0 = in_features); the reader already exposes
+    the data row-major as (ne1, ne0), and `gguf.quants.dequantize` keeps that.
+    """
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if not values.flags.writeable:  # F32 comes back as a view of the read-only map
+        values = values.copy()
+    expected = tuple(int(n) for n in reversed(tensor.shape))
+    if values.shape != expected:
+        raise ValueError(f"{tensor.name}: dequantized to {values.shape}, expected {expected}")
+    return torch.from_numpy(values)
+
+
+def load_state_dict(
+    tensors, arch: ArchSpec, config: transformers.PretrainedConfig, dtype: torch.dtype, progress: bool
+) -> dict[str, torch.Tensor]:
+    """Dequantize, rename and (for llama) un-permute every tensor of the file."""
+    tensors = [t for t in tensors if t.name not in CONFIG_ONLY_TENSORS]
+    unknown = [t.name for t in tensors if hf_tensor_name(t.name) is None]
+    if unknown:
+        raise ValueError(f"GGUF tensors with no known Hugging Face name: {unknown[:8]}")
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    state_dict = {}
+    for tensor in tqdm(tensors, desc="Dequantizing GGUF", unit="tensor", disable=not progress, file=sys.stderr):
+        name = hf_tensor_name(tensor.name)
+        weight = dequantize(tensor)
+        proj = name.split(".")[-2]  # "q_proj" in model.layers.0.self_attn.q_proj.weight
+        if arch.qk_permuted and proj in heads:
+            weight = unpermute_qk(weight, heads[proj])
+        state_dict[name] = weight.to(dtype)
+    return state_dict
+
+
+# ---------------------------------------------------------------- config
+
+
+def build_config(meta: dict[str, Any], tensors: dict, tokenizer) -> transformers.PretrainedConfig:
+    """The transformers config the file's `{arch}.*` metadata describes."""
+    arch = meta["general.architecture"]
+    spec = ARCHS[arch]
+    kwargs = {attr: meta[f"{arch}.{key}"] for key, attr in HPARAMS.items() if f"{arch}.{key}" in meta}
+    hidden, heads = kwargs["hidden_size"], kwargs["num_attention_heads"]
+    kwargs.setdefault("num_key_value_heads", heads)
+    # Qwen3's head_dim is not hidden/heads; the converter writes it as key_length.
+    # For llama the rotary dimension is the head dimension.
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+    embed = tensors["token_embd.weight"]
+    kwargs.update(
+        head_dim=head_dim,
+        vocab_size=int(embed.shape[-1]),  # rows of the embedding; metadata vocab_size is optional
+        tie_word_embeddings="output.weight" not in tensors,
+        rope_parameters=rope_parameters(meta, arch, head_dim, tensors),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if spec.config_class != "Qwen2Config":  # Qwen2 always has q/k/v biases, no flag
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if spec.config_class == "LlamaConfig":
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    config = getattr(transformers, spec.config_class)(**kwargs)
+    config.architectures = [spec.model_class]
+    return config
+
+
+def rope_parameters(meta: dict[str, Any], arch: str, head_dim: int, tensors: dict) -> dict[str, Any]:
+    """transformers 5 `rope_parameters` from llama.cpp's rope metadata."""
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if scaling == "linear" and factor:
+        params.update(rope_type="linear", factor=float(factor))
+    elif scaling == "yarn":
+        params.update(rope_type="yarn", factor=float(factor))
+        optional = {
+            "original_context_length": "original_max_position_embeddings",
+            "yarn_beta_fast": "beta_fast",
+            "yarn_beta_slow": "beta_slow",
+            "attn_factor": "attention_factor",
+        }
+        params.update({hf: meta[f"{arch}.rope.scaling.{k}"] for k, hf in optional.items() if f"{arch}.rope.scaling.{k}" in meta})
+    elif scaling not in ("none", "linear"):
+        log.warning("GGUF rope scaling %r is not supported; using plain rope", scaling)
+    if "rope_freqs.weight" in tensors:
+        params = llama3_rope_parameters(dequantize(tensors["rope_freqs.weight"]), theta, head_dim) or params
+    return params
+
+
+def llama3_rope_parameters(freq_factors: torch.Tensor, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """HF "llama3" rope parameters that reproduce llama.cpp's `rope_freqs.weight`, or None.
+
+    llama.cpp stores Llama 3.1-style scaling as one divisor per rotary frequency
+    (LlamaModel.generate_extra_tensors) instead of HF's four parameters. The largest
+    divisor is `factor`; Meta used low 1, high 4 and an original context of 8192
+    for every release, so we take those and check by recomputing with transformers.
+    """
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": float(freq_factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(head_dim=head_dim, rope_parameters=params)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if torch.allclose(plain / scaled, freq_factors.float(), rtol=1e-4):
+        return params
+    log.warning("GGUF rope_freqs do not match Llama 3 rope scaling; ignoring them")
+    return None
+
+
+# ---------------------------------------------------------------- tokenizer
+
+# llama.cpp's token_type values (gguf.TokenType).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
+
+# The split regexes of the original tokenizer.json files, by `tokenizer.ggml.pre`,
+# following llama.cpp's table (llama-vocab.cpp, llm_tokenizer_bpe): a list is applied
+# in order, each isolating its matches, before byte-level mapping. llama.cpp rewrites
+# `(?i:...)` for its own regex engine; `tokenizers` takes the originals.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS: dict[str, list[str]] = {
+    **dict.fromkeys(["gpt-2", "phi-2", "roberta-bpe", "mpt", "olmo", "jais"], [_GPT2]),
+    # single digits first, then GPT-2's split (SmolLM's tokenizer.json: Digits + ByteLevel)
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"], [r"\p{N}", _GPT2]),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"], [_LLAMA3]),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"], [_QWEN2]),
+    "tekken": [_TEKKEN],
+    **dict.fromkeys(["gpt-4o", "llama4"], [_GPT4O]),
+}
+# Pre-types whose original tokenizer.json looks a whole pre-token up in the vocabulary
+# before merging (BPE ignore_merges; llama.cpp's tokenizer_ignore_merges).
+IGNORE_MERGES_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "tekken"}
+
+_SPECIAL_IDS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def build_tokenizer(meta: dict[str, Any]) -> transformers.PreTrainedTokenizerFast:
+    """The tokenizer the file's `tokenizer.*` metadata describes.
+
+    Special tokens and BOS/EOS follow transformers' GGUF conversion: bos/eos/unk/pad
+    are the tokens at the file's ids, `add_bos_token` is the file's flag (default:
+    on for SentencePiece vocabularies, off for byte-level BPE, as llama.cpp does).
+    """
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if kind == "gpt2":
+        backend = byte_level_bpe(meta, tokens)
+    elif kind == "llama":
+        backend = sentencepiece_bpe(meta, tokens)
+    else:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
+    control = add_gguf_added_tokens(backend, tokens, types, byte_level=kind == "gpt2")
+    specials = {name: tokens[meta[key]] for name, key in _SPECIAL_IDS.items() if key in meta}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        **specials,
+        additional_special_tokens=control,
+        add_bos_token=meta.get("tokenizer.ggml.add_bos_token", kind == "llama"),
+        add_eos_token=meta.get("tokenizer.ggml.add_eos_token", False),
+        chat_template=meta.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _merges(meta: dict[str, Any]) -> list[tuple[str, str]] | None:
+    merges = meta.get("tokenizer.ggml.merges")
+    return [tuple(m.split(" ", 1)) for m in merges] if merges else None
+
+
+def byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
+    """GPT-2-style byte-level BPE: split by the pre-type's regexes, map bytes to
+    printable characters, merge; decode maps back."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    # Tokens are stored already spelled in GPT-2's byte alphabet; a few files hold
+    # an added token with raw characters (e.g. a plain space), which we respell the
+    # way transformers' conversion does so the vocabulary stays consistent.
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {
+        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(tokens)
+    }
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    model = models.BPE(
+        vocab=vocab, merges=_merges(meta) or [], fuse_unk=False, ignore_merges=pre in IGNORE_MERGES_PRE
+    )
+    tok = Tokenizer(model)
+    splits = PRE_TOKENIZER_SPLITS.get(pre)
+    if splits is None:
+        # transformers falls back to plain GPT-2 splitting for unknown pre-types too.
+        log.warning("unknown GGUF pre-tokenizer %r; splitting like GPT-2", pre)
+        splits = [_GPT2]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def sentencepiece_bpe(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (Llama 1/2, Mistral v0.1...), built the way
+    transformers' LlamaTokenizer is: "▁" for spaces, byte fallback, merges
+    recovered from the token scores when the file has none."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _merges(meta)
+    if merges is None:
+        from transformers.tokenization_utils_base import generate_merges
+
+        merges = generate_merges(vocab, dict(zip(tokens, meta["tokenizer.ggml.scores"])))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+    return tok
+
+
+def add_gguf_added_tokens(tok: Tokenizer, tokens: list[str], types: list[int], byte_level: bool) -> list[str]:
+    """Make CONTROL tokens special and USER_DEFINED ones whole-matched added tokens.
+
+    Without this `<|im_start|>` would be cut into pieces. Like transformers, a byte-
+    level token marked CONTROL that is not spelled in the byte alphabet is a
+    llama.cpp mislabel and is skipped. Returns the control tokens' strings.
+    """
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if byte_level else None
+    control = [
+        t for t, kind in zip(tokens, types) if kind == CONTROL and (alphabet is None or set(t) <= alphabet)
+    ]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    vocab = tok.get_vocab()
+    user = [t for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return control

@@ -1,0 +1,216 @@
+"""The engine end to end on a tiny model: batching, chunking, preemption, n, seeds, stops, aborts.
+
+The pool's integrity check runs after every step (check_integrity=True).
+"""
+
+import asyncio
+
+import pytest
+
+from shoal import LLM, SamplingParams
+from shoal.engine.async_engine import AsyncEngine
+from shoal.types import FinishReason, GenerationRequest
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("llama")))
+
+
+def prompts(n):
+    # Mixed lengths, 2..41 tokens, all distinct.
+    return [[(7 * i + 3 * j) % 390 + 5 for j in range(2 + (i * 13) % 40)] for i in range(n)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def alone(llm, ps, params=GREEDY):
+    return [llm.generate([p], params)[0].outputs[0].token_ids for p in ps]
+
+
+def test_batch_with_chunked_prefill_gives_the_same_greedy_tokens_as_alone(model_path):
+    llm = LLM(model_path, max_num_batched_tokens=24, num_blocks=256, block_size=4, check_integrity=True)
+    ps = prompts(16)
+    batched = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
+    assert batched == alone(llm, ps)
+    assert llm.engine.pool.num_free == 256
+
+
+def test_preemption_under_a_tiny_pool_gives_uncontended_outputs_and_frees_everything(model_path):
+    big = LLM(model_path, num_blocks=512, block_size=4)
+    small = LLM(model_path, num_blocks=24, block_size=4, max_model_len=64, max_num_batched_tokens=64, check_integrity=True)
+    ps = prompts(32)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in big.generate(ps, params)]
+    got = [o.outputs[0].token_ids for o in small.generate(ps, params)]
+    assert got == want
+    assert small.engine.stats.preemptions > 0  # the pool really was too small
+    assert small.engine.pool.num_free == 24
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model_path):
+    llm = LLM(model_path, num_blocks=256, block_size=4, max_num_batched_tokens=16)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    p = prompts(3)[2]
+    solo = llm.generate([p], seeded)[0].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = llm.generate(prompts(6) + [p], [noise] * 6 + [seeded])[-1].outputs[0].token_ids
+    assert mixed == solo
+    other = llm.generate([p], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=12, ignore_eos=True))
+    assert other[0].outputs[0].token_ids != solo
+
+
+def test_n_choices_share_the_prompt_blocks_and_differ(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128, check_integrity=True)
+    p = prompts(4)[3]  # 41 tokens: the shared prefix ends mid-block
+    out = llm.generate([p], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 8 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    # With greedy, every choice equals the single greedy answer: the fork's copied
+    # partial block and shared full blocks hold the right KV.
+    g = llm.generate([p], SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert [o.token_ids for o in g.outputs] == [alone(llm, [p], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]] * 3
+    assert llm.engine.pool.num_free == 64
+
+
+def test_n_choices_seeded_are_reproducible(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    a = [o.token_ids for o in llm.generate([prompts(1)[0]], params)[0].outputs]
+    b = [o.token_ids for o in llm.generate([prompts(1)[0]], params)[0].outputs]
+    assert a == b and a[0] != a[1]
+
+
+def test_priority_runs_lower_numbers_first(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128, max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    order = []
+    eng = llm.engine
+    from shoal.types import GenerationRequest
+
+    for rid, prio in [("late", 5), ("urgent", -1), ("normal", 0)]:
+        eng.add_request(GenerationRequest(rid, (5, 6, 7), params, priority=prio))
+    while eng.has_unfinished():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert order == ["urgent", "normal", "late"]
+
+
+def test_stop_token_ids_max_tokens_and_eos_finish_reasons(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    p = prompts(2)[1]
+    free = alone(llm, [p], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    assert (out.finish_reason, len(out.token_ids)) == (FinishReason.LENGTH, 8)
+    stop_tok = free[3]
+    first = free.index(stop_tok)
+    out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.token_ids) == (FinishReason.STOP, stop_tok, free[: first + 1])
+    # min_tokens holds the stop token back until reached.
+    out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_tok], min_tokens=first + 2))[0].outputs[0]
+    assert stop_tok not in out.token_ids[: first + 2]
+
+
+def test_eos_ends_generation_unless_ignored(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    p = prompts(3)[0]
+    # Force EOS (id 0 in the tiny model) with logit_bias, then check both modes.
+    forced = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={0: 100.0})
+    out = llm.generate([p], forced)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.text) == ([0], FinishReason.STOP, "")
+    ignored = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={0: 100.0}, ignore_eos=True)
+    out = llm.generate([p], ignored)[0].outputs[0]
+    assert out.finish_reason is FinishReason.LENGTH and 0 not in out.token_ids
+    # generation_config's eos list ([0, 2]) counts too: <|im_end|> (2) stops.
+    out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=5, logit_bias={2: 100.0}))[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([2], FinishReason.STOP)
+
+
+def test_stop_string_is_trimmed_from_text(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    p = prompts(2)[0]
+    full = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason is FinishReason.STOP and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+
+
+def test_logprobs_are_reported_and_consistent(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    out = llm.generate([prompts(1)[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert lp.top[0].token_id == tok and lp.top[0].logprob == pytest.approx(lp.logprob)  # greedy = top-1
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+
+
+def test_bad_requests_are_rejected_before_they_reach_the_loop(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=64)
+    eng = llm.engine
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 400\)"):
+        eng.add_request(GenerationRequest("a", (5, 4000), GREEDY))
+    with pytest.raises(ValueError, match="prompt has 64 tokens but the context is 64"):
+        eng.add_request(GenerationRequest("b", tuple([5] * 64), GREEDY))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        eng.add_request(GenerationRequest("c", (), GREEDY))
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
+    assert not eng.has_unfinished()
+
+
+def test_context_limit_finishes_with_length(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=20)
+    out = llm.generate([[5] * 15], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert (out.finish_reason, len(out.token_ids)) == (FinishReason.LENGTH, 5)
+
+
+def test_kv_budget_too_small_for_one_sequence_refuses_to_start(model_path):
+    with pytest.raises(ValueError, match="one sequence of max_model_len=512 needs 32"):
+        LLM(model_path, num_blocks=8, block_size=16, max_model_len=512)
+
+
+def test_async_engine_streams_and_abort_frees_blocks(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    engine = AsyncEngine(llm.engine)
+
+    async def main():
+        long = GenerationRequest("long", (5, 6, 7), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        short = GenerationRequest("short", (8, 9), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        deltas = []
+
+        async def consume_short():
+            async for out in engine.generate(short):
+                deltas.append(out.outputs[0].delta_token_ids)
+            return out
+
+        async def consume_two_then_leave():
+            n = 0
+            async for _ in engine.generate(long):
+                n += 1
+                if n == 2:
+                    break  # the client goes away: the iterator's cleanup aborts
+            return n
+
+        last, n = await asyncio.gather(consume_short(), consume_two_then_leave())
+        return last, deltas, n
+
+    try:
+        last, deltas, n = asyncio.run(main())
+        assert n == 2
+        assert last.finished and len(last.outputs[0].token_ids) == 5
+        assert sum(deltas, []) == last.outputs[0].token_ids
+        for _ in range(100):  # the abort lands at the loop's next step
+            if llm.engine.pool.num_free == 64 and not llm.engine.has_unfinished():
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert llm.engine.pool.num_free == 64
+        assert llm.engine.stats.requests_aborted == 1
+    finally:
+        engine.shutdown()

@@ -1,0 +1,480 @@
+"""Sampler tests: each parameter against a hand-computed value or HF's own processor."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from shoal.runner.sampler import (
+    SamplerRow,
+    SamplingBatch,
+    no_repeat_ngram_bans,
+    process_logits,
+    sample,
+)
+from shoal.types import SamplingParams
+
+INF = float("inf")
+
+
+def row(prompt=(), output=(), eos=(), gen=None, num_logprobs=0, **params) -> SamplerRow:
+    params.setdefault("max_tokens", None)
+    return SamplerRow(
+        params=SamplingParams(**params),
+        prompt_token_ids=tuple(prompt),
+        output_token_ids=tuple(output),
+        eos_token_ids=tuple(eos),
+        generator=gen,
+        num_logprobs=num_logprobs,
+    )
+
+
+def build(rows, V) -> SamplingBatch:
+    return SamplingBatch.build(rows, V, "cpu")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def run(logits: torch.Tensor, rows) -> torch.Tensor:
+    return sample(logits, build(rows, logits.shape[-1])).token_ids
+
+
+def probs_logits(probs) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float32).log()
+
+
+def support(logits_row: torch.Tensor, n: int, seed: int = 0, **params) -> torch.Tensor:
+    """Draw n tokens from one row's distribution (n identical rows, one global-RNG call)."""
+    torch.manual_seed(seed)
+    logits = logits_row.expand(n, -1).contiguous()
+    return run(logits, [row(**params)] * n)
+
+
+def hf_chain(logits_row: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0):
+    """HF's warpers in `generate`'s order, each added only when its param is active (like HF)."""
+    x = logits_row.unsqueeze(0)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    if temperature != 1.0:
+        x = TemperatureLogitsWarper(float(temperature))(ids, x)
+    if top_k:
+        x = TopKLogitsWarper(top_k)(ids, x)
+    if top_p < 1.0:
+        x = TopPLogitsWarper(top_p)(ids, x)
+    if min_p > 0.0:
+        x = MinPLogitsWarper(min_p)(ids, x)
+    if typical_p < 1.0:
+        x = TypicalLogitsWarper(typical_p)(ids, x)
+    return x.squeeze(0)
+
+
+# ---------------------------------------------------------------- greedy and the fast path
+
+
+def test_greedy_is_argmax_and_all_greedy_batch_skips_every_stage():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    b = build([row(temperature=0.0)] * 5, 50)
+    assert b.all_greedy and not b.any_processor
+    assert b.temperature is None and b.top_k is None and b.top_p_rm is None and b.num_top_logprobs == 0
+    assert torch.equal(sample(logits, b).token_ids, logits.argmax(-1))
+
+
+def test_top_k_1_equals_greedy():
+    torch.manual_seed(1)
+    logits = torch.randn(64, 100) * 3
+    tok = run(logits, [row(temperature=1.5, top_k=1)] * 64)
+    assert torch.equal(tok, logits.argmax(-1))
+
+
+def test_greedy_applies_penalties_bias_and_bans():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
+    assert run(logits, [row(temperature=0.0, logit_bias={0: -10.0})]).item() == 1
+    assert run(logits, [row(temperature=0.0, eos=(0,), ignore_eos=True)]).item() == 1
+    assert run(logits, [row(temperature=0.0, output=(0, 0), frequency_penalty=2.0)]).item() == 1
+
+
+def test_input_logits_are_not_modified():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 20)
+    before = logits.clone()
+    rows = [
+        row(temperature=0.0, logit_bias={1: 5.0}, eos=(2,), ignore_eos=True),
+        row(temperature=0.7, top_p=0.5, repetition_penalty=1.3, prompt=(1, 2, 3)),
+        row(temperature=1.0, min_p=0.1, frequency_penalty=0.5, output=(4, 4)),
+    ]
+    sample(logits, build(rows, 20))
+    assert torch.equal(logits, before)
+
+
+# ---------------------------------------------------------------- warpers vs HF
+
+
+WARPER_ROWS = [
+    dict(temperature=0.7),
+    dict(temperature=1.0, top_k=5),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=0.9, top_k=20, top_p=0.6),
+    dict(temperature=1.0, min_p=0.05),
+    dict(temperature=1.0, typical_p=0.5),
+    dict(temperature=0.5, top_k=40, top_p=0.9, min_p=0.02, typical_p=0.8),
+    dict(temperature=2.0),
+]
+
+
+@pytest.mark.parametrize("spec", WARPER_ROWS)
+def test_warpers_match_hf_per_row(spec):
+    """Each warper (and their composition) gives HF's processed logits exactly, row by row."""
+    torch.manual_seed(3)
+    V = 200
+    logits = torch.randn(4, V) * 2
+    processed = process_logits(logits, build([row(**spec)] * 4, V))
+    for i in range(4):
+        torch.testing.assert_close(processed[i], hf_chain(logits[i], **spec), rtol=0, atol=0)
+
+
+def test_warpers_match_hf_in_a_mixed_batch():
+    """Per-row parameters in one batch: each row still gets exactly HF's result for its own params."""
+    torch.manual_seed(4)
+    V = 300
+    logits = torch.randn(len(WARPER_ROWS) + 1, V) * 2
+    rows = [row(**spec) for spec in WARPER_ROWS] + [row(temperature=0.0)]
+    processed = process_logits(logits, build(rows, V))
+    for i, spec in enumerate(WARPER_ROWS):
+        torch.testing.assert_close(processed[i], hf_chain(logits[i], **spec), rtol=0, atol=0)
+    assert torch.equal(processed[-1], logits[-1])  # greedy row: no warpers
+
+
+def test_top_k_alone_matches_hf_with_k_off_rows():
+    """The topk path (no top-p in the batch): per-row k, k=0 rows untouched, ties with the k-th kept."""
+    torch.manual_seed(5)
+    V = 100
+    logits = torch.randn(4, V)
+    logits[1, :10] = 7.0  # ten-way tie at the top: top_k=3 keeps all ten
+    ks = [3, 3, 0, 50]
+    processed = process_logits(logits, build([row(top_k=k) for k in ks], V))
+    for i, k in enumerate(ks):
+        torch.testing.assert_close(processed[i], hf_chain(logits[i], top_k=k), rtol=0, atol=0)
+    assert (processed[1] > -INF).sum() == 10
+    assert torch.equal(processed[2], logits[2])
+
+
+def test_temperature_matches_hf_and_sharpens():
+    torch.manual_seed(6)
+    logits = torch.randn(2, 30)
+    processed = process_logits(logits, build([row(temperature=0.25), row(temperature=4.0)], 30))
+    torch.testing.assert_close(processed[0], TemperatureLogitsWarper(0.25)(None, logits[:1])[0], rtol=0, atol=0)
+    torch.testing.assert_close(processed[1], TemperatureLogitsWarper(4.0)(None, logits[1:])[0], rtol=0, atol=0)
+
+
+def test_top_p_removes_exactly_the_tail():
+    logits = probs_logits([0.5, 0.3, 0.15, 0.05])
+    # top_p = 0.75: {0.5, 0.3} is the smallest head reaching 0.75
+    toks = support(logits, 4000, top_p=0.75)
+    assert set(toks.tolist()) == {0, 1}
+    toks = support(logits, 4000, top_p=0.9)
+    assert set(toks.tolist()) == {0, 1, 2}
+
+
+def test_min_p_removes_exactly_the_tail():
+    logits = probs_logits([0.5, 0.3, 0.15, 0.05])
+    # threshold 0.2 * 0.5 = 0.1: drops only 0.05
+    assert set(support(logits, 4000, min_p=0.2).tolist()) == {0, 1, 2}
+    # threshold 0.5 * 0.5 = 0.25: keeps 0.5 and 0.3
+    assert set(support(logits, 4000, min_p=0.5).tolist()) == {0, 1}
+
+
+def test_top_k_removes_exactly_the_tail():
+    logits = probs_logits([0.1, 0.4, 0.2, 0.3])
+    assert set(support(logits, 4000, top_k=2).tolist()) == {1, 3}
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
+def test_typical_p_matches_hf(mass):
+    torch.manual_seed(7)
+    V = 500
+    logits = torch.randn(3, V) * 3
+    processed = process_logits(logits, build([row(typical_p=mass)] * 3, V))
+    expected = TypicalLogitsWarper(mass)(None, logits)
+    torch.testing.assert_close(processed, expected, rtol=0, atol=0)
+    # and it restricts sampling to the kept set
+    kept = set(torch.nonzero(processed[0] > -INF).flatten().tolist())
+    assert set(support(logits[0], 2000, typical_p=mass).tolist()) <= kept
+
+
+def test_typical_p_can_drop_the_most_likely_token():
+    # p = [0.3, 0.07 x 10]: entropy H = 2.22 nats; |-ln 0.3 - H| = 1.02 but |-ln 0.07 - H| = 0.44, so
+    # the ten 0.07 tokens are the typical ones and mass 0.3 keeps them (all tied) and drops the spike.
+    logits = probs_logits([0.3] + [0.07] * 10)
+    processed = process_logits(logits[None], build([row(typical_p=0.3)], 11))[0]
+    assert processed[0] == -INF  # the atypically likely token is gone
+    assert (processed[1:] > -INF).all()
+    torch.testing.assert_close(processed, TypicalLogitsWarper(0.3)(None, logits[None])[0], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- penalties, bias, bans
+
+
+def test_repetition_penalty_matches_hf():
+    torch.manual_seed(8)
+    V = 40
+    logits = torch.randn(3, V) * 2  # both signs
+    prompts = [(1, 2, 3, 3, 9), (5, 6), (7,)]
+    outputs = [(4, 1), (6, 30, 31), ()]
+    pens = [1.3, 0.7, 1.0]
+    rows = [row(prompt=p, output=o, repetition_penalty=r) for p, o, r in zip(prompts, outputs, pens)]
+    processed = process_logits(logits, build(rows, V))
+    for i in range(3):
+        ids = torch.tensor([prompts[i] + outputs[i]])
+        expected = RepetitionPenaltyLogitsProcessor(pens[i])(ids, logits[i : i + 1])[0]
+        torch.testing.assert_close(processed[i], expected, rtol=0, atol=0)
+    assert not torch.equal(processed[0], logits[0]) and not torch.equal(processed[1], logits[1])
+    assert torch.equal(processed[2], logits[2])
+
+
+def test_presence_and_frequency_exact_amounts():
+    V = 10
+    logits = torch.zeros(2, V)
+    rows = [
+        row(prompt=(7, 7, 8), output=(1, 1, 1, 2), presence_penalty=0.5, frequency_penalty=0.25),
+        row(prompt=(1,), output=(3,), presence_penalty=-1.0),
+    ]
+    processed = process_logits(logits, build(rows, V))
+    exp0 = torch.zeros(V)
+    exp0[1] = -(0.5 + 3 * 0.25)
+    exp0[2] = -(0.5 + 1 * 0.25)  # prompt tokens 7, 8 are not penalized (OpenAI: output only)
+    exp1 = torch.zeros(V)
+    exp1[3] = 1.0
+    torch.testing.assert_close(processed[0], exp0, rtol=0, atol=0)
+    torch.testing.assert_close(processed[1], exp1, rtol=0, atol=0)
+
+
+def test_logit_bias_added_bans_and_forces():
+    V = 8
+    torch.manual_seed(9)
+    logits = torch.randn(1, V)
+    processed = process_logits(logits, build([row(logit_bias={2: 1.5, 5: -0.25, 99: 3.0})], V))
+    expected = logits.clone()
+    expected[0, 2] += 1.5
+    expected[0, 5] -= 0.25  # id 99 is outside the vocab: ignored
+    torch.testing.assert_close(processed, expected, rtol=0, atol=0)
+
+    peaked = probs_logits([0.97, 0.01, 0.01, 0.01])
+    # a large negative bias bans the dominant token, under sampling and greedy
+    assert 0 not in set(support(peaked, 2000, logit_bias={0: -100.0}).tolist())
+    assert run(peaked[None], [row(temperature=0.0, logit_bias={0: -100.0})]).item() != 0
+    # a large positive bias forces a token
+    assert set(support(peaked, 2000, logit_bias={3: 100.0}).tolist()) == {3}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_no_repeat_ngram_matches_hf(n):
+    V = 12
+    torch.manual_seed(10)
+    prompt = (1, 2, 3, 1, 2)
+    output = (4, 1, 2, 3, 1, 2)
+    logits = torch.randn(1, V)
+    processed = process_logits(logits, build([row(prompt=prompt, output=output, no_repeat_ngram_size=n)], V))
+    expected = NoRepeatNGramLogitsProcessor(n)(torch.tensor([prompt + output]), logits)
+    torch.testing.assert_close(processed, expected, rtol=0, atol=0)
+    assert (processed == -INF).any()
+
+
+def test_no_repeat_ngram_helper_matches_hf_on_random_sequences():
+    g = gen(11)
+    V = 6
+    for _ in range(200):
+        L = int(torch.randint(0, 25, (1,), generator=g))
+        n = int(torch.randint(1, 5, (1,), generator=g))
+        toks = torch.randint(0, V, (1, L), generator=g)
+        scores = torch.zeros(1, V)
+        hf = NoRepeatNGramLogitsProcessor(n)(toks, scores)[0]
+        ours = torch.zeros(V)
+        ours[no_repeat_ngram_bans(toks[0].tolist(), n)] = -INF
+        assert torch.equal(hf, ours), (toks, n)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    V = 8
+    logits = torch.tensor([[0.0, 1.0, 9.0, 0.0, 0.0, 8.0, 0.0, 0.0]])  # EOS=2 best, stop id 5 next
+    for out_len in range(5):
+        output = (1,) * out_len
+        r = row(temperature=0.0, output=output, eos=(2, 7), min_tokens=3, stop_token_ids=(5,))
+        processed = process_logits(logits, build([r], V))[0]
+        tok = run(logits, [r]).item()
+        if out_len < 3:
+            assert processed[2] == processed[7] == processed[5] == -INF
+            assert tok == 1
+        else:
+            assert torch.equal(processed, logits[0])
+            assert tok == 2
+    # sampled rows too
+    assert set(support(logits[0], 1000, output=(), eos=(2,), min_tokens=1, stop_token_ids=(5,)).tolist()) >= {1}
+    assert not {2, 5} & set(support(logits[0], 1000, output=(), eos=(2,), min_tokens=1, stop_token_ids=(5,)).tolist())
+
+
+def test_ignore_eos_bans_eos_but_not_stop_ids():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 0.0, 0.0, 8.0]])
+    r = row(temperature=0.0, eos=(2,), ignore_eos=True, stop_token_ids=(5,), output=(1,) * 50)
+    processed = process_logits(logits, build([r], 6))[0]
+    assert processed[2] == -INF and processed[5] == 8.0
+    assert run(logits, [r]).item() == 5
+    assert 2 not in set(support(logits[0], 1000, eos=(2,), ignore_eos=True).tolist())
+    # without ignore_eos EOS is picked
+    assert run(logits, [row(temperature=0.0, eos=(2,))]).item() == 2
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_seeded_row_same_alone_and_in_batch():
+    torch.manual_seed(12)
+    V = 1000
+    steps = 5
+    logits = torch.randn(steps, 6, V) * 2
+    spec = dict(temperature=0.8, top_p=0.95)
+    # alone
+    g = gen(1234)
+    alone = [run(logits[s, 2:3], [row(gen=g, **spec)]).item() for s in range(steps)]
+    # in a batch with an unseeded row, a greedy row, another seeded row and different params
+    g = gen(1234)
+    g_other = gen(99)
+    batched = []
+    for s in range(steps):
+        rows = [
+            row(temperature=1.0),
+            row(temperature=0.0),
+            row(gen=g, **spec),
+            row(gen=g_other, temperature=1.2, top_k=10),
+            row(temperature=0.5, min_p=0.1, repetition_penalty=1.2, prompt=(1, 2)),
+            row(temperature=1.0, typical_p=0.7),
+        ]
+        batched.append(run(logits[s], rows)[2].item())
+    assert alone == batched
+    # and it is exactly the documented recipe: argmax(probs / q), q = empty(V).exponential_(generator)
+    g = gen(1234)
+    manual = []
+    for s in range(steps):
+        probs = process_logits(logits[s, 2:3], build([row(**spec)], V)).softmax(-1)[0]
+        q = torch.empty(V).exponential_(generator=g)
+        manual.append((probs / q).argmax().item())
+    assert manual == alone
+    # different seed -> (almost surely) a different sequence over 5 steps of a near-flat distribution
+    g = gen(4321)
+    other = [run(logits[s, 2:3], [row(gen=g, **spec)]).item() for s in range(steps)]
+    assert other != alone
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum().item()
+    exp = probs * n
+    return float(((counts - exp) ** 2 / exp).sum())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_sampling_frequencies_match_probabilities(temperature):
+    p = torch.tensor([0.4, 0.3, 0.2, 0.07, 0.03])
+    n = 50_000
+    toks = support(p.log(), n, seed=13, temperature=temperature)
+    counts = torch.bincount(toks, minlength=5).float()
+    target = (p.log() / temperature).softmax(-1)
+    # df = 4: P(chi2 > 40) ~ 4e-8; a sampler that ignored temperature scores in the thousands
+    assert _chi2(counts, target) < 40.0
+    if temperature != 1.0:
+        assert _chi2(counts, p) > 200.0
+
+
+def test_seeded_generator_sampling_frequencies():
+    """Seeded rows (per-row generator path) sample from the right distribution too."""
+    p = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    g = gen(14)
+    n = 4000
+    logits = p.log().expand(n, -1).contiguous()
+    rows = [row(gen=g)] * n  # same generator for every row: n draws in sequence
+    counts = torch.bincount(run(logits, rows), minlength=4).float()
+    assert _chi2(counts, p) < 40.0
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_log_softmax_and_top_k_sorted():
+    torch.manual_seed(15)
+    V = 64
+    logits = torch.randn(4, V) * 2
+    rows = [
+        row(temperature=0.0, num_logprobs=3, logit_bias={0: 50.0}),  # bias changes the pick, not the logprob
+        row(temperature=0.3, top_p=0.5, num_logprobs=5, gen=gen(1)),
+        row(temperature=1.0, num_logprobs=0),
+        row(temperature=0.0, repetition_penalty=2.0, prompt=tuple(range(V)), num_logprobs=1),
+    ]
+    out = sample(logits, build(rows, V))
+    ref = logits.log_softmax(-1)
+    assert out.token_ids[0].item() == 0
+    torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None])[:, 0])
+    assert out.top_ids.shape == out.top_logprobs.shape == (4, 5)  # K = max in batch
+    ref_vals, ref_ids = ref.topk(5, dim=-1)
+    assert torch.equal(out.top_ids, ref_ids)
+    torch.testing.assert_close(out.top_logprobs, ref_vals)
+    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
+    assert out.token_ids.dtype == torch.int64 and out.logprobs.dtype == torch.float32
+
+
+def test_no_top_logprobs_when_nobody_asks():
+    out = sample(torch.randn(2, 10), build([row(), row(temperature=0.0)], 10))
+    assert out.top_ids is None and out.top_logprobs is None
+    assert out.logprobs.shape == (2,) and torch.isfinite(out.logprobs).all()
+
+
+# ---------------------------------------------------------------- mixed batch
+
+
+def test_mixed_batch_rows_equal_rows_alone():
+    torch.manual_seed(16)
+    V = 500
+    logits = torch.randn(8, V) * 2
+    specs = [
+        dict(temperature=0.0),
+        dict(temperature=0.0, repetition_penalty=1.5, prompt=(1, 2, 3), output=(4,)),
+        dict(temperature=0.7, top_p=0.9, seed_=1),
+        dict(temperature=1.0, top_k=5, seed_=2),
+        dict(temperature=1.2, min_p=0.05, presence_penalty=1.0, output=(3, 3), seed_=3),
+        dict(temperature=1.0, typical_p=0.6, seed_=4),
+        dict(temperature=0.9, no_repeat_ngram_size=2, prompt=(5, 6, 5), logit_bias={7: 2.0}, seed_=5),
+        dict(temperature=0.0, eos=(9,), min_tokens=2, top_k=1),
+    ]
+
+    def rows_for(idx):
+        out = []
+        for i in idx:
+            s = dict(specs[i])
+            seed = s.pop("seed_", None)
+            out.append(row(gen=gen(seed) if seed is not None else None, **s))
+        return out
+
+    all_idx = list(range(len(specs)))
+    together = sample(logits, build(rows_for(all_idx), V))
+    proc_together = process_logits(logits, build(rows_for(all_idx), V))
+    for i in all_idx:
+        alone = sample(logits[i : i + 1], build(rows_for([i]), V))
+        assert together.token_ids[i] == alone.token_ids[0], i
+        torch.testing.assert_close(together.logprobs[i], alone.logprobs[0], rtol=0, atol=0)
+        torch.testing.assert_close(
+            proc_together[i], process_logits(logits[i : i + 1], build(rows_for([i]), V))[0], rtol=0, atol=0
+        )
+    # the greedy rows are argmaxes of their processed logits
+    for i in (0, 1, 7):
+        assert together.token_ids[i] == proc_together[i].argmax()
+    assert math.isinf(proc_together[7, 9].item())
