@@ -69,7 +69,7 @@ def test_chunked_prefill_and_batched_decode_match_transformers(tiny):
 
 def test_greedy_generation_matches_transformers_generate(tiny):
     arch, path, hf = tiny
-    llm = LLM(str(path), num_blocks=64, block_size=4, max_num_batched_tokens=8, check_integrity=True)
+    llm = LLM(str(path), num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=8, check_integrity=True)
     prompts = [[5, 17, 99, 23, 8, 200, 150, 3, 44, 61, 77], [9, 41], [300, 301, 2, 7, 7, 7]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate(prompts, params)
