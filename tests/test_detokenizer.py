@@ -259,6 +259,13 @@ def test_fork_is_independent(tok):
     assert e.take_delta(finished=True) == "Hello 🙂 Wonder"
 
 
+def test_accepts_numpy_scalar_ids(tok):
+    np = pytest.importorskip("numpy")
+    ids = encode(tok, "Hello 🙂 world")
+    deltas, _, _ = stream(tok, [np.int64(i) for i in ids], np.array(encode(tok, CHAT_PROMPT)))
+    assert "".join(deltas) == "Hello 🙂 world"
+
+
 def test_random_ids_and_stops_match_bruteforce(tok):
     """Random token ids (invalid UTF-8 included) and stops: same as decoding all at once."""
     rng = random.Random(0)
@@ -286,7 +293,9 @@ def test_random_ids_and_stops_match_bruteforce(tok):
             skip_special_tokens=skip,
         )
         assert "".join(deltas) == d.text == expected, (trial, ids, stops)
-        assert (match is None) == (best is None) or d.stop_match is not None
+        # (A stop can complete only at the finish flush, so look at stop_match.)
+        assert (d.stop_match is None) == (best is None)
+        assert best is None or d.stop_match.stop == best[2]
 
 
 # ------------------------------------------------------------ SentencePiece-style

@@ -214,3 +214,33 @@ def test_async_engine_streams_and_abort_frees_blocks(model_path):
         assert llm.engine.stats.requests_aborted == 1
     finally:
         engine.shutdown()
+
+
+def test_beam_search_matches_transformers(model_path):
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    llm = LLM(model_path, num_blocks=128, block_size=4, max_model_len=128, max_num_batched_tokens=16, check_integrity=True)
+    for p in prompts(3):
+        params = SamplingParams(num_beams=3, n=2, max_tokens=8, ignore_eos=True, temperature=0.0)
+        out = llm.generate([p], params)[0]
+        ref = hf.generate(
+            torch.tensor([p]), num_beams=3, num_return_sequences=2, max_new_tokens=8, do_sample=False,
+            eos_token_id=None, pad_token_id=0, early_stopping=False, length_penalty=1.0,
+        )[:, len(p):].tolist()
+        assert [o.token_ids for o in out.outputs] == ref
+        assert all(o.finish_reason is FinishReason.LENGTH for o in out.outputs)
+    assert llm.engine.pool.num_free == 128
+
+
+def test_beam_search_ends_hypotheses_at_a_stop_token(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    p = prompts(1)[0]
+    first = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0].outputs[0].token_ids[0]
+    # The best first token ends a hypothesis at once; with length_penalty 0 (raw sums
+    # of negative logprobs) no longer hypothesis can beat it.
+    params = SamplingParams(num_beams=2, max_tokens=6, stop_token_ids=[first], length_penalty=0.0, ignore_eos=True)
+    out = llm.generate([p], params)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([first], FinishReason.STOP)
+    assert llm.engine.pool.num_free == 64

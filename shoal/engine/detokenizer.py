@@ -124,6 +124,7 @@ class IncrementalDetokenizer:
         looking for stop strings in it. Once a stop string matched (or the
         sequence was finished by `take_delta(finished=True)`) tokens are ignored.
         """
+        token_id = int(token_id)  # numpy/torch scalars would be taken for a list
         if self._stop_match is not None or self._flushed or token_id in self._skip_ids:
             return None
         token = self._id_to_token(token_id)

