@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(VPY) -m shoal.cli serve
+	$(VPY) -m shoal.cli repl
 
 test: setup
 	$(VPY) -m pytest -q

@@ -54,10 +54,7 @@ class LLM:
         return self._run(token_lists, params, None, use_tqdm, texts=[None] * len(token_lists))
 
     def apply_chat_template(self, messages: Sequence[Message], **kwargs: Any) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True, **kwargs)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return apply_chat_template(self.tokenizer, messages, **kwargs)
 
     # ------------------------------------------------------------ internals
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -89,6 +86,14 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[r] for r in order]
+
+
+def apply_chat_template(tokenizer, messages: Sequence[Message], **kwargs: Any) -> list[int]:
+    """Render `messages` with the model's template, ready for the assistant's turn, as token ids."""
+    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True, **kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def _progress(total: int):

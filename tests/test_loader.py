@@ -1,0 +1,408 @@
+"""The model loader against its references.
+
+* GGUF: tiny models converted by these tests the way llama.cpp's converter does
+  (gguf's own HF->GGUF tensor-name map, its q/k row permutation, gguf.quants
+  quantization) must load back to the bytes written, and near the original
+  weights; the real default GGUF must load to what transformers loads from it,
+  tensor for tensor and token for token.
+* HF folders: every architecture of tests/tiny_models.py loads to exactly the
+  saved tensors, sharded or not, with the right stop tokens and sampling defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from shoal.model.gguf_loader import unpermute_qk
+from shoal.model.loader import load_checkpoint, resolve_model_path, template_end_of_turn_id
+from tiny_models import ARCHS, make_tiny_model
+
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  two leading spaces",
+    " one leading space",
+    "trailing spaces   ",
+    "def add(x, y):\n    return x + y  # sum\n\n\n\tindented",
+    "Numbers: 0 7 42 1234567 3.14159 -2e10 1,000,000",
+    "naïve café, Ελληνικά, русский, 日本語のテキスト, عربى",
+    "emoji 🙂👍🏽 🇫🇷 👨‍👩‍👧 ✨",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n",
+    "it's they're I'LL we'd",
+    "\n\n\r\n \t mixed whitespace",
+    "",
+]
+
+# ---------------------------------------------------------------- writing GGUFs like llama.cpp
+
+
+def llamacpp_permute(w: np.ndarray | torch.Tensor, n_head: int):
+    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim (n_head already the
+    tensor's own head count)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# Byte offsets of the float16 scales inside one block of the K-quants, which
+# gguf.quants cannot quantize to: we write random blocks with sane scales instead.
+K_QUANT_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def encode(values: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """The bytes (or floats) a GGUF stores for `values` as `qtype`."""
+    if qtype not in K_QUANT_SCALES:
+        return gguf.quants.quantize(values, qtype)
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(values.size // block_elems, block_bytes), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[qtype]:
+        scales = rng.uniform(1e-3, 1e-2, size=len(blocks)).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(values.shape[0], -1)
+
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def write_gguf(folder, out, arch: str, types: dict[str, Q], seed: int = 0) -> dict[str, tuple[str, np.ndarray]]:
+    """Convert the tiny HF model in `folder` to a GGUF file `out`, as llama.cpp would.
+
+    `types` picks the storage type per llama.cpp tensor kind ("attn_q", ...); 1-D
+    tensors stay F32 as in llama.cpp. Returns {hf name: (gguf name, the values the
+    file holds, dequantized with gguf.quants)}.
+    """
+    rng = np.random.default_rng(seed)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    gguf_arch = GGUF_ARCH[arch]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf_arch.upper()], config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(out), gguf_arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if gguf_arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    write_vocab(writer, folder)
+
+    held = {}
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for hf_name, tensor in load_file(folder / "model.safetensors").items():
+        base, suffix = hf_name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        values = tensor.float().numpy()
+        proj = base.rsplit(".", 1)[-1]
+        if gguf_arch == "llama" and proj in heads:
+            values = llamacpp_permute(values, heads[proj])
+        kind = gguf_name.split(".")[-2]  # blk.0.attn_q.weight -> attn_q
+        qtype = types.get(kind, Q.F32) if values.ndim == 2 else Q.F32
+        stored = encode(values, qtype, rng)
+        writer.add_tensor(gguf_name, stored, raw_dtype=qtype)
+        held[hf_name] = (gguf_name, gguf.quants.dequantize(stored, qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def write_vocab(writer: gguf.GGUFWriter, folder) -> None:
+    """Byte-level BPE vocabulary, as convert_hf_to_gguf's _set_vocab_gpt2 writes it:
+    tokens by id, special added tokens as CONTROL, merges/special ids/chat template
+    via gguf.SpecialVocab."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # tiny_models' tokenizer splits like GPT-2
+    writer.add_token_list([by_id[i] for i in range(len(by_id))])
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(by_id))])
+    gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer, quiet=True)
+
+
+# Storage types for the tiny models (all row lengths are multiples of 32).
+MIXED_TYPES = {
+    "token_embd": Q.Q8_0,
+    "attn_q": Q.Q4_0,
+    "attn_k": Q.Q8_0,
+    "attn_v": Q.Q4_1,
+    "attn_output": Q.F16,
+    "ffn_gate": Q.Q5_0,
+    "ffn_up": Q.BF16,
+    "ffn_down": Q.Q5_1,
+    "output": Q.F16,
+}
+
+
+def as_stored(arch: str, hf_name: str, weight: torch.Tensor, config) -> np.ndarray:
+    """Our HF-layout weight put back into the file's layout (llama.cpp's permutation)."""
+    proj = hf_name.split(".")[-2]
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    if GGUF_ARCH[arch] == "llama" and proj in heads:
+        return llamacpp_permute(weight.numpy(), heads[proj])
+    return weight.numpy()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_tiny_gguf_loads_the_written_weights_config_and_tokenizer(arch, tmp_path):
+    folder = make_tiny_model(arch, tmp_path / "hf")
+    held = write_gguf(folder, tmp_path / "tiny.gguf", arch, MIXED_TYPES)
+    ckpt = load_checkpoint(tmp_path / "tiny.gguf", progress=False)
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    original = load_file(folder / "model.safetensors")
+
+    assert ckpt.format == "gguf"
+    assert set(ckpt.state_dict) == set(original)  # incl. lm_head exactly when untied
+    for name, weight in ckpt.state_dict.items():
+        gguf_name, stored = held[name]
+        assert weight.dtype == torch.float32 and weight.shape == original[name].shape, name
+        # Exactly the file's values, un-permuted; F32 tensors exactly the original.
+        np.testing.assert_array_equal(as_stored(arch, name, weight, hf_config), stored, err_msg=gguf_name)
+        if weight.ndim == 1:
+            assert torch.equal(weight, original[name]), name
+        # Near the original in HF layout: a wrong un-permutation would be far off.
+        err = (weight - original[name]).abs().max()
+        assert err <= original[name].abs().max() / 8, (name, float(err))
+
+    config = ckpt.hf_config
+    # llama.cpp writes Mistral as arch "llama", which runs it the same way.
+    assert config.architectures == [{"mistral": "LlamaForCausalLM"}.get(arch, ARCHS[arch][1])]
+    assert config.model_type == {"mistral": "llama"}.get(arch, arch)
+    for attr in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
+    ):
+        assert getattr(config, attr) == getattr(hf_config, attr), attr
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    assert config.head_dim == head_dim
+    assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps, rel=1e-6)  # stored as float32
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": hf_config.rope_parameters["rope_theta"]}
+
+    # The tokenizer rebuilt from the file tokenizes like the tokenizer.json it came from.
+    source = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for text in TEXTS:
+        ids = ckpt.tokenizer(text).input_ids
+        assert ids == source.encode(text).ids, text
+        assert ckpt.tokenizer.decode(ids) == source.decode(ids, skip_special_tokens=False) == text
+    assert ckpt.tokenizer.chat_template == transformers.AutoTokenizer.from_pretrained(folder).chat_template
+    assert ckpt.tokenizer.eos_token == "<|endoftext|>"
+    # eos 0 from the file, <|im_end|> (2) from the chat template; GGUF has no generation config.
+    assert ckpt.eos_token_ids == (0, 2)
+    assert ckpt.generation_defaults == {}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_tiny_llama_gguf_matches_transformers_gguf_loading(arch, tmp_path):
+    """A second reference for llama-arch files: transformers' own GGUF loader
+    (which reverses the same permutation) on the same file."""
+    pytest.importorskip("accelerate")
+    folder = make_tiny_model(arch, tmp_path / "hf")
+    write_gguf(folder, tmp_path / "tiny.gguf", arch, MIXED_TYPES)
+    ours = load_checkpoint(tmp_path / "tiny.gguf", progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    reference = model.state_dict()
+    for name, weight in ours.state_dict.items():
+        assert torch.equal(weight, reference[name]), name
+    reference_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    for text in TEXTS:
+        assert ours.tokenizer(text).input_ids == reference_tokenizer(text).input_ids, text
+
+
+def test_gguf_k_quants_dequantize_like_gguf(tmp_path):
+    """Q4_K/Q5_K/Q6_K (256-wide blocks), through the same path, incl. un-permuted q/k."""
+    folder = make_tiny_model("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512)
+    types = {"token_embd": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K,
+             "attn_output": Q.Q4_K, "ffn_gate": Q.Q5_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K}
+    held = write_gguf(folder, tmp_path / "k.gguf", "llama", types)
+    ckpt = load_checkpoint(tmp_path / "k.gguf", progress=False)
+    for name, weight in ckpt.state_dict.items():
+        gguf_name, stored = held[name]
+        np.testing.assert_array_equal(as_stored("llama", name, weight, ckpt.hf_config), stored, err_msg=gguf_name)
+    assert np.abs(held["model.layers.0.self_attn.q_proj.weight"][1]).max() > 0  # the blocks are not empty
+
+
+def test_gguf_bfloat16_dtype(tmp_path):
+    folder = make_tiny_model("qwen3", tmp_path / "hf")
+    held = write_gguf(folder, tmp_path / "tiny.gguf", "qwen3", MIXED_TYPES)
+    ckpt = load_checkpoint(tmp_path / "tiny.gguf", dtype=torch.bfloat16, progress=False)
+    for name, weight in ckpt.state_dict.items():
+        assert weight.dtype == torch.bfloat16
+        assert torch.equal(weight, torch.from_numpy(held[name][1]).to(torch.bfloat16)), name
+
+
+def test_unpermute_qk_inverts_llamacpp_permute():
+    # 3 kv heads of dim 8 over 5 input features; and a bias of 4 heads of dim 6.
+    w = torch.randn(24, 5)
+    assert torch.equal(unpermute_qk(llamacpp_permute(w, 3), 3), w)
+    assert not torch.equal(llamacpp_permute(w, 3), w)
+    b = torch.randn(24)
+    assert torch.equal(unpermute_qk(llamacpp_permute(b, 4), 4), b)
+
+
+# ---------------------------------------------------------------- the default model
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello. 🙂"},
+        {"role": "user", "content": "Count: 1 2 3"},
+    ],
+]
+
+
+@pytest.mark.slow
+def test_default_gguf_weights_equal_transformers(default_checkpoint, hf_default_model):
+    ours, reference = default_checkpoint.state_dict, hf_default_model.state_dict()
+    assert default_checkpoint.hf_config.tie_word_embeddings
+    assert set(reference) - set(ours) == {"lm_head.weight"}  # tied: transformers lists it, we leave it out
+    for name, weight in ours.items():
+        assert weight.dtype == torch.float32
+        assert torch.equal(weight, reference[name]), name
+    ref_config, config = hf_default_model.config, default_checkpoint.hf_config
+    for attr in (
+        "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size", "rms_norm_eps",
+        "rope_parameters", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+    ):
+        assert getattr(config, attr) == getattr(ref_config, attr), attr
+    assert config.architectures == ["LlamaForCausalLM"]
+
+
+@pytest.mark.slow
+def test_default_gguf_tokenizer_equals_transformers(default_checkpoint, hf_default_tokenizer):
+    ours, reference = default_checkpoint.tokenizer, hf_default_tokenizer
+    rendered = [reference.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CHATS]
+    for text in TEXTS + rendered:
+        ids = ours(text).input_ids
+        assert ids == reference(text).input_ids, text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+        assert ours.decode(ids) == text
+    assert ours.chat_template == reference.chat_template
+    for chat in CHATS:
+        assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+            reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        )
+    for attr in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        assert getattr(ours, attr) == getattr(reference, attr), attr
+    assert len(ours) == len(reference) == 49152
+    # Like transformers (the file's add_bos_token is false), nothing is prepended.
+    assert ours("Hi").input_ids == reference("Hi").input_ids
+    assert ours.bos_token_id not in ours("Hi").input_ids
+
+
+@pytest.mark.slow
+def test_default_gguf_eos_and_alias(default_checkpoint, default_gguf_path):
+    tokenizer = default_checkpoint.tokenizer
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in default_checkpoint.eos_token_ids
+    assert template_end_of_turn_id(tokenizer) == im_end
+    assert list(default_checkpoint.eos_token_ids) == sorted(set(default_checkpoint.eos_token_ids))
+    assert resolve_model_path("smollm2") == default_gguf_path
+    assert default_checkpoint.path == default_gguf_path and default_checkpoint.format == "gguf"
+
+
+# ---------------------------------------------------------------- HF folders
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_hf_folder_loads_saved_tensors_and_stop_tokens(arch, tmp_path, caplog):
+    folder = make_tiny_model(arch, tmp_path)
+    with caplog.at_level(logging.INFO, logger="shoal.loader"):
+        ckpt = load_checkpoint(folder, progress=False)
+    saved = load_file(folder / "model.safetensors")
+    assert ckpt.format == "hf" and ckpt.path == folder.resolve()
+    assert set(ckpt.state_dict) == set(saved)
+    assert ("lm_head.weight" in saved) != ckpt.hf_config.tie_word_embeddings
+    for name, tensor in saved.items():
+        assert torch.equal(ckpt.state_dict[name], tensor), name
+    assert ckpt.hf_config.architectures == [ARCHS[arch][1]]
+    # generation_config [0, 2]; tokenizer eos 0; the template ends turns with <|im_end|> = 2.
+    assert ckpt.eos_token_ids == (0, 2)
+    assert ckpt.generation_defaults == {"temperature": 0.7}
+    assert ckpt.tokenizer.chat_template
+    assert any("loaded" in r.getMessage() and " s" in r.getMessage() for r in caplog.records)
+
+
+def test_hf_folder_sharded_and_bfloat16(tmp_path):
+    folder = make_tiny_model("qwen2", tmp_path / "one")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="50KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (sharded / name).write_bytes((folder / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+
+    whole = load_checkpoint(folder, progress=False).state_dict
+    ckpt = load_checkpoint(sharded, dtype=torch.bfloat16, progress=False)
+    assert set(ckpt.state_dict) == set(whole)
+    for name, tensor in whole.items():
+        assert torch.equal(ckpt.state_dict[name], tensor.to(torch.bfloat16)), name
+
+
+def test_hf_folder_without_model_prefix(tmp_path):
+    """Weights saved from a bare LlamaModel ("layers.0...", no "model.") load under HF's names."""
+    folder = make_tiny_model("llama", tmp_path)
+    saved = load_file(folder / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in saved.items()}, folder / "model.safetensors")
+    ckpt = load_checkpoint(folder, progress=False)
+    assert set(ckpt.state_dict) == set(saved)
+
+
+def test_qwen3_style_eos_and_end_of_turn_both_stop(tmp_path):
+    """Tokenizer eos <|endoftext|>, turns end in <|im_end|>, no eos in generation_config."""
+    folder = make_tiny_model("qwen3", tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    ckpt = load_checkpoint(folder, progress=False)
+    assert ckpt.tokenizer.eos_token == "<|endoftext|>"
+    assert template_end_of_turn_id(ckpt.tokenizer) == ckpt.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ckpt.eos_token_ids == (0, 2)
+    assert ckpt.generation_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
+def test_no_chat_template_no_generation_config(tmp_path):
+    folder = make_tiny_model("llama", tmp_path)
+    (folder / "generation_config.json").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in folder.glob("chat_template.*"):
+        extra.unlink()
+    ckpt = load_checkpoint(folder, progress=False)
+    assert template_end_of_turn_id(ckpt.tokenizer) is None
+    assert ckpt.eos_token_ids == (0,)  # the config's and the tokenizer's
+    assert ckpt.generation_defaults == {}
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_path_and_unknown_alias(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope.gguf")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "missing_folder"))
+    with pytest.raises(ValueError, match="unknown model 'smollm3'.*smollm2"):
+        resolve_model_path("smollm3")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        resolve_model_path(str(tmp_path / "weights.bin"))
+    with pytest.raises(ValueError, match="without config.json"):
+        resolve_model_path(str(tmp_path))
