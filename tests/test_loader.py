@@ -72,12 +72,12 @@ def encode(values: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def write_gguf(folder, out, arch: str, types: dict[str, Q], seed: int = 0) -> dict[str, tuple[str, np.ndarray]]:
+def write_gguf(folder, out, arch: str, types: dict[str, Q], seed: int = 0, extra=None) -> dict[str, tuple[str, np.ndarray]]:
     """Convert the tiny HF model in `folder` to a GGUF file `out`, as llama.cpp would.
 
     `types` picks the storage type per llama.cpp tensor kind ("attn_q", ...); 1-D
     tensors stay F32 as in llama.cpp. Returns {hf name: (gguf name, the values the
-    file holds, dequantized with gguf.quants)}.
+    file holds, dequantized with gguf.quants)}. `extra(writer)` may add metadata.
     """
     rng = np.random.default_rng(seed)
     config = transformers.AutoConfig.from_pretrained(folder)
@@ -98,6 +98,8 @@ def write_gguf(folder, out, arch: str, types: dict[str, Q], seed: int = 0) -> di
     if gguf_arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     write_vocab(writer, folder)
+    if extra is not None:
+        extra(writer)
 
     held = {}
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
@@ -235,6 +237,64 @@ def test_gguf_k_quants_dequantize_like_gguf(tmp_path):
     assert np.abs(held["model.layers.0.self_attn.q_proj.weight"][1]).max() > 0  # the blocks are not empty
 
 
+def test_gguf_end_of_turn_ids_and_sampling_metadata(tmp_path):
+    """llama.cpp's eot/eom ids also stop; general.sampling.* become generation defaults."""
+
+    def extra(writer):
+        writer.add_eot_token_id(1)
+        writer.add_float32("general.sampling.temp", 0.6)
+        writer.add_int32("general.sampling.top_k", 20)
+
+    folder = make_tiny_model("qwen3", tmp_path / "hf")
+    write_gguf(folder, tmp_path / "tiny.gguf", "qwen3", MIXED_TYPES, extra=extra)
+    ckpt = load_checkpoint(tmp_path / "tiny.gguf", progress=False)
+    assert ckpt.eos_token_ids == (0, 1, 2)
+    assert ckpt.generation_defaults == {"temperature": pytest.approx(0.6), "top_k": 20}
+
+
+def llamacpp_llama3_rope_factors(theta, dim, factor=8.0, low=1.0, high=4.0, old_context=8192):
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors (rope_freqs.weight)."""
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_gguf_rope_scaling_metadata(tmp_path):
+    folder = make_tiny_model("llama", tmp_path / "hf", rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    factors = llamacpp_llama3_rope_factors(500000.0, 16)
+    assert 1.0 < factors.mean() < 8.0  # some frequencies are scaled, some not
+
+    def llama3(writer):
+        writer.add_tensor("rope_freqs.weight", factors)
+
+    def yarn(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(128)
+
+    write_gguf(folder, tmp_path / "llama3.gguf", "llama", {}, extra=llama3)
+    write_gguf(folder, tmp_path / "yarn.gguf", "llama", {}, extra=yarn)
+    got = load_checkpoint(tmp_path / "llama3.gguf", progress=False)
+    assert got.hf_config.rope_parameters == {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    }
+    assert "rope_freqs.weight" not in got.state_dict
+    got = load_checkpoint(tmp_path / "yarn.gguf", progress=False)
+    assert got.hf_config.rope_parameters == {
+        "rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+    }
+
+
 def test_gguf_bfloat16_dtype(tmp_path):
     folder = make_tiny_model("qwen3", tmp_path / "hf")
     held = write_gguf(folder, tmp_path / "tiny.gguf", "qwen3", MIXED_TYPES)
@@ -242,6 +302,43 @@ def test_gguf_bfloat16_dtype(tmp_path):
     for name, weight in ckpt.state_dict.items():
         assert weight.dtype == torch.bfloat16
         assert torch.equal(weight, torch.from_numpy(held[name][1]).to(torch.bfloat16)), name
+
+
+def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
+    """A SentencePiece-style vocabulary (tokenizer.ggml.model "llama", as Llama 2 /
+    Mistral files have): scores instead of merges, byte-fallback tokens, BOS added
+    by default. Compared with transformers' conversion of the same file."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    from shoal.model.gguf_loader import GGUFFileReader, build_tokenizer, read_metadata
+    from tiny_models import _CORPUS
+
+    spm = SentencePieceBPETokenizer()
+    spm.train_from_iterator(_CORPUS * 20, vocab_size=300, show_progress=False)
+    learned = [t for t, _ in sorted(spm.get_vocab().items(), key=lambda kv: kv[1])]
+    T = gguf.TokenType
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + learned)
+    writer.add_token_types([T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * len(learned))
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(learned))])  # merge order
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = build_tokenizer(read_metadata(GGUFFileReader(tmp_path / "spm.gguf")))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    for text in TEXTS + ["Hello</s> <s>world"]:
+        ids = ours(text).input_ids
+        assert ids == reference(text).input_ids, text
+        assert ids[0] == 1  # <s>
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    assert ours.decode(ours("naïve 日本語 🙂").input_ids, skip_special_tokens=True) == "naïve 日本語 🙂"  # byte fallback
 
 
 def test_unpermute_qk_inverts_llamacpp_permute():

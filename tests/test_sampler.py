@@ -16,10 +16,14 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from shoal.runner import sampler as sampler_mod
 from shoal.runner.sampler import (
     SamplerRow,
     SamplingBatch,
+    apply_top_k_top_p,
+    apply_top_p_candidates,
     no_repeat_ngram_bans,
+    uniform_to_exponential_,
     process_logits,
     sample,
 )
@@ -169,6 +173,62 @@ def test_top_k_alone_matches_hf_with_k_off_rows():
         torch.testing.assert_close(processed[i], hf_chain(logits[i], top_k=k), rtol=0, atol=0)
     assert (processed[1] > -INF).sum() == 10
     assert torch.equal(processed[2], logits[2])
+
+
+def test_top_p_candidate_spill_matches_hf(monkeypatch):
+    """CPU top-p looks among the top candidates; rows whose nucleus spills past them redo the exact sort."""
+    torch.manual_seed(17)
+    V = 400
+    logits = torch.randn(4, V)
+    logits[0, :3] = 8.0  # peaked row: nucleus inside 16 candidates
+    specs = [dict(top_p=0.9), dict(top_p=0.9), dict(top_p=0.5, temperature=3.0), dict(temperature=0.8)]
+    monkeypatch.setattr(sampler_mod, "TOP_P_CANDIDATES", 16)
+    processed = process_logits(logits, build([row(**sp) for sp in specs], V))
+    for i, sp in enumerate(specs):
+        torch.testing.assert_close(processed[i], hf_chain(logits[i], **sp), rtol=0, atol=0)
+    assert (processed[0] > -INF).sum() <= 16 and (processed[1] > -INF).sum() > 16  # both paths taken
+
+
+def test_sorted_top_k_top_p_matches_hf():
+    """The one-sort path used on accelerators (here called directly on CPU tensors)."""
+    torch.manual_seed(18)
+    V = 300
+    logits = torch.randn(4, V) * 2
+    ks, ps = [10, V, 50, V], [0.8, 0.6, 1.0, 1.0]  # k == V: top-k off; p == 1: top-p off
+    out = apply_top_k_top_p(
+        logits,
+        torch.tensor(ks)[:, None],
+        torch.tensor([1.0 - p for p in ps])[:, None],
+        torch.tensor([p < 1.0 for p in ps])[:, None],
+    )
+    for i in range(4):
+        expected = hf_chain(logits[i], top_k=ks[i] if ks[i] < V else 0, top_p=ps[i])
+        torch.testing.assert_close(out[i], expected, rtol=0, atol=0)
+    # and the candidate path agrees with it on the same rows (top-k applied first)
+    masked = apply_top_k_top_p(logits, torch.tensor(ks)[:, None], None, None)
+    cand = apply_top_p_candidates(
+        masked,
+        torch.tensor(ps)[:, None],
+        torch.tensor([1.0 - p for p in ps])[:, None],
+        torch.tensor([p < 1.0 for p in ps])[:, None],
+        num_candidates=64,
+    )
+    torch.testing.assert_close(cand, out, rtol=0, atol=0)
+
+
+def test_noise_is_finite_and_positive_even_for_u_zero():
+    """q = 0 would make p / q NaN for masked tokens, q = inf would zero a lone survivor."""
+    q = uniform_to_exponential_(torch.tensor([0.0, 1e-30, 0.5, 1.0 - 2**-24]))
+    assert torch.isfinite(q).all() and (q > 0).all()
+    torch.testing.assert_close(q[2], torch.tensor(math.log(2.0)))
+
+
+def test_lone_surviving_token_always_wins():
+    """top_p tiny leaves one token; the noise never lets a masked token through."""
+    torch.manual_seed(19)
+    logits = torch.randn(1, 1000)
+    toks = support(logits[0], 5000, top_p=0.01, temperature=1.0)
+    assert set(toks.tolist()) == {logits.argmax().item()}
 
 
 def test_temperature_matches_hf_and_sharpens():
@@ -363,12 +423,12 @@ def test_seeded_row_same_alone_and_in_batch():
         ]
         batched.append(run(logits[s], rows)[2].item())
     assert alone == batched
-    # and it is exactly the documented recipe: argmax(probs / q), q = empty(V).exponential_(generator)
+    # and it is exactly the documented recipe: argmax(probs / q), q = -log(torch.rand(V, generator=g))
     g = gen(1234)
     manual = []
     for s in range(steps):
         probs = process_logits(logits[s, 2:3], build([row(**spec)], V)).softmax(-1)[0]
-        q = torch.empty(V).exponential_(generator=g)
+        q = -torch.rand(V, generator=g).log()
         manual.append((probs / q).argmax().item())
     assert manual == alone
     # different seed -> (almost surely) a different sequence over 5 steps of a near-flat distribution

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,7 +202,7 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
 
 
 def load_state_dict(
-    tensors, arch: ArchSpec, config: transformers.PretrainedConfig, dtype: torch.dtype, progress: bool
+    tensors: Iterable[gguf.ReaderTensor], arch: ArchSpec, config: transformers.PretrainedConfig, dtype: torch.dtype, progress: bool
 ) -> dict[str, torch.Tensor]:
     """Dequantize, rename and (for llama) un-permute every tensor of the file."""
     tensors = [t for t in tensors if t.name not in CONFIG_ONLY_TENSORS]
@@ -223,7 +224,9 @@ def load_state_dict(
 # ---------------------------------------------------------------- config
 
 
-def build_config(meta: dict[str, Any], tensors: dict, tokenizer) -> transformers.PretrainedConfig:
+def build_config(
+    meta: dict[str, Any], tensors: dict[str, gguf.ReaderTensor], tokenizer
+) -> transformers.PretrainedConfig:
     """The transformers config the file's `{arch}.*` metadata describes."""
     arch = meta["general.architecture"]
     spec = ARCHS[arch]
@@ -252,7 +255,9 @@ def build_config(meta: dict[str, Any], tensors: dict, tokenizer) -> transformers
     return config
 
 
-def rope_parameters(meta: dict[str, Any], arch: str, head_dim: int, tensors: dict) -> dict[str, Any]:
+def rope_parameters(
+    meta: dict[str, Any], arch: str, head_dim: int, tensors: dict[str, gguf.ReaderTensor]
+) -> dict[str, Any]:
     """transformers 5 `rope_parameters` from llama.cpp's rope metadata."""
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
@@ -260,7 +265,7 @@ def rope_parameters(meta: dict[str, Any], arch: str, head_dim: int, tensors: dic
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if scaling == "linear" and factor:
         params.update(rope_type="linear", factor=float(factor))
-    elif scaling == "yarn":
+    elif scaling == "yarn" and factor:
         params.update(rope_type="yarn", factor=float(factor))
         optional = {
             "original_context_length": "original_max_position_embeddings",
@@ -269,7 +274,7 @@ def rope_parameters(meta: dict[str, Any], arch: str, head_dim: int, tensors: dic
             "attn_factor": "attention_factor",
         }
         params.update({hf: meta[f"{arch}.rope.scaling.{k}"] for k, hf in optional.items() if f"{arch}.rope.scaling.{k}" in meta})
-    elif scaling not in ("none", "linear"):
+    elif scaling != "none":
         log.warning("GGUF rope scaling %r is not supported; using plain rope", scaling)
     if "rope_freqs.weight" in tensors:
         params = llama3_rope_parameters(dequantize(tensors["rope_freqs.weight"]), theta, head_dim) or params

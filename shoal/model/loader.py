@@ -79,7 +79,10 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> Path:
             f"unknown model {name_or_path!r}: not an alias ({', '.join(ALIASES)}) "
             "and no file or folder of that name exists"
         )
-    raise FileNotFoundError(f"model path {path} does not exist")
+    raise FileNotFoundError(
+        f"model path {path} does not exist (models are not downloaded from the Hugging Face Hub; "
+        "give a local .gguf file or model folder)"
+    )
 
 
 def _alias_path(alias: str) -> Path:
