@@ -72,7 +72,7 @@ def encode(values: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def write_gguf(folder, out, arch: str, types: dict[str, Q], seed: int = 0, extra=None) -> dict[str, tuple[str, np.ndarray]]:
+def write_gguf(folder, out, arch: str, types: dict[str, Q], seed=0, extra=None) -> dict[str, tuple[str, np.ndarray]]:
     """Convert the tiny HF model in `folder` to a GGUF file `out`, as llama.cpp would.
 
     `types` picks the storage type per llama.cpp tensor kind ("attn_q", ...); 1-D
@@ -132,7 +132,8 @@ def write_vocab(writer: gguf.GGUFWriter, folder) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")  # tiny_models' tokenizer splits like GPT-2
     writer.add_token_list([by_id[i] for i in range(len(by_id))])
-    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(by_id))])
+    kinds = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(by_id))]
+    writer.add_token_types(kinds)
     gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer, quiet=True)
 
 
@@ -269,7 +270,8 @@ def llamacpp_llama3_rope_factors(theta, dim, factor=8.0, low=1.0, high=4.0, old_
 
 
 def test_gguf_rope_scaling_metadata(tmp_path):
-    folder = make_tiny_model("llama", tmp_path / "hf", rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    rope = {"rope_type": "default", "rope_theta": 500000.0}
+    folder = make_tiny_model("llama", tmp_path / "hf", rope_parameters=rope)
     factors = llamacpp_llama3_rope_factors(500000.0, 16)
     assert 1.0 < factors.mean() < 8.0  # some frequencies are scaled, some not
 
@@ -338,7 +340,8 @@ def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
         assert ids[0] == 1  # <s>
         for skip in (False, True):
             assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
-    assert ours.decode(ours("naïve 日本語 🙂").input_ids, skip_special_tokens=True) == "naïve 日本語 🙂"  # byte fallback
+    # Characters outside the tiny vocabulary go through byte fallback and come back.
+    assert ours.decode(ours("naïve 日本語 🙂").input_ids, skip_special_tokens=True) == "naïve 日本語 🙂"
 
 
 def test_unpermute_qk_inverts_llamacpp_permute():

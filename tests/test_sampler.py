@@ -22,6 +22,7 @@ from shoal.runner.sampler import (
     SamplingBatch,
     apply_top_k_top_p,
     apply_top_p_candidates,
+    argmax_rows,
     no_repeat_ngram_bans,
     uniform_to_exponential_,
     process_logits,
@@ -94,6 +95,17 @@ def test_greedy_is_argmax_and_all_greedy_batch_skips_every_stage():
     assert b.all_greedy and not b.any_processor
     assert b.temperature is None and b.top_k is None and b.top_p_rm is None and b.num_top_logprobs == 0
     assert torch.equal(sample(logits, b).token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("V", [49152, 1000, 999, 64])
+def test_argmax_rows_equals_argmax_including_first_tie(V):
+    g = gen(20)
+    for levels in (3, 1000):
+        x = torch.randint(0, levels, (16, V), generator=g).float()  # many ties for the max
+        x[3] = -INF
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
+    x = torch.randn(8, 2 * V, generator=g)[:, ::2]  # non-contiguous rows
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
 
 
 def test_top_k_1_equals_greedy():

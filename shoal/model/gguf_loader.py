@@ -202,7 +202,11 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
 
 
 def load_state_dict(
-    tensors: Iterable[gguf.ReaderTensor], arch: ArchSpec, config: transformers.PretrainedConfig, dtype: torch.dtype, progress: bool
+    tensors: Iterable[gguf.ReaderTensor],
+    arch: ArchSpec,
+    config: transformers.PretrainedConfig,
+    dtype: torch.dtype,
+    progress: bool,
 ) -> dict[str, torch.Tensor]:
     """Dequantize, rename and (for llama) un-permute every tensor of the file."""
     tensors = [t for t in tensors if t.name not in CONFIG_ONLY_TENSORS]
@@ -235,11 +239,15 @@ def build_config(
     kwargs.setdefault("num_key_value_heads", heads)
     # Qwen3's head_dim is not hidden/heads; the converter writes it as key_length.
     # For llama the rotary dimension is the head dimension.
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+    head_dim = (
+        meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+    )
     embed = tensors["token_embd.weight"]
     kwargs.update(
         head_dim=head_dim,
-        vocab_size=int(embed.shape[-1]),  # rows of the embedding; metadata vocab_size is optional
+        # GGUF lists dims fastest-first, so (hidden, vocab): the last is the vocabulary.
+        # (The metadata's vocab_size is optional; the embedding is not.)
+        vocab_size=int(embed.shape[-1]),
         tie_word_embeddings="output.weight" not in tensors,
         rope_parameters=rope_parameters(meta, arch, head_dim, tensors),
         bos_token_id=tokenizer.bos_token_id,
@@ -273,7 +281,8 @@ def rope_parameters(
             "yarn_beta_slow": "beta_slow",
             "attn_factor": "attention_factor",
         }
-        params.update({hf: meta[f"{arch}.rope.scaling.{k}"] for k, hf in optional.items() if f"{arch}.rope.scaling.{k}" in meta})
+        prefix = f"{arch}.rope.scaling."
+        params.update({hf: meta[prefix + k] for k, hf in optional.items() if prefix + k in meta})
     elif scaling != "none":
         log.warning("GGUF rope scaling %r is not supported; using plain rope", scaling)
     if "rope_freqs.weight" in tensors:
