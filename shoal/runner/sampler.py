@@ -1,9 +1,11 @@
 """Turn one step's logits into one token per row.
 
 Runs once per engine step over the whole batch, so everything below is a fixed
-sequence of batched tensor ops with no host sync and no Python loop over rows
-(the only per-row Python is in `SamplingBatch.build`, over plain data, and the
-noise draw for rows that carry their own seeded generator).
+sequence of batched tensor ops with no Python loop over rows (the only per-row
+Python is in `SamplingBatch.build`, over plain data, and the noise draw for rows
+that carry their own seeded generator) and, on accelerators, no host sync. On
+CPU, where a sync is free but torch's sort and argmax are slow, top-p and argmax
+take cheaper exact routes (`apply_top_p_candidates`, `argmax_rows`).
 
 Pipeline (same order as HF `generate` and vLLM):
 
@@ -12,7 +14,7 @@ Pipeline (same order as HF `generate` and vLLM):
          penalty -> logit_bias -> bans (no_repeat_ngram, min_tokens, ignore_eos)
       -> greedy rows: argmax
       -> sampled rows only: temperature -> top-k -> top-p -> min-p -> typical-p
-         -> softmax -> exponential race (argmax(probs / q), q ~ Exp(1))
+         -> softmax -> exponential race (argmax(probs / q), q = -log(U) ~ Exp(1))
     logprobs (chosen token and top-K) always come from the *raw* logits.
 
 `SamplingBatch.build` decides once per step which stages anybody in the batch
@@ -45,7 +47,9 @@ class SamplerRow:
     prompt_token_ids: Sequence[int] = ()  # read only for repetition_penalty / no_repeat_ngram
     output_token_ids: Sequence[int] = ()  # generated so far
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS set
-    generator: torch.Generator | None = None  # seeded per request, on the logits' device; None: global RNG
+    # Seeded per sequence, on the logits' device; None: the global RNG. A sampled
+    # (non-greedy) step draws exactly V uniforms from it; greedy steps draw none.
+    generator: torch.Generator | None = None
     num_logprobs: int = 0  # top logprobs wanted besides the chosen token's
 
 
@@ -456,7 +460,7 @@ def uniform_to_exponential_(u: torch.Tensor) -> torch.Tensor:
 
 def sample_from_probs(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p, with no
-    host sync (unlike torch.multinomial). [n, V] -> [n] int64."""
+    host sync (unlike torch.multinomial). [n, V] -> [n] int64; overwrites probs."""
     return argmax_rows(probs.div_(q))
 
 
