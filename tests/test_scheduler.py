@@ -199,3 +199,18 @@ def test_block_hashes_are_set_for_full_blocks_only():
     run_step(s)
     run_step(s)  # 8 computed: block 1 is full now
     assert pool.block_hashes[1] is not None
+
+
+def test_paused_beams_holding_all_blocks_are_preempted_so_their_sibling_can_run():
+    # Two beams of one group: b1 sampled and paused (holding all blocks), b2 was
+    # preempted before sampling and now waits. Without help this would deadlock.
+    s, pool = make(num_blocks=2, block_size=4)
+    b1, b2 = seq(4, "r"), seq(4, "r", arrival=0)
+    s.add(b1)
+    run_step(s)
+    b1.paused = True
+    s.add(b2)
+    b1.block_table.extend(pool.allocate(1))  # b1 now holds every block
+    out = run_step(s)
+    assert b1 in out.preempted and b1.block_table == []
+    assert [x.seq_id for x in out.plan.seqs] == [b2.seq_id]

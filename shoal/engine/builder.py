@@ -10,6 +10,7 @@ import torch
 from shoal.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.model.loader import load_checkpoint
+from shoal.model.layers import Rotary
 from shoal.model.registry import model_class
 from shoal.runner.model_runner import DTYPES, ModelRunner, plan_kv_cache, resolve_device
 
@@ -32,9 +33,7 @@ def build_engine(config: EngineConfig) -> Engine:
         model = model_class(hf.architectures)(hf, max_model_len)
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
-    rotary = type(model.model.layers[0].self_attn.rotary)(model.config, max_model_len).to(device)
-    for layer in model.model.layers:
-        layer.self_attn.rotary = rotary
+    model.model.rotary = Rotary(model.config, max_model_len).to(device)
     model.load_weights(ckpt.state_dict)
     model = model.to(dtype).eval()
     spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)

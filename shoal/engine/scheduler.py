@@ -138,8 +138,25 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
 
+        if not out.scheduled and self._unpause_by_preemption(out):
+            self._pending_copies = copies + self._pending_copies
+            again = self.schedule()
+            again.preempted[:0] = out.preempted
+            return again
         out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), tuple(copies))
         return out
+
+    def _unpause_by_preemption(self, out: SchedulerOutput) -> bool:
+        """Nothing could run: if paused beams hold the blocks a waiting sequence
+        needs (their group waits on that sequence), preempt the newest of them."""
+        if not any(not s.paused for s in self.waiting):
+            return False
+        paused = [s for s in self.running if s.paused]
+        if not paused:
+            return False
+        self._preempt(paused[-1])
+        out.preempted.append(paused[-1])
+        return True
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Make sure `seq` has blocks for `num_new` more tokens, preempting from the back."""

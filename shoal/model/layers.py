@@ -50,16 +50,16 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, sin), each [T, 1, D]: looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: [T, H, D] rotated by its token's position."""
+    cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -80,7 +80,7 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.c = config
         self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
@@ -88,24 +88,22 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
         self.scale = config.head_dim**-0.5
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         c = self.c
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(T, c.num_heads, c.head_dim)
-        k = k.view(T, c.num_kv_heads, c.head_dim)
-        v = v.view(T, c.num_kv_heads, c.head_dim)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        # q and k sit side by side in qkv: rotate them in one go, [T, Hq + Hkv, D].
+        qk = qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size :].view(T, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            qk = torch.cat((self.q_norm(qk[:, : c.num_heads]), self.k_norm(qk[:, c.num_heads :])), dim=1)
+        qk = apply_rope(qk, rope)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         o = paged_attention(q, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(o.view(T, c.q_size))
+        return self.o_proj(o.reshape(T, c.q_size))
 
 
 class MLP(nn.Module):
@@ -120,15 +118,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
+    def forward(self, x, rope, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -138,14 +136,15 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = Rotary(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.rotary = Rotary(config, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.norm(x)
 
 
