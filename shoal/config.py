@@ -47,12 +47,16 @@ class CacheConfig:
     kv_cache_memory: int = 1 * GiB
     gpu_memory_fraction: float = 0.8
     num_blocks: int | None = None  # overrides the budget (tests use tiny pools)
+    enable_prefix_cache: bool = True
+    prefix_cache_ttl: float | None = None  # seconds an unreferenced cached block may idle
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.prefix_cache_ttl is not None and self.prefix_cache_ttl <= 0:
+            raise ValueError(f"prefix_cache_ttl must be positive, got {self.prefix_cache_ttl}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 

@@ -190,17 +190,6 @@ def test_fork_on_a_block_boundary_copies_nothing():
     assert child.block_table == [0, 1, 3]
 
 
-def test_block_hashes_are_set_for_full_blocks_only():
-    s, pool = make(block_size=4)
-    a = seq(6)
-    s.add(a)
-    run_step(s)
-    assert pool.block_hashes[0] is not None and pool.block_hashes[1] is None
-    run_step(s)
-    run_step(s)  # 8 computed: block 1 is full now
-    assert pool.block_hashes[1] is not None
-
-
 def test_paused_beams_holding_all_blocks_are_preempted_so_their_sibling_can_run():
     # Two beams of one group: b1 sampled and paused (holding all blocks), b2 was
     # preempted before sampling and now waits. Without help this would deadlock.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from shoal.config import EngineConfig, SchedulerConfig
 from shoal.engine.block_pool import KVBlockPool
 from shoal.engine.detokenizer import IncrementalDetokenizer
+from shoal.engine.prefix_cache import PrefixCache
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sequence import Sequence
 from shoal.types import (
@@ -98,9 +99,11 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = runner.config.vocab_size
         self.pool = KVBlockPool(runner.num_blocks, runner.block_size)
+        cache = config.cache
+        self.prefix_cache = PrefixCache(self.pool, ttl=cache.prefix_cache_ttl) if cache.enable_prefix_cache else None
         sched = config.scheduler
         self.scheduler = Scheduler(
-            SchedulerConfig(sched.max_num_seqs, max(sched.max_num_batched_tokens, 1), max_model_len), self.pool
+            SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_model_len), self.pool, self.prefix_cache
         )
         self.stats = EngineStats()
         self._requests: dict[str, _RequestState] = {}
@@ -379,5 +382,11 @@ class Engine:
         self._requests.pop(state.request.request_id, None)
         self.stats.cached_prompt_tokens += state.choices[0].seq.num_cached_tokens
 
+    def clear_prefix_cache(self) -> int:
+        """Forget all cached prefixes (e.g. after the weights changed); returns blocks dropped."""
+        return self.prefix_cache.clear() if self.prefix_cache is not None else 0
+
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.scheduler.held_block_tables())
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()

@@ -22,7 +22,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from shoal.config import SchedulerConfig
-from shoal.engine.block_pool import KVBlockPool, hash_block_tokens
+from shoal.engine.block_pool import KVBlockPool
+from shoal.engine.prefix_cache import PrefixCache
 from shoal.engine.sequence import Sequence, SequenceStatus
 from shoal.types import FinishReason, SampledToken, SamplingParams, ScheduledSeq, StepPlan
 
@@ -50,9 +51,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVBlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: KVBlockPool, cache: PrefixCache | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.cache = cache
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self._by_id: dict[int, Sequence] = {}
@@ -100,6 +102,8 @@ class Scheduler:
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        if self.cache is not None and self.cache.ttl is not None:
+            self.cache.expire()
         out = SchedulerOutput(plan=StepPlan(()))
         copies, self._pending_copies = self._pending_copies, []
 
@@ -128,9 +132,8 @@ class Scheduler:
             if parent is not None and not self._fork_ready(seq, parent):
                 j += 1  # siblings wait for the first choice to compute the prompt
                 continue
-            num_new_if = self._tokens_after_fork(seq) if seq.fork_parent else seq.num_uncomputed_tokens
-            num_new = min(num_new_if, budget)
-            if not self._admit(seq, num_new, copies):
+            num_new = self._fork(seq, budget, copies) if seq.fork_parent else self._admit(seq, budget, copies)
+            if num_new is None:
                 break
             self.waiting.pop(j)
             seq.status = SequenceStatus.RUNNING
@@ -171,14 +174,41 @@ class Scheduler:
             seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _admit(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> bool:
-        if seq.fork_parent is not None:
-            return self._fork(seq, num_new, copies)
-        need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
-        if need > self.pool.num_free:
-            return False
-        seq.block_table.extend(self.pool.allocate(need))
-        return True
+    def _admit(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> int | None:
+        """Give a waiting sequence its blocks for this step; None if they do not fit.
+
+        With the prefix cache, a fresh sequence starts from the longest cached
+        prefix of its tokens: full blocks shared by reference, a partial one copied.
+        """
+        pool = self.pool
+        match = None
+        if self.cache is not None and not seq.block_table:
+            match = self.cache.match(_key_tokens(seq))
+            pool.incref(match.blocks)
+            if match.copy_block is not None:
+                pool.incref([match.copy_block])  # pinned: the allocation below must not evict it
+            seq.block_table = list(match.blocks)
+            seq.num_computed_tokens = match.num_tokens
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        need = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
+        fits = need <= pool.num_free
+        if fits:
+            seq.block_table.extend(pool.allocate(need))
+        if match is not None:
+            if match.copy_block is not None:
+                if fits:
+                    copies.append((match.copy_block, seq.block_table[len(match.blocks)]))
+                    self.cache.stats.copies += 1
+                pool.free([match.copy_block])
+            if not fits:  # undo: the shared blocks go back to the cache
+                pool.free(seq.block_table)
+                seq.block_table, seq.num_computed_tokens = [], 0
+                return None
+            seq.cache_nodes = list(match.nodes)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = min(match.num_tokens, seq.prompt_len)
+                self.cache.record(seq.prompt_len, seq.num_cached_tokens)
+        return num_new if fits else None
 
     # ------------------------------------------------------------ n > 1
     @staticmethod
@@ -190,15 +220,12 @@ class Scheduler:
             return True
         return False
 
-    def _tokens_after_fork(self, seq: Sequence) -> int:
-        return seq.prompt_len - self._shared_prefix_len(seq)
-
     @staticmethod
     def _shared_prefix_len(seq: Sequence) -> int:
         # The last prompt token is recomputed: its logits give this choice's first token.
         return seq.prompt_len - 1
 
-    def _fork(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> bool:
+    def _fork(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> int | None:
         """Share the parent's prompt KV: full blocks by reference, the partial one by copy.
 
             parent blocks: [ full | full | partial ]   (prompt positions 0 .. P-2 shared)
@@ -207,21 +234,23 @@ class Scheduler:
         parent = seq.fork_parent
         assert parent is not None
         shared = self._shared_prefix_len(seq)
+        num_new = min(seq.prompt_len - shared, budget)
         bs = self.pool.block_size
         num_full, partial = divmod(shared, bs)
         need = self.pool.blocks_for_tokens(shared + num_new) - num_full
         if need > self.pool.num_free:
-            return False
+            return None
         full = parent.block_table[:num_full]
         self.pool.incref(full)
         fresh = self.pool.allocate(need)
         if partial:
             copies.append((parent.block_table[num_full], fresh[0]))
         seq.block_table = full + fresh
+        seq.cache_nodes = parent.cache_nodes[:num_full]
         seq.num_computed_tokens = shared
         seq.num_cached_tokens = shared
         seq.fork_parent = None
-        return True
+        return num_new
 
     # ------------------------------------------------------------ beam search
     def fork_beam(self, parent: Sequence, token_id: int) -> Sequence:
@@ -253,6 +282,7 @@ class Scheduler:
                 self._pending_copies.append((parent.block_table[num_full], fresh))
                 child.block_table.append(fresh)
             child.num_computed_tokens = computed
+            child.cache_nodes = parent.cache_nodes[:num_full]
             child.status = SequenceStatus.RUNNING
             bisect.insort(self.running, child, key=Sequence.sort_key)
         else:
@@ -272,9 +302,21 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
+        """Drop the sequence's block references; with the prefix cache, its
+        computed content stays findable (the last partial block included)."""
+        if not seq.block_table:
+            return
+        if self.cache is not None:
+            self._cache_full_blocks(seq)
+            bs = self.pool.block_size
+            num_full, partial = divmod(seq.num_computed_tokens, bs)
+            if partial:
+                parent = seq.cache_nodes[num_full - 1] if num_full else None
+                key = tuple(_key_tokens(seq)[num_full * bs : seq.num_computed_tokens])
+                self.cache.insert_partial(parent, key, seq.block_table[num_full])
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.cache_nodes = []
 
     # ------------------------------------------------------------ plan / update
     @staticmethod
@@ -299,21 +341,30 @@ class Scheduler:
         """Advance the computed counters, append the sampled tokens, hash full blocks."""
         for seq, num_new in out.scheduled:
             seq.num_computed_tokens += num_new
-            self._hash_full_blocks(seq)
+            if self.cache is not None:
+                self._cache_full_blocks(seq)
         for s in sampled:
             seq = self._by_id[s.seq_id]
             if not seq.params.use_beam_search:  # beams grow by the engine's selection
                 seq.token_ids.append(s.token_id)
 
-    def _hash_full_blocks(self, seq: Sequence) -> None:
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Index every computed full block of `seq` not indexed yet."""
         bs = self.pool.block_size
-        hashes = self.pool.block_hashes
-        # Walk back from the newest full block to the first one without a hash.
         num_full = seq.num_computed_tokens // bs
-        k = num_full
-        while k > 0 and hashes[seq.block_table[k - 1]] is None:
-            k -= 1
-        parent = hashes[seq.block_table[k - 1]] if k > 0 else None
-        for b in range(k, num_full):
-            parent = hash_block_tokens(parent, seq.token_ids[b * bs : (b + 1) * bs])
-            self.pool.set_block_hash(seq.block_table[b], parent)
+        if len(seq.cache_nodes) >= num_full:
+            return
+        keys = _key_tokens(seq)
+        for i in range(len(seq.cache_nodes), num_full):
+            parent = seq.cache_nodes[-1] if seq.cache_nodes else None
+            node = self.cache.insert_full(parent, tuple(keys[i * bs : (i + 1) * bs]), seq.block_table[i])
+            seq.cache_nodes.append(node)
+
+
+def _key_tokens(seq: Sequence) -> list:
+    """The cache key of a sequence's tokens: token ids, with (token, content hash)
+    at positions that carry extra content (an image placeholder), so equal tokens
+    with different images never match."""
+    if not seq.extra_keys:
+        return seq.token_ids
+    return [(t, seq.extra_keys[i]) if i in seq.extra_keys else t for i, t in enumerate(seq.token_ids)]

@@ -49,6 +49,10 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from elsewhere (fork / prefix cache)
     seed: int | None = None
+    # Extra content hashes at token positions (image placeholders): part of the prefix-cache key.
+    extra_keys: dict[int, int] | None = None
+    # Prefix-cache trie nodes of this sequence's indexed full blocks, in order.
+    cache_nodes: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
