@@ -323,3 +323,16 @@ def test_real_weights_multi_turn_equal_with_and_without_cache(default_gguf_path)
         llm.result = (replies, cached)
     assert on.result[0] == off.result[0]
     assert on.result[1][1] > 20 and off.result[1] == [0, 0]
+
+
+def test_stats_report_bytes_against_the_pool():
+    pool = KVBlockPool(10, BS)
+    cache = PrefixCache(pool, block_bytes=1000)
+    s = Scheduler(SchedulerConfig(8, 64, 256), pool, cache)
+    run(s, list(range(1, 10)), n_out=1)  # 9 computed tokens: 2 full blocks + 1 partial
+    st = cache.stats
+    assert (st.cached_blocks, st.cached_bytes, st.pool_bytes) == (3, 3000, 10000)
+    assert (st.hit_tokens, st.computed_prompt_tokens, st.token_hit_rate) == (0, 9, 0.0)
+    run(s, list(range(1, 10)) + [50], n_out=1, rid="again")
+    assert (st.hit_tokens, st.last_match_tokens, st.last_match_fraction) == (9, 9, 0.9)
+    assert st.token_hit_rate == 9 / 19

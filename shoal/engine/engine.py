@@ -100,7 +100,7 @@ class Engine:
         self.vocab_size = runner.config.vocab_size
         self.pool = KVBlockPool(runner.num_blocks, runner.block_size)
         cache = config.cache
-        self.prefix_cache = PrefixCache(self.pool, ttl=cache.prefix_cache_ttl) if cache.enable_prefix_cache else None
+        self.prefix_cache = PrefixCache(self.pool, ttl=cache.prefix_cache_ttl, block_bytes=runner.bytes_per_block) if cache.enable_prefix_cache else None
         sched = config.scheduler
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_model_len), self.pool, self.prefix_cache

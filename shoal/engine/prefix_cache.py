@@ -81,7 +81,17 @@ class PrefixCacheStats:
     evictions: int = 0
     copies: int = 0  # partial blocks copied (copy-on-write)
     last_match_tokens: int = 0
-    last_match_fraction: float = 0.0
+    last_match_fraction: float = 0.0  # of the last request's prompt
+    block_bytes: int = 0  # KV bytes one block holds
+    pool_blocks: int = 0
+
+    @property
+    def cached_bytes(self) -> int:
+        return self.cached_blocks * self.block_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool_blocks * self.block_bytes
 
     @property
     def hits(self) -> int:
@@ -94,7 +104,9 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, pool: KVBlockPool, *, ttl: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, pool: KVBlockPool, *, ttl: float | None = None, block_bytes: int = 0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.ttl = ttl
@@ -102,7 +114,7 @@ class PrefixCache:
         self.root = _Node(key=(), block_id=-1, parent=None)
         self._nodes: dict[int, _Node] = {}  # block id -> node
         self._tick = itertools.count(1)
-        self.stats = PrefixCacheStats()
+        self.stats = PrefixCacheStats(block_bytes=block_bytes, pool_blocks=pool.num_blocks)
         pool.evict_one = self._evict_one
 
     # ------------------------------------------------------------ lookup

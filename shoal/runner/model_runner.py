@@ -80,6 +80,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = spec.block_size
         self.num_blocks = spec.num_blocks
+        self.bytes_per_block = spec.bytes_per_block
         self.eos_token_ids = eos_token_ids
         c = self.config
         # One tensor for all layers: [layers, 2 (k|v), blocks, block_size, Hkv, D].
