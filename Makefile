@@ -26,6 +26,7 @@ test: setup
 
 bench: setup
 	$(VPY) benchmarks/offline_throughput.py
+	$(VPY) benchmarks/agentic_prefix.py
 
 clean:
 	rm -rf $(VENV)

@@ -42,7 +42,7 @@ TOOLS = [
 def system_prompt() -> str:
     rules = " ".join(
         f"Rule {i}: keep changes small, explain the reason for each edit, never delete user data, "
-        f"and prefer the project's existing helpers over new code." for i in range(1, 25)
+        f"and prefer the project's existing helpers over new code." for i in range(1, 33)
     )
     tools = "\n".join(
         f'{{"type": "function", "function": {{"name": "{n}", "description": "{d}", "parameters": "{p}"}}}}' for n, d, p in TOOLS

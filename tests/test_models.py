@@ -96,3 +96,33 @@ def test_rope_scaling_as_configured_matches_transformers(tmp_path):
 def test_unknown_architecture_is_a_clear_error():
     with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
         model_class(["GPTNeoXForCausalLM"])
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    path = make_tiny_model("mistral", tmp_path, sliding_window=6)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = build_runner(path)
+    assert runner.config.sliding_window == 6
+    ids = [(11 * i) % 390 + 5 for i in range(20)]
+    bt = tuple(range(6))
+    prefill = step_logits(runner, [ScheduledSeq(1, tuple(ids[:19]), 0, bt, False, GREEDY)])
+    decode = step_logits(runner, [ScheduledSeq(1, (ids[19],), 19, bt, True, GREEDY)])
+    ref = hf_logits(hf, ids)
+    torch.testing.assert_close(torch.cat([prefill, decode]), ref, atol=1e-4, rtol=0)
+    full = build_runner(make_tiny_model("mistral", tmp_path / "full"))  # same weights, no window
+    assert (step_logits(full, [ScheduledSeq(1, tuple(ids), 0, bt, True, GREEDY)])[-1] - ref[-1]).abs().max() > 1e-3
+
+
+def test_bfloat16_runs_with_bfloat16_weights_and_kv(tmp_path):
+    path = str(make_tiny_model("llama", tmp_path))
+    llm32 = LLM(path, num_blocks=64, block_size=4, max_model_len=64)
+    llm16 = LLM(path, dtype="bfloat16", num_blocks=64, block_size=4, max_model_len=64)
+    assert llm16.engine.runner.kv.dtype == torch.bfloat16
+    assert next(llm16.engine.runner.model.parameters()).dtype == torch.bfloat16
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True)
+    p = [5, 17, 99, 23, 8, 200]
+    a = llm32.generate([p], params)[0].outputs[0].logprobs[0]
+    b = llm16.generate([p], params)[0].outputs[0].logprobs[0]
+    # bf16 has ~3 significant digits: the top tokens agree and logprobs are close, not equal.
+    assert a.top[0].token_id == b.top[0].token_id
+    assert abs(a.logprob - b.logprob) < 0.05 and a.logprob != b.logprob
