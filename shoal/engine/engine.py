@@ -70,6 +70,12 @@ class _RequestState:
     beam: _BeamGroup | None = None
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens of the request that came from the prefix cache (or a fork)."""
+        seqs = [c.seq for c in self.choices] or (self.beam.live if self.beam else [])
+        return seqs[0].num_cached_tokens if seqs else 0
+
+    @property
     def finished(self) -> bool:
         if self.beam is not None and not self.beam.done:
             return False
@@ -219,6 +225,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.empty:
+            if sched.plan.block_copies:  # copies promised to sequences that run later
+                self.runner.execute(sched.plan)
             return outputs
         now = time.monotonic()
         for seq, _ in sched.scheduled:
@@ -374,13 +382,13 @@ class Engine:
             prompt_token_ids=list(state.request.prompt_token_ids),
             outputs=outs,
             finished=finished,
-            num_cached_tokens=state.choices[0].seq.num_cached_tokens,
+            num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
         )
 
     def _retire(self, state: _RequestState) -> None:
         self._requests.pop(state.request.request_id, None)
-        self.stats.cached_prompt_tokens += state.choices[0].seq.num_cached_tokens
+        self.stats.cached_prompt_tokens += state.num_cached_tokens
 
     def clear_prefix_cache(self) -> int:
         """Forget all cached prefixes (e.g. after the weights changed); returns blocks dropped."""
