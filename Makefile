@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(VPY) -m shoal.cli repl
+	$(VPY) -m shoal.cli serve
 
 test: setup
 	$(VPY) -m pytest -q

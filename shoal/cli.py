@@ -1,9 +1,15 @@
 """The `shoal` command line.
 
-    shoal generate "The capital of France is" --max-tokens 32
-    shoal repl                      # interactive multi-turn chat with the model, in-process
+    shoal serve [--model smollm2|PATH] [--host 127.0.0.1] [--port 8000] [--config shoal.yaml] ...
+    shoal chat                      # multi-turn chat with a running server (/reset, /system TEXT, /quit)
+    shoal complete "Once upon a time" --max-tokens 64
+    shoal models
+    shoal generate "The capital of France is" --max-tokens 32    # in-process, no server
+    shoal repl                      # in-process chat, no server
 
-(`shoal serve`, the HTTP server, comes with the OpenAI-compatible API.)
+`shoal serve --config FILE` reads YAML whose keys are the flags' names
+(`max-model-len` or `max_model_len`); flags given on the command line win over
+the file, the file over the built-in defaults.
 """
 
 from __future__ import annotations
@@ -11,47 +17,146 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
+import socket
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from shoal.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 from shoal.types import GenerationRequest, SamplingParams
 
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default="smollm2", help="'smollm2' (default), a .gguf file, or a Hugging Face model folder")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget on CPU, e.g. 2GiB or 512MiB")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+# ---------------------------------------------------------------- options as data
 
 
-def engine_config(a: argparse.Namespace) -> EngineConfig:
+@dataclass(frozen=True)
+class Opt:
+    """One option: its flag, and what it is in a YAML config (the flag without dashes)."""
+
+    flag: str
+    default: Any = None
+    type: Any = None
+    help: str = ""
+    kind: str = "value"  # value | bool (BooleanOptionalAction) | flag (store_true) | list (repeatable)
+    choices: tuple | None = None
+
+    @property
+    def key(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+ENGINE_OPTS = [
+    Opt("--model", "smollm2", str, "'smollm2' (default), a .gguf file, or a Hugging Face model folder"),
+    Opt("--dtype", "float32", str, "weights and KV cache dtype", choices=("float32", "bfloat16", "float16")),
+    Opt("--device", "auto", str, "cpu, cuda or auto (default)"),
+    Opt("--max-model-len", None, int, "context length (default: the model's)"),
+    Opt("--kv-cache-memory", "1GiB", str, "KV cache budget on CPU, e.g. 2GiB or 512MiB"),
+    Opt("--block-size", 16, int, "tokens per KV block"),
+    Opt("--max-num-seqs", 64, int, "most sequences in one step"),
+    Opt("--max-num-batched-tokens", 512, int, "most tokens in one step (prefill chunk size)"),
+    Opt("--threads", None, int, "torch threads (default: torch's choice)"),
+    Opt("--prefix-cache", True, None, "reuse the KV of earlier prompts (default: on)", kind="bool"),
+    Opt("--prefix-cache-ttl", None, float, "drop cached prefixes idle this many seconds (default: only when space is needed)"),
+]
+
+SERVER_OPTS = [
+    Opt("--host", "127.0.0.1", str, "address to bind (default 127.0.0.1: this machine only)"),
+    Opt("--port", 8000, int, "port to listen on"),
+    Opt("--api-key", None, str, "require this key (Authorization: Bearer KEY or x-api-key); default $SHOAL_API_KEY"),
+    Opt("--allowed-origins", [], str, "CORS origin to allow (repeatable, or comma-separated; none by default)", kind="list"),
+    Opt("--max-request-bytes", "32MiB", str, "refuse request bodies over this size (413)"),
+    Opt("--max-waiting", None, int, "refuse new requests (503) while this many are waiting"),
+    Opt("--served-model-name", None, str, "the model's name in the API (default: the --model value)"),
+    Opt("--chat-template", None, str, "a Jinja chat template file that replaces the model's"),
+    Opt("--reasoning-parser", None, str, "split <think>...</think> into reasoning_content", choices=("deepseek_r1", "qwen3")),
+    Opt("--ignore-eos", False, None, "server default: keep generating past EOS", kind="flag"),
+    Opt("--stop", [], str, "server default stop string (repeatable)", kind="list"),
+    Opt("--log-requests", True, None, "one log line per request (default: on)", kind="bool"),
+]
+
+# Server-level sampling defaults: unset unless given, so the model's apply.
+SERVER_SAMPLING_OPTS = [
+    Opt("--max-tokens", None, int, "default max_tokens"),
+    Opt("--temperature", None, float, "default temperature"),
+    Opt("--top-p", None, float, "default top_p"),
+    Opt("--top-k", None, int, "default top_k"),
+    Opt("--min-p", None, float, "default min_p"),
+    Opt("--repetition-penalty", None, float, "default repetition_penalty"),
+    Opt("--presence-penalty", None, float, "default presence_penalty"),
+    Opt("--frequency-penalty", None, float, "default frequency_penalty"),
+]
+
+# For the in-process commands (generate, repl).
+LOCAL_SAMPLING_OPTS = [
+    Opt("--max-tokens", 256, int),
+    Opt("--temperature", 0.7, float),
+    Opt("--top-p", 1.0, float),
+    Opt("--top-k", 0, int),
+    Opt("--min-p", 0.0, float),
+    Opt("--repetition-penalty", 1.0, float),
+    Opt("--seed", None, int),
+    Opt("--stop", [], str, "stop string (repeatable)", kind="list"),
+]
+
+# For the client commands (chat, complete): sent only when given.
+CLIENT_SAMPLING_OPTS = [
+    Opt("--max-tokens", None, int, "most tokens per answer (default: the server's)"),
+    Opt("--temperature", None, float),
+    Opt("--top-p", None, float),
+    Opt("--top-k", None, int),
+    Opt("--min-p", None, float),
+    Opt("--repetition-penalty", None, float),
+    Opt("--presence-penalty", None, float),
+    Opt("--frequency-penalty", None, float),
+    Opt("--seed", None, int),
+    Opt("--stop", None, str, "stop string (repeatable)", kind="list"),
+]
+
+
+def _add_opts(group, opts: list[Opt], suppress: bool) -> None:
+    for o in opts:
+        default = argparse.SUPPRESS if suppress else o.default
+        help = o.help
+        if o.default not in (None, [], False) and "default" not in help:
+            help = f"{help} (default {o.default})".lstrip()
+        if o.kind == "bool":
+            group.add_argument(o.flag, dest=o.key, action=argparse.BooleanOptionalAction, default=default, help=help)
+        elif o.kind == "flag":
+            group.add_argument(o.flag, dest=o.key, action="store_true", default=default, help=help)
+        elif o.kind == "list":
+            group.add_argument(o.flag, dest=o.key, action="append", type=o.type, default=default, help=help, metavar=o.key.upper())
+        else:
+            group.add_argument(o.flag, dest=o.key, type=o.type, default=default, choices=o.choices, help=help)
+
+
+def _defaults(opts: list[Opt]) -> dict:
+    return {o.key: (list(o.default) if isinstance(o.default, list) else o.default) for o in opts}
+
+
+# ---------------------------------------------------------------- building configs
+
+
+def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
+    v = vars(a) if isinstance(a, argparse.Namespace) else a
+    cache = dict(
+        block_size=v["block_size"],
+        kv_cache_memory=parse_bytes(v["kv_cache_memory"]),
+        enable_prefix_cache=bool(v.get("prefix_cache", True)),
+        prefix_cache_ttl=v.get("prefix_cache_ttl"),
+    )
     return EngineConfig(
-        model=a.model,
-        dtype=a.dtype,
-        device=a.device,
-        max_model_len=a.max_model_len,
-        num_threads=a.threads,
-        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
-        cache=CacheConfig(block_size=a.block_size, kv_cache_memory=parse_bytes(a.kv_cache_memory)),
+        model=str(v["model"]),
+        dtype=v["dtype"],
+        device=v["device"],
+        max_model_len=v["max_model_len"],
+        num_threads=v["threads"],
+        scheduler=SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"]),
+        cache=CacheConfig(**cache),
     )
 
 
@@ -66,6 +171,239 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
         seed=a.seed,
         stop=tuple(a.stop),
     )
+
+
+SERVE_OPTS = ENGINE_OPTS + SERVER_OPTS + SERVER_SAMPLING_OPTS
+CONFIG_ONLY_KEYS = ("log_level",)
+
+
+def load_config_file(path: str | Path) -> dict:
+    """A YAML config as {option key: value}; keys are the flags' names, with - or _."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must be a mapping of option: value")
+    known = {o.key: o for o in SERVE_OPTS}
+    out = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in known and key not in CONFIG_ONLY_KEYS:
+            names = ", ".join(sorted(k.replace("_", "-") for k in [*known, *CONFIG_ONLY_KEYS]))
+            raise ValueError(f"unknown key {raw_key!r} in {path} (known: {names})")
+        opt = known.get(key)
+        if opt is not None and opt.kind == "list" and isinstance(value, str):
+            value = [value]
+        out[key] = value
+    return out
+
+
+def serve_values(a: argparse.Namespace) -> dict:
+    """Defaults < $SHOAL_API_KEY < the --config file < flags given on the command line."""
+    values = _defaults(SERVE_OPTS)
+    values["log_level"] = "info"
+    if os.environ.get("SHOAL_API_KEY"):
+        values["api_key"] = os.environ["SHOAL_API_KEY"]
+    given = {k: v for k, v in vars(a).items() if k not in ("func", "command", "config")}
+    if getattr(a, "config", None):
+        values.update(load_config_file(a.config))
+    values.update(given)
+    return values
+
+
+def server_settings(v: dict):
+    from shoal.server.settings import ServerSettings
+
+    origins = [o.strip() for item in (v["allowed_origins"] or []) for o in str(item).split(",") if o.strip()]
+    return ServerSettings(
+        host=v["host"],
+        port=int(v["port"]),
+        api_key=v["api_key"] or None,
+        allowed_origins=tuple(origins),
+        max_request_bytes=parse_bytes(v["max_request_bytes"]),
+        max_waiting=v["max_waiting"],
+        served_model_name=v["served_model_name"],
+        chat_template=v["chat_template"],
+        reasoning_parser=v["reasoning_parser"],
+        log_requests=bool(v["log_requests"]),
+        ignore_eos=bool(v["ignore_eos"]) if v["ignore_eos"] else None,
+        stop=tuple(v["stop"]) if v["stop"] else None,
+        **{o.key: v[o.key] for o in SERVER_SAMPLING_OPTS},
+    )
+
+
+# ---------------------------------------------------------------- serve
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from shoal.model.loader import resolve_model_path
+    from shoal.server import create_app
+
+    v = serve_values(a)
+    _setup_logging(v["log_level"])
+    config = engine_config(v)
+    settings = server_settings(v)
+    resolve_model_path(config.model)  # a wrong name or path fails now, in one line, not after start-up
+    try:
+        sock = _listen(settings.host, settings.port)
+    except OSError as e:
+        print(f"shoal: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_error(exc: BaseException) -> None:
+        failed.append(exc)
+        server.should_exit = True
+
+    app = create_app(config, settings, on_load_error=on_load_error)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_config=None, access_log=v["log_level"] == "debug", timeout_graceful_shutdown=5)
+    )
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    logging.getLogger("shoal").info(
+        "serving %s on http://%s:%d (OpenAI API under /v1; /health answers 503 until the model is loaded)",
+        config.model, shown, port, 
+    )
+    server.run(sockets=[sock])
+    if failed:
+        print(f"shoal: the model failed to load: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+# ---------------------------------------------------------------- clients
+
+
+def _client(a: argparse.Namespace):
+    from shoal.client import ShoalClient
+
+    return ShoalClient(a.url, a.api_key)
+
+
+def _request_params(a: argparse.Namespace) -> dict:
+    keys = [o.key for o in CLIENT_SAMPLING_OPTS]
+    return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from shoal.client import ClientError
+
+    client = _client(a)
+    model = a.model or client.default_model()
+    params = _request_params(a)
+    system = a.system
+    messages: list[dict] = []
+    out = sys.stdout
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"shoal chat with {model} at {client.url}: /reset clears the conversation, /system TEXT sets the system prompt, /quit leaves.")
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                print()
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/reset":
+            messages = []
+            print("(conversation cleared)")
+            continue
+        if line.startswith("/system"):
+            system = line[len("/system") :].strip() or None
+            messages = []
+            print(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)")
+            continue
+        messages.append({"role": "user", "content": line})
+        convo = ([{"role": "system", "content": system}] if system else []) + messages
+        out.write("model> ")
+        out.flush()
+        try:
+            reply, usage = _print_stream(client.chat(convo, model=model, **params), out)
+        except ClientError as e:
+            if "not reachable" in str(e):
+                raise
+            out.write("\n")
+            print(f"shoal: {e}", file=sys.stderr)  # the conversation goes on without this turn
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+        if a.show_usage and usage:
+            _print_usage(usage, out)
+
+
+def cmd_complete(a: argparse.Namespace) -> int:
+    client = _client(a)
+    model = a.model or client.default_model()
+    _, usage = _print_stream(client.complete(a.prompt, model=model, **_request_params(a)), sys.stdout)
+    if a.show_usage and usage:
+        _print_usage(usage, sys.stdout)
+    return 0
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    for m in _client(a).models():
+        extra = f"  (max_model_len {m['max_model_len']})" if m.get("max_model_len") else ""
+        print(f"{m['id']}{extra}")
+    return 0
+
+
+def _print_stream(deltas, out) -> tuple[str, dict | None]:
+    text, usage, thinking = "", None, False
+    for d in deltas:
+        if d.usage:
+            usage = d.usage
+        if d.reasoning:
+            if not thinking:
+                out.write("[thinking] ")
+                thinking = True
+            out.write(d.reasoning)
+        if d.content:
+            if thinking:
+                out.write("\n[answer] ")
+                thinking = False
+            out.write(d.content)
+            text += d.content
+        out.flush()
+    out.write("\n")
+    out.flush()
+    return text, usage
+
+
+def _print_usage(usage: dict, out) -> None:
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    out.write(f"[usage: prompt {usage['prompt_tokens']} (cached {cached}), completion {usage['completion_tokens']}]\n")
+    out.flush()
+
+
+# ---------------------------------------------------------------- in-process commands
 
 
 def stream(engine, request: GenerationRequest, out=sys.stdout) -> str:
@@ -138,30 +476,90 @@ def cmd_repl(a: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal", description="shoal: a fast, correct, easy-to-run LLM inference server")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------- parser
 
-    g = sub.add_parser("generate", help="complete one prompt with the model, streamed to the terminal")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description="shoal: a fast, correct, easy-to-run LLM inference server")
+    parser.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help="logging detail (default info)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def log_level(p):
+        p.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help="logging detail (debug adds prompts and token ids)")
+
+    s = sub.add_parser(
+        "serve",
+        help="serve the model over HTTP (OpenAI-compatible API)",
+        description="Load a model and serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) "
+        "plus /health, /stats, /tokenize and /detokenize. YAML config keys are the flags' names; flags win over the file.",
+    )
+    s.add_argument("--config", default=None, help="YAML file with the same keys as these flags")
+    log_level(s)
+    _add_opts(s.add_argument_group("model and engine"), ENGINE_OPTS, suppress=True)
+    _add_opts(s.add_argument_group("server"), SERVER_OPTS, suppress=True)
+    _add_opts(s.add_argument_group("default sampling (a request's own values win)"), SERVER_SAMPLING_OPTS, suppress=True)
+    s.set_defaults(func=cmd_serve)
+
+    def client_args(p):
+        p.add_argument("--url", default=os.environ.get("SHOAL_URL", "http://127.0.0.1:8000"), help="the server (default $SHOAL_URL or http://127.0.0.1:8000)")
+        p.add_argument("--api-key", default=os.environ.get("SHOAL_API_KEY"), help="API key (default $SHOAL_API_KEY)")
+        p.add_argument("--model", default=None, help="model name (default: the server's first)")
+        log_level(p)
+
+    c = sub.add_parser("chat", help="chat with a running server (streaming, multi-turn)", description="Interactive multi-turn chat with a running shoal (or any OpenAI-compatible) server. Commands: /reset, /system TEXT, /quit.")
+    client_args(c)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--show-usage", action="store_true", help="print token counts after each answer")
+    _add_opts(c.add_argument_group("sampling (default: the server's)"), CLIENT_SAMPLING_OPTS, suppress=False)
+    c.set_defaults(func=cmd_chat)
+
+    k = sub.add_parser("complete", help="complete one text with a running server, streamed", description="Send one completion request to a running server and stream the text.")
+    k.add_argument("prompt")
+    client_args(k)
+    k.add_argument("--show-usage", action="store_true", help="print token counts at the end")
+    _add_opts(k.add_argument_group("sampling (default: the server's)"), CLIENT_SAMPLING_OPTS, suppress=False)
+    k.set_defaults(func=cmd_complete)
+
+    m = sub.add_parser("models", help="list the models a running server serves")
+    client_args(m)
+    m.set_defaults(func=cmd_models)
+
+    g = sub.add_parser("generate", help="complete one prompt in-process (no server), streamed to the terminal")
     g.add_argument("prompt")
-    _engine_args(g)
-    _sampling_args(g)
+    log_level(g)
+    _add_opts(g.add_argument_group("model and engine"), ENGINE_OPTS, suppress=False)
+    _add_opts(g.add_argument_group("sampling"), LOCAL_SAMPLING_OPTS, suppress=False)
     g.set_defaults(func=cmd_generate)
 
-    r = sub.add_parser("repl", help="chat with the model in this terminal (multi-turn, in-process)")
+    r = sub.add_parser("repl", help="chat with the model in this terminal (multi-turn, in-process, no server)")
     r.add_argument("--system", default=None, help="system prompt")
-    _engine_args(r)
-    _sampling_args(r)
+    log_level(r)
+    _add_opts(r.add_argument_group("model and engine"), ENGINE_OPTS, suppress=False)
+    _add_opts(r.add_argument_group("sampling"), LOCAL_SAMPLING_OPTS, suppress=False)
     r.set_defaults(func=cmd_repl)
+    return parser
 
-    a = parser.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True
+    )
+    # httpx logs every request at INFO: noise in the client commands' terminal.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    _setup_logging(getattr(a, "log_level", "info"))
+    from shoal.client import ClientError
+
     try:
         return a.func(a)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ClientError) as e:
         print(f"shoal: {e}", file=sys.stderr)
-        return 2
+        return 2 if not isinstance(e, ClientError) else 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""Render a conversation into the prompt text, and that into token ids.
+
+The template is, in order of preference: `--chat-template FILE`, the model's
+own (GGUF metadata or tokenizer config, which the loader puts on the
+tokenizer), or a plain fallback for models that have none. transformers'
+tokenizer machinery renders it (its sandboxed Jinja environment, with
+`raise_exception`, `strftime_now` and the tokenizer's special tokens), so
+system messages go wherever the model's template puts them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# For models without a template: role-labelled turns, then "Assistant:". The
+# stop string keeps a base model from writing the user's next turn.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + '\n' }}"
+    "{% else %}{{ message['role'] | capitalize + ': ' + message['content'] + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+FALLBACK_STOP = ("\nUser:",)
+
+
+def _reserved_names(tokenizer) -> frozenset[str]:
+    """apply_chat_template's own parameters (tokenize, chat_template, ...)."""
+    names = _RESERVED.get(type(tokenizer))
+    if names is None:
+        names = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+        _RESERVED[type(tokenizer)] = names
+    return names
+
+
+_RESERVED: dict[type, frozenset[str]] = {}
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer, template_file: Path | None = None) -> None:
+        self.tokenizer = tokenizer
+        if template_file is not None:
+            self.template = Path(template_file).read_text()
+            self.source = f"file {template_file}"
+        elif getattr(tokenizer, "chat_template", None):
+            self.template = None  # the tokenizer's own
+            self.source = "the model's"
+        else:
+            self.template = FALLBACK_TEMPLATE
+            self.source = "the plain fallback"
+        self.is_fallback = self.template is FALLBACK_TEMPLATE
+
+    @property
+    def default_stop(self) -> tuple[str, ...]:
+        return FALLBACK_STOP if self.is_fallback else ()
+
+    def render(self, messages: Sequence[dict[str, Any]], tools: list | None = None, **template_kwargs: Any) -> str:
+        """The prompt text, ready for the assistant's turn. Raises ValueError if the template refuses."""
+        import jinja2
+
+        kwargs = dict(template_kwargs)
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
+        # Template variables only: nothing that would change how apply_chat_template works.
+        kwargs = {k: v for k, v in kwargs.items() if k not in _reserved_names(self.tokenizer)}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=self.template,
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template ({self.source}) refused the messages: {e}") from e
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        # The rendered text already holds every special token the template wants (BOS included).
+        return list(self.tokenizer.encode(text, add_special_tokens=False))

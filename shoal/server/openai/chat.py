@@ -1,0 +1,210 @@
+"""POST /v1/chat/completions: messages -> template -> GenerationRequest -> chat.completion(.chunk)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from shoal.server.errors import APIError, bad_request
+from shoal.server.openai.common import (
+    chat_logprobs,
+    check_prompt,
+    finish_reason,
+    new_id,
+    now,
+    resolve_params,
+    usage,
+)
+from shoal.server.openai.protocol import ChatCompletionRequest, ChatMessage
+from shoal.server.reasoning import ReasoningSplitter, Split, split_reasoning
+from shoal.server.sse import DONE, DeltaEncoder, encode_event
+from shoal.server.streams import ClientDisconnected, RequestTracker, engine_error, merged, run_to_end
+from shoal.types import GenerationRequest
+
+_IMAGE_PARTS = {"image_url", "image", "input_image"}
+_AUDIO_PARTS = {"input_audio", "audio"}
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the template sees them: string content, `developer` as `system`."""
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, i)}
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            value = getattr(m, key)
+            if value is not None:
+                d[key] = value
+        out.append(d)
+    return out
+
+
+def _text(content, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        where = f"messages[{i}].content[{j}]"
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}.text must be a string", f"{where}.text")
+            texts.append(part["text"])
+        elif kind in _IMAGE_PARTS:
+            raise bad_request(f"this model does not accept images ({where} is an {kind} part)", where)
+        elif kind in _AUDIO_PARTS:
+            raise bad_request(f"this model does not accept audio ({where} is an {kind} part)", where)
+        else:
+            raise bad_request(f"{where}.type {kind!r} is not supported (use 'text')", f"{where}.type")
+    return "\n".join(texts)
+
+
+def render_chat(state, messages: list[ChatMessage], template_kwargs: dict | None, tools=None, add_generation_prompt=None) -> tuple[str, list[int]]:
+    kwargs = dict(template_kwargs or {})
+    if add_generation_prompt is not None:
+        kwargs["add_generation_prompt"] = add_generation_prompt
+    try:
+        text = state.renderer.render(message_dicts(messages), tools=tools, **kwargs)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    return text, state.renderer.encode(text)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, http: Request, state) -> JSONResponse | StreamingResponse:
+    state.admit(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    text, ids = render_chat(state, body.messages, body.chat_template_kwargs, body.tools, body.add_generation_prompt)
+    params = resolve_params(
+        body,
+        state,
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        default_max_tokens=None,  # up to the context limit
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        extra_stop=state.renderer.default_stop,
+    )
+    rid = new_id("chatcmpl")
+    req = GenerationRequest(rid, tuple(ids), params, priority=body.priority or 0, prompt=text, arrival_time=time.monotonic())
+    check_prompt(state, req, "messages")
+    chat = _Chat(state, rid, body, req)
+    if body.stream:
+        return StreamingResponse(chat.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await chat.complete(http)
+
+
+class _Chat:
+    def __init__(self, state, rid: str, body: ChatCompletionRequest, req: GenerationRequest) -> None:
+        self.state = state
+        self.rid = rid
+        self.body = body
+        self.req = req
+        self.tracker: RequestTracker | None = None  # made when the work starts (a stream may never start)
+        self.created = now()
+        self.parser = state.settings.reasoning_parser
+        self.text_of = state.token_strings if req.params.logprobs is not None else None
+
+    def _chunk(self, choices: list[dict], **extra) -> dict:
+        return {
+            "id": self.rid,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            **extra,
+        }
+
+    # ------------------------------------------------------------ non-streaming
+    async def complete(self, http: Request) -> JSONResponse:
+        self.tracker = RequestTracker(self.state, self.rid, [self.req])
+        try:
+            (out,) = await run_to_end(self.state.aengine, [self.req], http, self.tracker)
+        except ClientDisconnected:
+            self.tracker.finish("disconnected")
+            raise
+        except APIError:
+            self.tracker.finish("error")
+            raise
+        except Exception as e:
+            self.tracker.finish("error")
+            raise engine_error(e) from None
+        choices = []
+        for c in out.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if self.parser:
+                split = split_reasoning(self.parser, c.text)
+                message = {"role": "assistant", "content": split.content, "reasoning_content": split.reasoning or None}
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(c.logprobs, self.text_of) if c.logprobs is not None and self.text_of else None,
+                    "finish_reason": finish_reason(c.finish_reason),
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        self.tracker.finish("ok")
+        return JSONResponse(
+            {
+                "id": self.rid,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.state.model_name,
+                "choices": choices,
+                "usage": usage([out]),
+            }
+        )
+
+    # ------------------------------------------------------------ streaming
+    async def stream(self) -> AsyncIterator[bytes]:
+        self.tracker = RequestTracker(self.state, self.rid, [self.req])
+        n = self.req.params.n
+        fast = DeltaEncoder(
+            lambda key, text: self._chunk([{"index": key[0], "delta": {key[1]: text}, "logprobs": None, "finish_reason": None}])
+        )
+        splitters = [ReasoningSplitter(self.parser) for _ in range(n)] if self.parser else None
+        sent_logprobs = [0] * n
+        finished = [False] * n
+        last = None
+        outcome = "disconnected"  # unless the loop below ends normally
+        try:
+            for i in range(n):
+                yield encode_event(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+            async with aclosing(merged(self.state.aengine, [self.req])) as outputs:
+                async for _, out in outputs:
+                    self.tracker.observe(0, out)
+                    last = out
+                    for c in out.outputs:
+                        i = c.index
+                        if finished[i]:
+                            continue
+                        split = splitters[i].feed(c.delta_text, final=c.finished) if splitters else Split(content=c.delta_text)
+                        new_lps = c.logprobs[sent_logprobs[i] :] if c.logprobs is not None else []
+                        sent_logprobs[i] += len(new_lps)
+                        if new_lps and self.text_of is not None:
+                            delta = {k: v for k, v in (("reasoning_content", split.reasoning), ("content", split.content)) if v}
+                            yield encode_event(self._chunk([{"index": i, "delta": delta, "logprobs": chat_logprobs(new_lps, self.text_of), "finish_reason": None}]))
+                        else:
+                            if split.reasoning:
+                                yield fast.encode((i, "reasoning_content"), split.reasoning)
+                            if split.content:
+                                yield fast.encode((i, "content"), split.content)
+                        if c.finished:
+                            finished[i] = True
+                            yield encode_event(self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}]))
+            if self.body.stream_options is not None and self.body.stream_options.include_usage and last is not None:
+                yield encode_event(self._chunk([], usage=usage([last])))
+            outcome = "ok"
+            yield DONE
+        except Exception as e:
+            outcome = "error"
+            err = engine_error(e)
+            yield encode_event(err.body())
+            yield DONE
+        finally:
+            self.tracker.finish(outcome)

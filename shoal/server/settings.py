@@ -1,0 +1,105 @@
+"""Server settings: one frozen dataclass, validated on construction, never mutated.
+
+These are the HTTP side's knobs (address, access, limits) and the server-level
+sampling defaults. Engine settings stay in `shoal.config.EngineConfig`.
+
+Sampling defaults are `None` unless set: a `None` means "no opinion here", so
+the next level down applies. The chain for every sampling field is
+
+    request field > ServerSettings > the model's generation_config > built-in default
+
+(the lesson of seeds/002: a default of `False` or `1.0` at any level above the
+bottom would silently hide every level below it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from shoal.types import SamplingParams
+
+# Fields of ServerSettings that are server-level sampling defaults, named as in
+# SamplingParams.
+SAMPLING_DEFAULT_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication; never in logs
+    allowed_origins: tuple[str, ...] = ()  # CORS; none by default
+    # A chat request is a few KB; 32 MiB leaves room for very long prompts while
+    # refusing accidental (or hostile) giant bodies before they are parsed.
+    max_request_bytes: int = 32 << 20
+    max_waiting: int | None = None  # refuse new requests (503) while this many wait; None: no limit
+    served_model_name: str | None = None  # default: the --model value
+    chat_template: Path | None = None  # a Jinja file that replaces the model's template
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think>...</think> out
+    log_requests: bool = True  # one INFO line per request
+    # Server-level stopping defaults.
+    ignore_eos: bool | None = None
+    stop: tuple[str, ...] | None = None
+    # Server-level sampling defaults (None: the model's, then the built-in).
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.allowed_origins, str):
+            object.__setattr__(self, "allowed_origins", (self.allowed_origins,))
+        else:
+            object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", Path(self.chat_template))
+        if self.api_key == "":
+            object.__setattr__(self, "api_key", None)
+        errors = []
+        if not 0 <= self.port <= 65535:
+            errors.append(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_bytes < 1:
+            errors.append(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            errors.append(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            errors.append(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            errors.append(f"max_tokens must be at least 1, got {self.max_tokens}")
+        try:  # the server's sampling defaults must make valid SamplingParams on their own
+            SamplingParams(**self.sampling_defaults)
+        except ValueError as e:
+            errors.append(f"invalid server sampling default: {e}")
+        if self.chat_template is not None and not self.chat_template.is_file():
+            errors.append(f"chat_template file {self.chat_template} does not exist")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The server-level sampling defaults that are set."""
+        return {k: getattr(self, k) for k in SAMPLING_DEFAULT_FIELDS if getattr(self, k) is not None}
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

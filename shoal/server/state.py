@@ -1,0 +1,178 @@
+"""What the HTTP side holds: the engine (once loaded), its names, the chat renderer, counters.
+
+Handlers read the engine only through its public surface: `validate`,
+`num_running`/`num_waiting`, `stats`, `pool`, `tokenizer`, `max_model_len`,
+`checkpoint_info`; requests go through the `AsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.config import EngineConfig
+from shoal.server.chat_template import ChatRenderer
+from shoal.server.errors import APIError, unavailable
+from shoal.server.openai.common import TokenStrings
+from shoal.server.settings import ServerSettings
+
+log = logging.getLogger("shoal.server")
+
+# Seconds a client is told to wait (Retry-After) while the model loads / the queue is full.
+RETRY_LOADING_S = 5
+RETRY_OVERLOADED_S = 1
+
+
+@dataclass
+class ServerCounters:
+    """Plain counters of the HTTP side; /stats reads them."""
+
+    total_requests: int = 0  # generation requests accepted (chat + completions)
+    in_flight: int = 0
+    finished_requests: int = 0
+    client_disconnects: int = 0  # requests aborted because their client went away
+    failed_requests: int = 0  # engine failures (500)
+    rejected_overloaded: int = 0  # 503s for --max-waiting
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.status = "loading"  # loading | ok | failed
+        self.load_error: str | None = None
+        self.engine = None
+        self.aengine = None
+        self.renderer: ChatRenderer | None = None
+        self.token_strings: TokenStrings | None = None  # token id -> text, for logprobs
+        self.model_name = settings.served_model_name or "shoal"
+        self.model_aliases: frozenset[str] = frozenset()
+        self.generation_defaults: dict = {}
+        self.created = int(time.time())
+        self.counters = ServerCounters()
+
+    # ------------------------------------------------------------ life cycle
+    async def load(self, config: EngineConfig, on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Build the engine in a worker thread, so /health answers meanwhile."""
+        from shoal.engine.engine import Engine
+
+        if self.settings.served_model_name is None:
+            self.model_name = config.model
+        t0 = time.perf_counter()
+        try:
+            engine = await asyncio.to_thread(Engine.from_config, config)
+            self.attach(engine)
+        except Exception as e:  # anything: the server must say so, not die silently
+            self.status = "failed"
+            self.load_error = f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, FileNotFoundError)) else str(e)
+            log.error("the model failed to load: %s", self.load_error)
+            if on_error is not None:
+                on_error(e)
+            return
+        log.info("model %s ready in %.1f s; serving as %r", config.model, time.perf_counter() - t0, self.model_name)
+
+    def attach(self, engine) -> None:
+        from shoal.engine.async_engine import AsyncEngine
+
+        self.engine = engine
+        info = getattr(engine, "checkpoint_info", None)
+        model_arg = engine.config.model
+        if self.settings.served_model_name is None:
+            self.model_name = model_arg
+        names = {self.model_name, model_arg}
+        path = getattr(info, "path", None)
+        if path is not None:
+            path = Path(path)
+            names |= {str(path), path.name, path.stem}
+            if path.is_file():  # a .gguf: its folder names it too
+                names.add(str(path.parent))
+        self.model_aliases = frozenset(names)
+        self.generation_defaults = dict(getattr(info, "generation_defaults", None) or {})
+        self.renderer = ChatRenderer(engine.tokenizer, self.settings.chat_template)
+        self.token_strings = TokenStrings(engine.tokenizer)
+        self.aengine = AsyncEngine(engine)
+        self.status = "ok"
+        log.info("chat template: %s", self.renderer.source)
+
+    def shutdown(self) -> None:
+        if self.aengine is not None:
+            self.aengine.shutdown()
+
+    # ------------------------------------------------------------ checks for handlers
+    def require_engine(self) -> None:
+        if self.status == "loading":
+            raise unavailable("the model is still loading; try again shortly", RETRY_LOADING_S, "model_loading")
+        if self.status == "failed":
+            raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
+
+    def check_model(self, name: str | None) -> None:
+        if name is None or name == "" or name in self.model_aliases:
+            return
+        raise APIError(
+            404,
+            f"model {name!r} does not exist: this server serves {self.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_capacity(self) -> None:
+        limit = self.settings.max_waiting
+        if limit is not None and self.engine.num_waiting >= limit:
+            self.counters.rejected_overloaded += 1
+            raise unavailable(
+                f"the server is overloaded: {self.engine.num_waiting} requests are waiting "
+                f"(--max-waiting {limit}); try again shortly",
+                RETRY_OVERLOADED_S,
+                "server_overloaded",
+            )
+
+    def admit(self, model: str | None) -> None:
+        """Everything a generation request is checked for before its body is looked at closely."""
+        self.require_engine()
+        self.check_model(model)
+        self.check_capacity()
+
+    # ------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        c = self.counters
+        out = {
+            "status": self.status,
+            "model": self.model_name,
+            "total_requests": c.total_requests,
+            "in_flight_requests": c.in_flight,
+            "finished_requests": c.finished_requests,
+            "client_disconnects": c.client_disconnects,
+            "failed_requests": c.failed_requests,
+            "rejected_overloaded": c.rejected_overloaded,
+        }
+        e = self.engine
+        if e is None:
+            return out
+        s = e.stats
+        out.update(
+            active_requests=e.num_running,
+            waiting_requests=e.num_waiting,
+            aborted_requests=s.requests_aborted,
+            cache_usage=round(e.pool.usage, 4),
+            free_blocks=e.pool.num_free,
+            total_blocks=e.pool.num_blocks,
+            tokens_generated=s.generated_tokens,
+            prompt_tokens=s.prompt_tokens,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+            max_model_len=e.max_model_len,
+            engine=dataclasses.asdict(s) if dataclasses.is_dataclass(s) else {},
+        )
+        if e.prefix_cache is not None:
+            pc = e.prefix_cache.stats
+            out["prefix_cache"] = dict(
+                dataclasses.asdict(pc),
+                hits=pc.hits,
+                token_hit_rate=round(pc.token_hit_rate, 4),
+                cached_bytes=pc.cached_bytes,
+                pool_bytes=pc.pool_bytes,
+            )
+        return out

@@ -1,0 +1,171 @@
+"""Running GenerationRequests for an HTTP request: merged streams, disconnects, the log line.
+
+Protocol-neutral: the adapters build the requests and format what comes back.
+A request is aborted in the engine when its consumer goes away: closing or
+cancelling `AsyncEngine.generate`'s iterator sends the abort, applied at the
+engine's next step. For streaming responses Starlette cancels the body
+iterator when the client disconnects; non-streaming handlers watch the
+connection themselves (`run_to_end`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+
+from starlette.requests import Request
+
+from shoal.engine.async_engine import EngineDeadError
+from shoal.server.errors import APIError
+from shoal.types import GenerationRequest, RequestOutput
+
+log = logging.getLogger("shoal.server")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def merged(aengine, requests: Sequence[GenerationRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index of the request, output) as they come, from one or several requests."""
+    if len(requests) == 1:
+        async with aclosing(aengine.generate(requests[0])) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req: GenerationRequest) -> None:
+        try:
+            async with aclosing(aengine.generate(req)) as gen:
+                async for out in gen:
+                    queue.put_nowait((i, out))
+        except BaseException as e:  # handed to the consumer, cancellation included
+            queue.put_nowait((i, e))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    remaining = len(requests)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield i, item
+            if item.finished:
+                remaining -= 1
+    finally:
+        # No await here: this may run inside a cancelled scope. Cancelled pumps
+        # close their generators, which abort their requests.
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_to_end(aengine, requests: Sequence[GenerationRequest], http: Request, tracker: RequestTracker) -> list[RequestOutput]:
+    """Every request's final output; aborts them all if the client goes away first."""
+
+    async def consume() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(requests)
+        async with aclosing(merged(aengine, requests)) as stream:
+            async for i, out in stream:
+                tracker.observe(i, out)
+                if out.finished:
+                    finals[i] = out
+        return finals  # type: ignore[return-value]
+
+    work = asyncio.create_task(consume())
+    watcher = asyncio.create_task(wait_for_disconnect(http))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()  # closes the generators: the engine aborts the requests
+        watcher.cancel()
+    if not work.done():
+        try:
+            await work
+        except asyncio.CancelledError:
+            pass
+        raise ClientDisconnected()
+    return work.result()
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """An exception out of the engine as the error the client gets."""
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, str(exc), code="engine_failure")
+    return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_failure")
+
+
+class RequestTracker:
+    """One HTTP request's timings and token counts, logged as one line when it ends."""
+
+    def __init__(self, state, request_id: str, requests: Sequence[GenerationRequest]) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.start = time.monotonic()
+        self.first_token: float | None = None
+        self.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+        self.last: list[RequestOutput | None] = [None] * len(requests)
+        self.done = False
+        state.counters.total_requests += 1
+        state.counters.in_flight += 1
+        if log.isEnabledFor(logging.DEBUG):
+            for r in requests:
+                log.debug("%s prompt token ids (%d): %s", r.request_id, len(r.prompt_token_ids), list(r.prompt_token_ids))
+                if r.prompt is not None:
+                    log.debug("%s rendered prompt: %r", r.request_id, r.prompt)
+
+    def observe(self, i: int, out: RequestOutput) -> None:
+        if self.first_token is None and any(o.token_ids for o in out.outputs):
+            self.first_token = time.monotonic()
+        self.last[i] = out
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(o.num_cached_tokens for o in self.last if o is not None)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(o.num_generated_tokens for o in self.last if o is not None)
+
+    def finish(self, outcome: str) -> None:
+        """outcome: "ok", "disconnected" or "error"."""
+        if self.done:
+            return
+        self.done = True
+        c = self.state.counters
+        c.in_flight -= 1
+        if outcome == "ok":
+            c.finished_requests += 1
+        elif outcome == "disconnected":
+            c.client_disconnects += 1
+        else:
+            c.failed_requests += 1
+        if not self.state.settings.log_requests:
+            return
+        elapsed = time.monotonic() - self.start
+        reasons = sorted({str(o.finish_reason.value) for r in self.last if r is not None for o in r.outputs if o.finish_reason})
+        finish = {"ok": ",".join(reasons) or "none", "disconnected": "client_disconnected"}.get(outcome, "error")
+        ttft = f"{self.first_token - self.start:.3f}s" if self.first_token is not None else "-"
+        n = self.completion_tokens
+        log.info(
+            "%s model=%s prompt=%d cached=%d completion=%d ttft=%s total=%.3fs %.1f tok/s finish=%s",
+            self.request_id, self.state.model_name, self.prompt_tokens, self.cached_tokens, n, ttft, elapsed,
+            n / elapsed if elapsed > 0 else 0.0, finish,
+        )
