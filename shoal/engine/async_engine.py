@@ -40,6 +40,8 @@ class AsyncEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._queued_adds = 0  # submitted, not yet handed to the engine
         self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -51,6 +53,8 @@ class AsyncEngine:
         """
         self.engine.validate(request)  # read-only: safe from this thread
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._queued_adds += 1
         self._inbox.put(("add", request, sink))
         finished = False
         try:
@@ -68,6 +72,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to run: in the engine's queue, or submitted and not yet taken in."""
+        return self.engine.num_waiting + self._queued_adds
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -102,6 +111,8 @@ class AsyncEngine:
         while True:
             kind, arg, sink = cmd
             if kind == "add":
+                with self._lock:
+                    self._queued_adds -= 1
                 try:
                     self.engine.add_request(arg)
                     self._sinks[arg.request_id] = sink

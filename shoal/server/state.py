@@ -121,10 +121,11 @@ class ServerState:
 
     def check_capacity(self) -> None:
         limit = self.settings.max_waiting
-        if limit is not None and self.engine.num_waiting >= limit:
+        waiting = self.aengine.num_waiting if self.aengine is not None else 0
+        if limit is not None and waiting >= limit:
             self.counters.rejected_overloaded += 1
             raise unavailable(
-                f"the server is overloaded: {self.engine.num_waiting} requests are waiting "
+                f"the server is overloaded: {waiting} requests are waiting "
                 f"(--max-waiting {limit}); try again shortly",
                 RETRY_OVERLOADED_S,
                 "server_overloaded",
@@ -155,7 +156,7 @@ class ServerState:
         s = e.stats
         out.update(
             active_requests=e.num_running,
-            waiting_requests=e.num_waiting,
+            waiting_requests=self.aengine.num_waiting if self.aengine is not None else e.num_waiting,
             aborted_requests=s.requests_aborted,
             cache_usage=round(e.pool.usage, 4),
             free_blocks=e.pool.num_free,
