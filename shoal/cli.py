@@ -308,18 +308,14 @@ def _request_params(a: argparse.Namespace) -> dict:
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 
-def cmd_chat(a: argparse.Namespace) -> int:
-    from shoal.client import ClientError
+def converse(reply, system: str | None, *, interactive: bool = True) -> int:
+    """The terminal chat loop of `chat` (over HTTP) and `repl` (in-process).
 
-    client = _client(a)
-    model = a.model or client.default_model()
-    params = _request_params(a)
-    system = a.system
+    /reset clears the conversation, /system TEXT sets the system prompt, /quit
+    leaves. `reply(conversation)` prints and returns the assistant's text, or
+    None when the turn failed: the user's message is then dropped.
+    """
     messages: list[dict] = []
-    out = sys.stdout
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print(f"shoal chat with {model} at {client.url}: /reset clears the conversation, /system TEXT sets the system prompt, /quit leaves.")
     while True:
         try:
             line = input("you> " if interactive else "")
@@ -342,21 +338,40 @@ def cmd_chat(a: argparse.Namespace) -> int:
             print(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)")
             continue
         messages.append({"role": "user", "content": line})
-        convo = ([{"role": "system", "content": system}] if system else []) + messages
-        out.write("model> ")
-        out.flush()
+        sys.stdout.write("model> ")
+        sys.stdout.flush()
+        text = reply(([{"role": "system", "content": system}] if system else []) + messages)
+        if text is None:
+            messages.pop()
+        else:
+            messages.append({"role": "assistant", "content": text})
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from shoal.client import ClientError
+
+    client = _client(a)
+    model = a.model or client.default_model()
+    params = _request_params(a)
+    out = sys.stdout
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"shoal chat with {model} at {client.url}: /reset clears the conversation, /system TEXT sets the system prompt, /quit leaves.")
+
+    def reply(convo: list[dict]) -> str | None:
         try:
-            reply, usage = _print_stream(client.chat(convo, model=model, **params), out)
+            text, usage = _print_stream(client.chat(convo, model=model, **params), out)
         except ClientError as e:
             if "not reachable" in str(e):
                 raise
             out.write("\n")
             print(f"shoal: {e}", file=sys.stderr)  # the conversation goes on without this turn
-            messages.pop()
-            continue
-        messages.append({"role": "assistant", "content": reply})
+            return None
         if a.show_usage and usage:
             _print_usage(usage, out)
+        return text
+
+    return converse(reply, a.system, interactive=interactive)
 
 
 def cmd_complete(a: argparse.Namespace) -> int:
@@ -445,38 +460,14 @@ def cmd_repl(a: argparse.Namespace) -> int:
 
     engine = Engine.from_config(engine_config(a))
     params = sampling_params(a)
-    system = a.system
-    messages: list[dict] = []
     ids = itertools.count()
     print("shoal repl: type a message; /reset clears the conversation, /system TEXT sets the system prompt, /quit leaves.")
-    while True:
-        try:
-            line = input("you> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if not line:
-            continue
-        if line in ("/quit", "/exit"):
-            return 0
-        if line == "/reset":
-            messages = []
-            print("(conversation cleared)")
-            continue
-        if line.startswith("/system"):
-            system = line[len("/system") :].strip() or None
-            messages = []
-            print(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)")
-            continue
-        messages.append({"role": "user", "content": line})
-        convo = ([{"role": "system", "content": system}] if system else []) + messages
+
+    def reply(convo: list[dict]) -> str:
         prompt = apply_chat_template(engine.tokenizer, convo)
-        sys.stdout.write("model> ")
-        reply = stream(engine, GenerationRequest(f"repl-{next(ids)}", tuple(prompt), params))
-        messages.append({"role": "assistant", "content": reply})
+        return stream(engine, GenerationRequest(f"repl-{next(ids)}", tuple(prompt), params))
 
-
-# ---------------------------------------------------------------- parser
+    return converse(reply, a.system)
 
 
 def build_parser() -> argparse.ArgumentParser:
