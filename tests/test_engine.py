@@ -256,3 +256,23 @@ def test_aborting_a_beam_search_request_frees_its_beams(model_path):
     (out,) = eng.step()
     assert out.finished and out.request_id == "beam"
     assert not eng.has_unfinished() and eng.pool.num_free == 64
+
+
+def test_beam_search_applies_logits_processors_like_transformers(model_path):
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    llm = LLM(model_path, num_blocks=128, block_size=4, max_model_len=128)
+    p = prompts(2)[1]
+    params = SamplingParams(num_beams=3, n=2, max_tokens=8, ignore_eos=True, no_repeat_ngram_size=1, repetition_penalty=1.5)
+    out = llm.generate([p], params)[0]
+    ref = hf.generate(
+        torch.tensor([p]), num_beams=3, num_return_sequences=2, max_new_tokens=8, do_sample=False, eos_token_id=None,
+        pad_token_id=0, early_stopping=False, no_repeat_ngram_size=1, repetition_penalty=1.5,
+    )[:, len(p):].tolist()
+    assert [o.token_ids for o in out.outputs] == ref
+    assert all(len(set(o.token_ids) | set(p)) == len(p) + 8 for o in out.outputs)  # really no repeats
+    # A bias that makes EOS the best continuation ends the best hypothesis at once.
+    eos = llm.generate([p], SamplingParams(num_beams=2, max_tokens=6, logit_bias={0: 50.0}))[0].outputs[0]
+    assert (eos.token_ids, eos.finish_reason) == ([0], FinishReason.STOP)

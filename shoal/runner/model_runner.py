@@ -7,14 +7,14 @@ sampler only consume them. The runner makes no scheduling decisions.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from shoal.config import CacheConfig
 from shoal.model.attention import AttentionMetadata, ChunkMeta
 from shoal.model.layers import DecoderForCausalLM
-from shoal.runner.sampler import SamplerRow, SamplingBatch, sample
+from shoal.runner.sampler import SamplerRow, SamplingBatch, process_logits, sample
 from shoal.types import Logprob, SampledToken, ScheduledSeq, StepPlan
 
 log = logging.getLogger("shoal.runner")
@@ -169,6 +169,8 @@ class ModelRunner:
         rows = []
         for s in seqs:
             p = s.params
+            if p.use_beam_search:
+                p = replace(p, temperature=0.0)  # beams pick by score: processors apply, warpers do not
             gen = None if p.greedy or s.seed is None else seeded_generator(s.seed, s.num_sampled, self.device)
             hist = s.history
             rows.append(
@@ -188,6 +190,15 @@ class ModelRunner:
         logprobs = out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        beam_rows = [i for i, s in enumerate(seqs) if s.params.use_beam_search]
+        if beam_rows:
+            # Beams rank continuations by the logits processors (penalties, bias,
+            # bans) applied to the logprobs, not renormalized: transformers' beam search.
+            idx = torch.tensor(beam_rows, device=self.device)
+            k = max(rows[i].num_logprobs for i in beam_rows)
+            best = process_logits(torch.log_softmax(logits.float(), dim=-1), batch)[idx].topk(k)
+            for i, ids, lps in zip(beam_rows, best.indices.tolist(), best.values.tolist()):
+                top_ids[i], top_lps[i] = ids, lps
         result = []
         for i, s in enumerate(seqs):
             k = rows[i].num_logprobs
