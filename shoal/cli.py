@@ -4,6 +4,7 @@
     shoal chat                      # multi-turn chat with a running server (/reset, /system TEXT, /quit)
     shoal complete "Once upon a time" --max-tokens 64
     shoal models
+    shoal bench --base-url http://127.0.0.1:8000/v1 --workload random --concurrency 1 8 32 --out results.json
     shoal generate "The capital of France is" --max-tokens 32    # in-process, no server
     shoal repl                      # in-process chat, no server
 
@@ -44,6 +45,8 @@ class Opt:
     help: str = ""
     kind: str = "value"  # value | bool (BooleanOptionalAction) | flag (store_true) | list (repeatable)
     choices: tuple | None = None
+    nargs: Any = None  # for kind value: argparse's nargs ("+", 2, ...)
+    metavar: Any = None
 
     @property
     def key(self) -> str:
@@ -118,6 +121,30 @@ CLIENT_SAMPLING_OPTS = [
 ]
 
 
+# For `shoal bench` (a load generator for any OpenAI-compatible server).
+BENCH_OPTS = [
+    Opt("--base-url", os.environ.get("SHOAL_URL", "http://127.0.0.1:8000").rstrip("/").removesuffix("/v1") + "/v1", str,
+        "the server's OpenAI API root (default $SHOAL_URL/v1 or http://127.0.0.1:8000/v1)"),
+    Opt("--api-key", None, str, "API key (default $SHOAL_API_KEY or $OPENAI_API_KEY)"),
+    Opt("--model", None, str, "model name (default: the server's first)"),
+    Opt("--workload", "random", str, "what to send", choices=("random", "chat", "agentic", "file")),
+    Opt("--file", None, str, "JSONL for --workload file: one {\"prompt\": ...} or {\"messages\": [...]} per line"),
+    Opt("--concurrency", [1], int, "requests in flight; several levels make several runs", nargs="+", metavar="N"),
+    Opt("--request-rate", None, float, "Poisson arrivals at this many requests/s instead of --concurrency"),
+    Opt("--num-requests", 32, int, "requests per run"),
+    Opt("--seed", 0, int, "seed of the prompts, lengths and arrivals"),
+    Opt("--max-tokens", 128, int, "max_tokens of the chat, agentic and file workloads"),
+    Opt("--input-len", [128, 128], int, "random workload: prompt length range in tokens (about one word each)", nargs=2, metavar=("MIN", "MAX")),
+    Opt("--output-len", [128, 128], int, "random workload: output length range (exact: ignore_eos)", nargs=2, metavar=("MIN", "MAX")),
+    Opt("--turns", 4, int, "agentic workload: turns per conversation"),
+    Opt("--endpoint", "chat", str, "chat (/chat/completions) or completions (/completions, prompts only)", choices=("chat", "completions")),
+    Opt("--temperature", None, float, "sent when given"),
+    Opt("--timeout", 600.0, float, "seconds before a request counts as failed"),
+    Opt("--progress", True, None, "progress bar on stderr (default: on)", kind="bool"),
+    Opt("--out", None, str, "write the results (runs, per-request records, machine, args) as JSON here"),
+]
+
+
 def _add_opts(group, opts: list[Opt], suppress: bool) -> None:
     for o in opts:
         default = argparse.SUPPRESS if suppress else o.default
@@ -131,7 +158,8 @@ def _add_opts(group, opts: list[Opt], suppress: bool) -> None:
         elif o.kind == "list":
             group.add_argument(o.flag, dest=o.key, action="append", type=o.type, default=default, help=help, metavar=o.key.upper())
         else:
-            group.add_argument(o.flag, dest=o.key, type=o.type, default=default, choices=o.choices, help=help)
+            extra = {k: getattr(o, k) for k in ("nargs", "metavar") if getattr(o, k) is not None}
+            group.add_argument(o.flag, dest=o.key, type=o.type, default=default, choices=o.choices, help=help, **extra)
 
 
 def _defaults(opts: list[Opt]) -> dict:
@@ -383,6 +411,20 @@ def cmd_complete(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from shoal.bench import BenchConfig, format_table, run
+
+    values = {o.key: getattr(a, o.key) for o in BENCH_OPTS}
+    values["api_key"] = values["api_key"] or os.environ.get("SHOAL_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    values["input_len"] = tuple(values["input_len"])
+    values["output_len"] = tuple(values["output_len"])
+    result = run(BenchConfig(**values))
+    print(format_table(result))
+    if a.out:
+        print(f"results written to {a.out}")
+    return 1 if result["runs"] and all(r["completed"] == 0 for r in result["runs"]) else 0
+
+
 def cmd_models(a: argparse.Namespace) -> int:
     for m in _client(a).models():
         extra = f"  (max_model_len {m['max_model_len']})" if m.get("max_model_len") else ""
@@ -514,6 +556,16 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the models a running server serves")
     client_args(m)
     m.set_defaults(func=cmd_models)
+
+    b = sub.add_parser(
+        "bench",
+        help="load-test a running OpenAI-compatible server (TTFT, TPOT, ITL, throughput)",
+        description="Send a workload to any OpenAI-compatible server, streaming every request, and report request and token "
+        "throughput and p50/p90/p99 of TTFT, TPOT and ITL (one run per --concurrency level, or Poisson arrivals at --request-rate).",
+    )
+    log_level(b)
+    _add_opts(b, BENCH_OPTS, suppress=False)
+    b.set_defaults(func=cmd_bench)
 
     g = sub.add_parser("generate", help="complete one prompt in-process (no server), streamed to the terminal")
     g.add_argument("prompt")
