@@ -75,10 +75,6 @@ class Scheduler:
     def get(self, seq_id: int) -> Sequence | None:
         return self._by_id.get(seq_id)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
