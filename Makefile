@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.setup-done
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test bench bench-peers peers clean
 
 setup: $(STAMP)
 
@@ -28,5 +28,13 @@ bench: setup
 	$(VPY) benchmarks/offline_throughput.py
 	$(VPY) benchmarks/agentic_prefix.py
 
+# The peers (transformers serve, llama-cpp-python, llama.cpp's llama-server) live in .peers/,
+# apart from .venv; building llama.cpp twice takes a while on 2 cores. Nothing in `make test` needs them.
+peers: setup
+	bash benchmarks/peers/setup.sh
+
+bench-peers: peers
+	$(VPY) benchmarks/compare_peers.py
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .peers

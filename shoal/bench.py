@@ -334,6 +334,9 @@ class BenchConfig:
     turns: int = 4  # agentic: turns per conversation
     endpoint: str = "chat"  # chat (/chat/completions) or completions (/completions; prompts only)
     temperature: float | None = None
+    # merged into every request body last, for a server's own fields; a key set to None removes that field
+    # (e.g. {"ignore_eos": None, "logit_bias": {"2": -100}} for a server that has no ignore_eos)
+    extra_body: dict | None = None
     api_key: str | None = None
     timeout: float = 600.0
     progress: bool = True
@@ -366,6 +369,11 @@ async def send(http, cfg: BenchConfig, model: str, item: Item) -> tuple[RequestR
         body["ignore_eos"] = True
     if cfg.temperature is not None:
         body["temperature"] = cfg.temperature
+    for key, value in (cfg.extra_body or {}).items():
+        if value is None:
+            body.pop(key, None)
+        else:
+            body[key] = value
     res = RequestResult(ok=False, conversation=item.conversation, turn=item.turn)
     text: list[str] = []
     t0 = time.perf_counter()
@@ -518,6 +526,8 @@ async def run_async(cfg: BenchConfig) -> dict:
         raise ValueError(f"unknown workload {cfg.workload!r} (choose from {', '.join(WORKLOADS)})")
     if cfg.endpoint not in ("chat", "completions"):
         raise ValueError("--endpoint is chat or completions")
+    if cfg.extra_body is not None and not isinstance(cfg.extra_body, dict):
+        raise ValueError("--extra-body must be a JSON object")
     if cfg.request_rate is not None and cfg.request_rate <= 0:
         raise ValueError("--request-rate must be > 0")
     if cfg.request_rate is None and (not cfg.concurrency or min(cfg.concurrency) < 1):

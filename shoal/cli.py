@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import logging
 import os
 import socket
@@ -139,6 +140,7 @@ BENCH_OPTS = [
     Opt("--turns", 4, int, "agentic workload: turns per conversation"),
     Opt("--endpoint", "chat", str, "chat (/chat/completions) or completions (/completions, prompts only)", choices=("chat", "completions")),
     Opt("--temperature", None, float, "sent when given"),
+    Opt("--extra-body", None, str, "JSON object merged into every request body (a null value removes that field)"),
     Opt("--timeout", 600.0, float, "seconds before a request counts as failed"),
     Opt("--progress", True, None, "progress bar on stderr (default: on)", kind="bool"),
     Opt("--out", None, str, "write the results (runs, per-request records, machine, args) as JSON here"),
@@ -418,6 +420,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
     values["api_key"] = values["api_key"] or os.environ.get("SHOAL_API_KEY") or os.environ.get("OPENAI_API_KEY")
     values["input_len"] = tuple(values["input_len"])
     values["output_len"] = tuple(values["output_len"])
+    if values["extra_body"] is not None:
+        try:
+            values["extra_body"] = json.loads(values["extra_body"])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--extra-body is not valid JSON: {e}") from None
     result = run(BenchConfig(**values))
     print(format_table(result))
     if a.out:

@@ -278,3 +278,23 @@ def test_cli_fails_cleanly_when_no_server():
                        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert p.returncode != 0
     assert "not reachable" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_extra_body_adds_and_removes_fields(fake):
+    fake.reset()
+    extra = {"ignore_eos": None, "logit_bias": {"2": -100}, "temperature": 0.5}
+    result = run(base_url=fake.url, workload="random", concurrency=[2], num_requests=4, input_len=(3, 3),
+                 output_len=(5, 5), extra_body=extra, temperature=0.0, progress=False)
+    assert result["runs"][0]["completed"] == 4
+    for b in fake.bodies:
+        assert "ignore_eos" not in b  # removed by the null
+        assert b["logit_bias"] == {"2": -100} and b["temperature"] == 0.5  # extra_body wins over --temperature
+        assert b["max_tokens"] == 5 and b["stream"] is True
+
+
+def test_cli_rejects_bad_extra_body(fake):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "--base-url", fake.url, "--extra-body", "{nope",
+                        "--no-progress"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert p.returncode == 2
+    assert "--extra-body is not valid JSON" in p.stderr and "Traceback" not in p.stderr
