@@ -259,6 +259,8 @@ def export_hf_folder(gguf: Path, out: Path) -> None:
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = src.config
     config.architectures = ["LlamaForCausalLM"]
+    if hasattr(config, "quantization_config"):  # the weights are saved dequantized: nothing GGUF about the folder
+        del config.quantization_config
     model = LlamaForCausalLM(config).to(torch.float32)
     model.load_state_dict(src.state_dict())
     model.generation_config = src.generation_config

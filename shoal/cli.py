@@ -56,7 +56,8 @@ class Opt:
 
 ENGINE_OPTS = [
     Opt("--model", "smollm2", str, "'smollm2' (default), a .gguf file, or a Hugging Face model folder"),
-    Opt("--dtype", "float32", str, "weights and KV cache dtype", choices=("float32", "bfloat16", "float16")),
+    Opt("--dtype", "auto", str, "weights and KV cache dtype (auto: bfloat16 where the device has native bf16 math, else float32)",
+        choices=("auto", "float32", "bfloat16", "float16")),
     Opt("--device", "auto", str, "cpu, cuda or auto (default)"),
     Opt("--max-model-len", None, int, "context length (default: the model's)"),
     Opt("--kv-cache-memory", "1GiB", str, "KV cache budget on CPU, e.g. 2GiB or 512MiB"),

@@ -64,7 +64,8 @@ class CacheConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # auto: bfloat16 where the device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX), else float32
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # cpu | cuda | auto
     max_model_len: int | None = None  # None: the model's own limit
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -73,7 +74,7 @@ class EngineConfig:
     check_integrity: bool = False  # run the pool's integrity check after every step (tests)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")

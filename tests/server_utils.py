@@ -23,6 +23,8 @@ def tiny_engine_config(model_path, **kw) -> EngineConfig:
     cache = {k: kw.pop(k) for k in list(kw) if k in CacheConfig.__dataclass_fields__}
     cache.setdefault("num_blocks", 512)
     cache.setdefault("block_size", 8)
+    # float32 as the references are: "auto" would pick bfloat16 on CPUs with native bf16
+    top.setdefault("dtype", "float32")
     if kw:
         raise TypeError(f"unknown engine arguments: {sorted(kw)}")
     return EngineConfig(model=str(model_path), scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache), **top)

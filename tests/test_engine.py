@@ -31,7 +31,7 @@ def alone(llm, ps, params=GREEDY):
 
 
 def test_batch_with_chunked_prefill_gives_the_same_greedy_tokens_as_alone(model_path):
-    llm = LLM(model_path, max_num_batched_tokens=24, num_blocks=256, block_size=4, check_integrity=True)
+    llm = LLM(model_path, dtype="float32", max_num_batched_tokens=24, num_blocks=256, block_size=4, check_integrity=True)
     ps = prompts(16)
     batched = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
     assert batched == alone(llm, ps)
@@ -39,8 +39,8 @@ def test_batch_with_chunked_prefill_gives_the_same_greedy_tokens_as_alone(model_
 
 
 def test_preemption_under_a_tiny_pool_gives_uncontended_outputs_and_frees_everything(model_path):
-    big = LLM(model_path, num_blocks=512, block_size=4)
-    small = LLM(model_path, num_blocks=24, block_size=4, max_model_len=64, max_num_batched_tokens=64, check_integrity=True)
+    big = LLM(model_path, dtype="float32", num_blocks=512, block_size=4)
+    small = LLM(model_path, dtype="float32", num_blocks=24, block_size=4, max_model_len=64, max_num_batched_tokens=64, check_integrity=True)
     ps = prompts(32)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in big.generate(ps, params)]
@@ -51,7 +51,7 @@ def test_preemption_under_a_tiny_pool_gives_uncontended_outputs_and_frees_everyt
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model_path):
-    llm = LLM(model_path, num_blocks=256, block_size=4, max_num_batched_tokens=16)
+    llm = LLM(model_path, dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=16)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     p = prompts(3)[2]
     solo = llm.generate([p], seeded)[0].outputs[0].token_ids
@@ -63,7 +63,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model_path):
 
 
 def test_n_choices_share_the_prompt_blocks_and_differ(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128, check_integrity=True)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128, check_integrity=True)
     p = prompts(4)[3]  # 41 tokens: the shared prefix ends mid-block
     out = llm.generate([p], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
@@ -77,7 +77,7 @@ def test_n_choices_share_the_prompt_blocks_and_differ(model_path):
 
 
 def test_n_choices_seeded_are_reproducible(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
     params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
     a = [o.token_ids for o in llm.generate([prompts(1)[0]], params)[0].outputs]
     b = [o.token_ids for o in llm.generate([prompts(1)[0]], params)[0].outputs]
@@ -85,7 +85,7 @@ def test_n_choices_seeded_are_reproducible(model_path):
 
 
 def test_priority_runs_lower_numbers_first(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128, max_num_seqs=1)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128, max_num_seqs=1)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     order = []
     eng = llm.engine
@@ -99,7 +99,7 @@ def test_priority_runs_lower_numbers_first(model_path):
 
 
 def test_stop_token_ids_max_tokens_and_eos_finish_reasons(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
     p = prompts(2)[1]
     free = alone(llm, [p], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
@@ -114,7 +114,7 @@ def test_stop_token_ids_max_tokens_and_eos_finish_reasons(model_path):
 
 
 def test_eos_ends_generation_unless_ignored(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
     p = prompts(3)[0]
     # Force EOS (id 0 in the tiny model) with logit_bias, then check both modes.
     forced = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={0: 100.0})
@@ -129,7 +129,7 @@ def test_eos_ends_generation_unless_ignored(model_path):
 
 
 def test_stop_string_is_trimmed_from_text(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
     p = prompts(2)[0]
     full = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
     text = full.text
@@ -141,7 +141,7 @@ def test_stop_string_is_trimmed_from_text(model_path):
 
 
 def test_logprobs_are_reported_and_consistent(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
     out = llm.generate([prompts(1)[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))[0].outputs[0]
     assert len(out.logprobs) == 4
     for tok, lp in zip(out.token_ids, out.logprobs):
@@ -152,7 +152,7 @@ def test_logprobs_are_reported_and_consistent(model_path):
 
 
 def test_bad_requests_are_rejected_before_they_reach_the_loop(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=64)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=64)
     eng = llm.engine
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 400\)"):
         eng.add_request(GenerationRequest("a", (5, 4000), GREEDY))
@@ -166,18 +166,18 @@ def test_bad_requests_are_rejected_before_they_reach_the_loop(model_path):
 
 
 def test_context_limit_finishes_with_length(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=20)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=20)
     out = llm.generate([[5] * 15], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0].outputs[0]
     assert (out.finish_reason, len(out.token_ids)) == (FinishReason.LENGTH, 5)
 
 
 def test_kv_budget_too_small_for_one_sequence_refuses_to_start(model_path):
     with pytest.raises(ValueError, match="one sequence of max_model_len=512 needs 32"):
-        LLM(model_path, num_blocks=8, block_size=16, max_model_len=512)
+        LLM(model_path, dtype="float32", num_blocks=8, block_size=16, max_model_len=512)
 
 
 def test_async_engine_streams_and_abort_frees_blocks(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
     engine = AsyncEngine(llm.engine)
 
     async def main():
@@ -221,7 +221,7 @@ def test_beam_search_matches_transformers(model_path):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    llm = LLM(model_path, num_blocks=128, block_size=4, max_model_len=128, max_num_batched_tokens=16, check_integrity=True)
+    llm = LLM(model_path, dtype="float32", num_blocks=128, block_size=4, max_model_len=128, max_num_batched_tokens=16, check_integrity=True)
     for p in prompts(3):
         params = SamplingParams(num_beams=3, n=2, max_tokens=8, ignore_eos=True, temperature=0.0)
         out = llm.generate([p], params)[0]
@@ -235,7 +235,7 @@ def test_beam_search_matches_transformers(model_path):
 
 
 def test_beam_search_ends_hypotheses_at_a_stop_token(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
     p = prompts(1)[0]
     first = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0].outputs[0].token_ids[0]
     # The best first token ends a hypothesis at once; with length_penalty 0 (raw sums
@@ -247,7 +247,7 @@ def test_beam_search_ends_hypotheses_at_a_stop_token(model_path):
 
 
 def test_aborting_a_beam_search_request_frees_its_beams(model_path):
-    llm = LLM(model_path, num_blocks=64, block_size=4, max_model_len=128, check_integrity=True)
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128, check_integrity=True)
     eng = llm.engine
     eng.add_request(GenerationRequest("beam", (5, 6, 7, 8, 9), SamplingParams(num_beams=3, max_tokens=20, ignore_eos=True)))
     for _ in range(3):
@@ -263,7 +263,7 @@ def test_beam_search_applies_logits_processors_like_transformers(model_path):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    llm = LLM(model_path, num_blocks=128, block_size=4, max_model_len=128)
+    llm = LLM(model_path, dtype="float32", num_blocks=128, block_size=4, max_model_len=128)
     p = prompts(2)[1]
     params = SamplingParams(num_beams=3, n=2, max_tokens=8, ignore_eos=True, no_repeat_ngram_size=1, repetition_penalty=1.5)
     out = llm.generate([p], params)[0]

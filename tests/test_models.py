@@ -69,7 +69,7 @@ def test_chunked_prefill_and_batched_decode_match_transformers(tiny):
 
 def test_greedy_generation_matches_transformers_generate(tiny):
     arch, path, hf = tiny
-    llm = LLM(str(path), num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=8, check_integrity=True)
+    llm = LLM(str(path), dtype="float32", num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=8, check_integrity=True)
     prompts = [[5, 17, 99, 23, 8, 200, 150, 3, 44, 61, 77], [9, 41], [300, 301, 2, 7, 7, 7]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate(prompts, params)
@@ -113,9 +113,24 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     assert (step_logits(full, [ScheduledSeq(1, tuple(ids), 0, bt, True, GREEDY)])[-1] - ref[-1]).abs().max() > 1e-3
 
 
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch, tiny_llama_path):
+    from shoal.runner.model_runner import resolve_dtype
+
+    cpu = torch.device("cpu")
+    for avx512_bf16, amx, expected in [(True, False, torch.bfloat16), (False, True, torch.bfloat16), (False, False, torch.float32)]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert resolve_dtype("auto", cpu) == expected
+        assert resolve_dtype("float32", cpu) == torch.float32 and resolve_dtype("bfloat16", cpu) == torch.bfloat16
+        # the engine builds its weights and KV cache in the resolved dtype
+        llm = LLM(str(tiny_llama_path), device="cpu", num_blocks=16, block_size=4, max_model_len=32)
+        assert llm.engine.runner.kv.dtype == expected
+        assert next(llm.engine.runner.model.parameters()).dtype == expected
+
+
 def test_bfloat16_runs_with_bfloat16_weights_and_kv(tmp_path):
     path = str(make_tiny_model("llama", tmp_path))
-    llm32 = LLM(path, num_blocks=64, block_size=4, max_model_len=64)
+    llm32 = LLM(path, dtype="float32", num_blocks=64, block_size=4, max_model_len=64)
     llm16 = LLM(path, dtype="bfloat16", num_blocks=64, block_size=4, max_model_len=64)
     assert llm16.engine.runner.kv.dtype == torch.bfloat16
     assert next(llm16.engine.runner.model.parameters()).dtype == torch.bfloat16

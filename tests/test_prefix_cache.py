@@ -282,8 +282,8 @@ def conversation(llm, turns, params):
 def test_engine_outputs_equal_with_and_without_cache_through_cow_and_evictions(tiny_path):
     # A pool small enough that the later turns evict the earlier conversations.
     kw = dict(num_blocks=40, block_size=4, max_model_len=128, max_num_batched_tokens=16, check_integrity=True)
-    on = LLM(tiny_path, **kw)
-    off = LLM(tiny_path, enable_prefix_cache=False, **kw)
+    on = LLM(tiny_path, dtype="float32", **kw)
+    off = LLM(tiny_path, dtype="float32", enable_prefix_cache=False, **kw)
     sys_prompt = [(7 * i) % 390 + 5 for i in range(21)]  # ends mid-block
     convs = [[sys_prompt + [300 + c, 301], [310 + c, 5, 6], [320, 321 + c]] for c in range(4)]
     got_on = [conversation(on, turns, GREEDY) for turns in convs]
@@ -300,7 +300,7 @@ def test_engine_outputs_equal_with_and_without_cache_through_cow_and_evictions(t
 
 
 def test_n_choices_with_the_cache_still_share_and_match_greedy(tiny_path):
-    llm = LLM(tiny_path, num_blocks=64, block_size=4, max_model_len=128, check_integrity=True)
+    llm = LLM(tiny_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128, check_integrity=True)
     p = [(5 * i) % 390 + 5 for i in range(30)]
     alone = llm.generate([p], GREEDY)[0].outputs[0].token_ids
     out = llm.generate([p], SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True))[0]
@@ -310,7 +310,7 @@ def test_n_choices_with_the_cache_still_share_and_match_greedy(tiny_path):
 
 def test_real_weights_multi_turn_equal_with_and_without_cache(default_gguf_path):
     kw = dict(max_model_len=512, check_integrity=True)
-    on, off = LLM(str(default_gguf_path), **kw), LLM(str(default_gguf_path), enable_prefix_cache=False, **kw)
+    on, off = LLM(str(default_gguf_path), dtype="float32", **kw), LLM(str(default_gguf_path), dtype="float32", enable_prefix_cache=False, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     for llm in (on, off):
         msgs = [{"role": "system", "content": "You are a concise assistant."}, {"role": "user", "content": "Name a fruit."}]

@@ -12,7 +12,7 @@ from shoal.engine.engine import Engine
 from shoal.model.loader import load_checkpoint
 from shoal.model.layers import Rotary
 from shoal.model.registry import model_class
-from shoal.runner.model_runner import DTYPES, ModelRunner, plan_kv_cache, resolve_device
+from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
 
 log = logging.getLogger("shoal.engine")
 
@@ -22,7 +22,7 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
-    dtype = DTYPES[config.dtype]
+    dtype = resolve_dtype(config.dtype, device)
     ckpt = load_checkpoint(config.model, dtype=dtype)
     hf = ckpt.hf_config
     max_model_len = config.max_model_len or hf.max_position_embeddings
@@ -43,6 +43,6 @@ def build_engine(config: EngineConfig) -> Engine:
     ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
     log.info(
         "engine ready in %.1fs: %s, %s on %s, max_model_len %d, %d KV blocks",
-        time.perf_counter() - t0, model.config.architecture, config.dtype, device, max_model_len, spec.num_blocks,
+        time.perf_counter() - t0, model.config.architecture, str(dtype).removeprefix("torch."), device, max_model_len, spec.num_blocks,
     )
     return engine
