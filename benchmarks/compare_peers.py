@@ -50,6 +50,18 @@ LLAMA_SERVER = PEERS_DIR / "llama-server"
 HF_EXPORT = PEERS_DIR / "smollm2-hf"
 RESULTS = ROOT / "benchmarks" / "results"
 THREADS = os.cpu_count() or 1
+
+
+def shoal_cpu_dtype() -> str:
+    """What `--dtype auto` picks on this CPU; transformers serve is given the same."""
+    import torch
+
+    from shoal.runner.model_runner import resolve_dtype
+
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+
+
+DTYPE = shoal_cpu_dtype()
 PARALLEL = 32  # llama-server slots: as many as the widest scenario has streams
 
 
@@ -106,7 +118,8 @@ class Shoal(Peer):
             name="shoal" if prefix_cache else "shoal-no-prefix-cache",
             label="shoal" if prefix_cache else "shoal --no-prefix-cache",
             health_path="/health", available=True,
-            settings=f"float32, torch threads {THREADS}, defaults (max 64 sequences, 512-token steps, 1 GiB KV)",
+            settings=f"dtype auto ({DTYPE} on this CPU), torch threads {THREADS}, defaults (max 64 sequences, "
+                     "512-token steps, 1 GiB KV)",
         )
         self.prefix_cache = prefix_cache
 
@@ -122,13 +135,13 @@ class TransformersServe(Peer):
             name="transformers-serve-cb" if continuous_batching else "transformers-serve",
             label="transformers serve" + (" --continuous-batching" if continuous_batching else ""),
             health_path="/health", available=ok, missing="" if ok else "run `make bench-peers` (.peers/venv)",
-            model=str(HF_EXPORT), settings=f"float32 (HF folder exported from the GGUF), torch threads {THREADS}",
+            model=str(HF_EXPORT), settings=f"{DTYPE} (shoal's dtype; HF folder exported from the GGUF), torch threads {THREADS}",
         )
         self.cb = continuous_batching
 
     def command(self, port, gguf):
         cmd = [str(PEERS_PY.parent / "transformers"), "serve", str(HF_EXPORT), "--host", "127.0.0.1", "--port", str(port),
-               "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
+               "--device", "cpu", "--dtype", DTYPE, "--log-level", "warning"]
         return cmd + (["--continuous-batching"] if self.cb else [])
 
     def extra_body(self, s):

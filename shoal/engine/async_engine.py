@@ -4,15 +4,23 @@ The HTTP side never touches the Engine: it puts commands (add, abort) into a
 thread-safe inbox; the loop applies them between steps and hands each
 request's outputs back to the asyncio loop that asked for them. A client that
 goes away cancels its iterator, which sends an abort, applied at the next step.
+
+Given a function that builds the engine instead of an engine, the loop's
+thread builds it first: loading and stepping must happen on the same thread.
+Every thread that runs a parallel torch op owns an OpenMP (libgomp) pool; once
+the pools' threads outnumber the cores, libgomp cuts its spin-wait short and
+every parallel region pays a sleep and wake-up. A model loaded on one thread and
+stepped on another decoded 1.6x slower on 2 cores (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from shoal.engine.engine import Engine
@@ -35,14 +43,18 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
+        """`engine`: an Engine, or a function that builds one on the loop's thread (see the module docstring).
+        `ready` resolves to the engine once it is there, or to the build's exception."""
+        self._build = None if isinstance(engine, Engine) else engine
+        self.engine: Engine | None = engine if self._build is None else None
+        self.ready: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._queued_adds = 0  # submitted, not yet handed to the engine
-        self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ async side
@@ -84,6 +96,16 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        if self._build is not None:
+            try:
+                self.engine = self._build()
+            except BaseException as exc:  # the server reports it; nothing to loop over
+                self.ready.set_exception(exc)
+                return
+        self.ready.set_result(self.engine)
+        self._loop()
+
     def _loop(self) -> None:
         while not self._stopped.is_set():
             # Block when idle; otherwise just drain what arrived during the step.

@@ -57,15 +57,16 @@ class ServerState:
 
     # ------------------------------------------------------------ life cycle
     async def load(self, config: EngineConfig, on_error: Callable[[BaseException], None] | None = None) -> None:
-        """Build the engine in a worker thread, so /health answers meanwhile."""
+        """Build the engine on the thread that will step it (see AsyncEngine), so /health answers meanwhile."""
+        from shoal.engine.async_engine import AsyncEngine
         from shoal.engine.engine import Engine
 
         if self.settings.served_model_name is None:
             self.model_name = config.model
         t0 = time.perf_counter()
         try:
-            engine = await asyncio.to_thread(Engine.from_config, config)
-            self.attach(engine)
+            aengine = AsyncEngine(lambda: Engine.from_config(config))
+            self.attach(await asyncio.wrap_future(aengine.ready), aengine)
         except Exception as e:  # anything: the server must say so, not die silently
             self.status = "failed"
             self.load_error = f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, FileNotFoundError)) else str(e)
@@ -75,7 +76,8 @@ class ServerState:
             return
         log.info("model %s ready in %.1f s; serving as %r", config.model, time.perf_counter() - t0, self.model_name)
 
-    def attach(self, engine) -> None:
+    def attach(self, engine, aengine=None) -> None:
+        """Serve `engine`, through `aengine` when it already runs one (else a new AsyncEngine)."""
         from shoal.engine.async_engine import AsyncEngine
 
         self.engine = engine
@@ -94,7 +96,7 @@ class ServerState:
         self.generation_defaults = dict(getattr(info, "generation_defaults", None) or {})
         self.renderer = ChatRenderer(engine.tokenizer, self.settings.chat_template)
         self.token_strings = TokenStrings(engine.tokenizer)
-        self.aengine = AsyncEngine(engine)
+        self.aengine = aengine if aengine is not None else AsyncEngine(engine)
         self.status = "ok"
         log.info("chat template: %s", self.renderer.source)
 
