@@ -85,7 +85,7 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("random-c32", "32 streams, 128-token prompts, 128 output tokens",
                  dict(workload="random", concurrency=[32], num_requests=32 * n, input_len=(128, 128), output_len=(128, 128)),
                  exact_length=128),
-        Scenario("agentic", f"4 interleaved agent conversations x {2 * n} turns, ~1.5k-token shared system prompt with tools, "
+        Scenario("agentic", f"4 interleaved agent conversations x {2 * n} turns, ~520-token shared system prompt with 6 tools, "
                  "up to 64 output tokens",
                  dict(workload="agentic", concurrency=[4], num_requests=8 * n, turns=2 * n, max_tokens=64)),
     ]
