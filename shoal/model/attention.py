@@ -87,6 +87,9 @@ def paged_attention(
         v = gather_blocks(v_cache, c.block_table)[: c.context_len].transpose(0, 1)
         # [L, Hq, D] -> [Hkv, G*L, D]: rows g*L + i are query i of group member g.
         qc = q[c.start : c.start + c.length].view(c.length, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * c.length, D)
-        o = F.scaled_dot_product_attention(qc, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=scale)  # [Hkv, G*L, D]
-        out[c.start : c.start + c.length] = o.view(Hkv, G, c.length, D).permute(2, 0, 1, 3).reshape(c.length, Hq, D)
+        # 4-D with a batch of one: with a mask, 3-D inputs send CPU SDPA down its math path (bmm, where,
+        # softmax), 4-D ones to the flash kernel: 1.9-3.7x faster per call (benchmarks/NOTES.md).
+        mask = None if c.mask is None else c.mask[None, None]
+        o = F.scaled_dot_product_attention(qc[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale)[0]
+        out[c.start : c.start + c.length] = o.view(Hkv, G, c.length, D).permute(2, 0, 1, 3).reshape(c.length, Hq, D)  # o: [Hkv, G*L, D]
     return out
