@@ -162,7 +162,8 @@ class LlamaCppPython(Peer):
 
     def command(self, port, gguf):
         return [str(PEERS_PY), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                "--n_ctx", "8192", "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--verbose", "false"]
+                "--n_ctx", "8192", "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS), "--verbose", "false",
+                "--interrupt_requests", "false"]  # queue concurrent requests instead of cutting the running one off
 
     def extra_body(self, s):
         if s.exact_length is None:

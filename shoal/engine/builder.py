@@ -11,6 +11,7 @@ from shoal.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.model.loader import load_checkpoint
 from shoal.model.layers import Rotary
+from shoal.model.quant import quantize_int8
 from shoal.model.registry import model_class
 from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
 
@@ -36,13 +37,19 @@ def build_engine(config: EngineConfig) -> Engine:
     model.model.rotary = Rotary(model.config, max_model_len).to(device)
     model.load_weights(ckpt.state_dict)
     model = model.to(dtype).eval()
+    if config.quantization == "int8":
+        if device.type != "cpu" or dtype == torch.float32:
+            raise ValueError(f"int8 weights need the CPU and bfloat16 or float16 activations, not {dtype} on {device} "
+                             "(--dtype auto picks float32 on a CPU without native bf16: pass --dtype bfloat16)")
+        quantize_int8(model)
     spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)
     runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype)
     engine = Engine(runner, ckpt.tokenizer, ckpt.eos_token_ids, config, max_model_len)
     engine.checkpoint_info = ckpt  # tokenizer, chat template, generation defaults for the layers above
     ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
     log.info(
-        "engine ready in %.1fs: %s, %s on %s, max_model_len %d, %d KV blocks",
-        time.perf_counter() - t0, model.config.architecture, str(dtype).removeprefix("torch."), device, max_model_len, spec.num_blocks,
+        "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks",
+        time.perf_counter() - t0, model.config.architecture, str(dtype).removeprefix("torch."),
+        " (int8 weights)" if config.quantization else "", device, max_model_len, spec.num_blocks,
     )
     return engine

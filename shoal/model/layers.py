@@ -160,6 +160,7 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(self.config, max_positions)
         if not self.config.tie_word_embeddings:
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # set by quant.quantize_int8: replaces the (tied) head
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
@@ -167,6 +168,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w).float()
 
