@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 64] [--max-tokens 128]
 
-The default model (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to float32 for
-both), prompts of mixed lengths, `ignore_eos` so every request makes exactly
+The default model (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized for both, in the
+dtype shoal's `auto` picks on this machine: bfloat16 on a CPU with native bf16,
+else float32), prompts of mixed lengths, `ignore_eos` so every request makes exactly
 `--max-tokens` tokens. shoal runs at 1, 8 and 32 requests in flight; the peer
 is transformers `generate()` run sequentially (one prompt at a time) and as a
 left-padded batch. Every number is measured in the same run, and the report is
@@ -28,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.model.loader import resolve_model_path  # noqa: E402
+from shoal.runner.model_runner import resolve_dtype  # noqa: E402
+
+DTYPE = resolve_dtype("auto", torch.device("cpu"))  # both sides run in it
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -97,7 +101,7 @@ def main() -> None:
 
     prompts = make_prompts(args.num_prompts)
     path = resolve_model_path("smollm2")
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).to(DTYPE).eval()
     hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     results: dict = {"shoal": {}, "transformers": {}}
     for k in args.in_flight:
@@ -114,7 +118,7 @@ def main() -> None:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "dtype": "float32",
+        "dtype": str(DTYPE).removeprefix("torch."),
         "model": path.name,
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
@@ -129,7 +133,7 @@ def main() -> None:
     md = [
         f"# Offline throughput ({time.strftime('%Y-%m-%d')})",
         "",
-        f"Model {path.name} in float32, {args.num_prompts} prompts x {args.max_tokens} output tokens (ignore_eos), "
+        f"Model {path.name} in {str(DTYPE).removeprefix('torch.')} (both sides), {args.num_prompts} prompts x {args.max_tokens} output tokens (ignore_eos), "
         f"{os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads. Same run, same machine.",
         "",
         "| runner | output tok/s | x transformers sequential | x transformers padded batch |",
