@@ -19,9 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
-
-
 class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias, with q int8 [out, in] and one scale per output channel (symmetric)."""
 
