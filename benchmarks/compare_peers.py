@@ -11,7 +11,7 @@ share the two cores. Results: benchmarks/results/compare_peers.{md,json}, with
 ratios shoal/peer and the issue's targets checked against them.
 
 Peers (see benchmarks/peers/setup.sh for how they are installed):
-- shoal, default settings and with the prefix cache off;
+- shoal: default settings, with the prefix cache off, and with --quantization int8;
 - `transformers serve`, with and without --continuous-batching, on an HF folder
   exported once from the same GGUF (it cannot serve the GGUF itself: the config
   it builds has no `architectures`, and a GGUF-loaded model refuses save_pretrained,
@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,6 @@ class Peer:
     available: bool
     missing: str = ""
     model: str | None = None  # the `model` field to send (None: the server's first)
-    env: dict = field(default_factory=dict)
     settings: str = ""
 
     def command(self, port: int, gguf: Path) -> list[str]:
@@ -210,7 +209,7 @@ class Server:
         self.port = free_port()
         self.log_path = log_dir / f"{peer.name}.log"
         self.log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **peer.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen(peer.command(self.port, gguf), stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      cwd=ROOT, start_new_session=True)
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
