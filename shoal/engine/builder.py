@@ -13,6 +13,7 @@ from shoal.model.loader import load_checkpoint
 from shoal.model.layers import Rotary
 from shoal.model.quant import quantize_int8
 from shoal.model.registry import model_class
+from shoal.runner.host import keep_freed_memory
 from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
 
 log = logging.getLogger("shoal.engine")
@@ -24,6 +25,8 @@ def build_engine(config: EngineConfig) -> Engine:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu":
+        keep_freed_memory()
     ckpt = load_checkpoint(config.model, dtype=dtype)
     hf = ckpt.hf_config
     max_model_len = config.max_model_len or hf.max_position_embeddings

@@ -10,7 +10,9 @@ Every token's K/V is first written into the cache at its slot
 - the decodes (one query each) attend in one batched SDPA call over K/V
   gathered through their block tables, padded to the longest and masked;
 - each chunk (a prompt piece, or a recompute) attends on its own over its
-  sequence's cached K/V, causally offset by the chunk's start position.
+  sequence's cached K/V, causally offset by the chunk's start position
+  (SDPA, or two matmuls around a float32 softmax where that is faster:
+  `eager_chunk`).
 
 Queries of the KV heads' groups are folded into the query-length axis
 (`[B, Hkv, G*q, D]`), which is GQA without repeating K/V and measured faster
@@ -20,6 +22,7 @@ than SDPA's enable_gqa on CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,11 @@ class ChunkMeta:
     # when the chunk starts at 0 and G == 1: then SDPA's own causal mask applies.
     mask: torch.Tensor | None
 
+    @cached_property
+    def hidden(self) -> torch.Tensor | None:
+        """Keys each query must not see (the mask inverted), computed once per step."""
+        return None if self.mask is None else self.mask.logical_not()
+
 
 @dataclass
 class AttentionMetadata:
@@ -43,6 +51,35 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] long
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] bool
     chunks: list[ChunkMeta] = field(default_factory=list)
+
+
+# Largest score matrix (query rows x keys, over all KV heads) the eager chunk path
+# materializes: 64 MiB of float32, about 10k keys for a full 512-token chunk.
+EAGER_MAX_SCORES = 1 << 24
+
+
+def eager_chunk(q: torch.Tensor, rows: int, keys: int) -> bool:
+    """Whether a masked chunk takes `eager_attention` instead of SDPA's flash kernel.
+
+    On the CPU in bf16/fp16, torch's flash kernel is slow at the shapes of a
+    chunk (tens to hundreds of queries over hundreds to thousands of keys):
+    two half-precision matmuls around a float32 softmax are 1.6-1.9x faster
+    per call, and a 45-token turn after a 600-token cached prefix steps
+    ~15% faster (benchmarks/NOTES.md). In float32 the two are even, and on
+    CUDA the flash kernels win, so both keep SDPA.
+    """
+    return q.device.type == "cpu" and q.dtype != torch.float32 and rows * keys <= EAGER_MAX_SCORES
+
+
+def eager_attention(q, k, v, hidden, scale):
+    """q [B, H, M, D], k/v [B, H, S, D], hidden [B|1, 1, M, S] bool (True: masked out).
+
+    transformers' eager attention: half-precision scores, softmax in float32,
+    probabilities cast back for the second matmul (scaled in float32 here).
+    """
+    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    s.masked_fill_(hidden, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), v)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -89,7 +126,10 @@ def paged_attention(
         qc = q[c.start : c.start + c.length].view(c.length, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * c.length, D)
         # 4-D with a batch of one: with a mask, 3-D inputs send CPU SDPA down its math path (bmm, where,
         # softmax), 4-D ones to the flash kernel: 1.9-3.7x faster per call (benchmarks/NOTES.md).
-        mask = None if c.mask is None else c.mask[None, None]
-        o = F.scaled_dot_product_attention(qc[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale)[0]
+        if c.mask is not None and eager_chunk(q, Hkv * G * c.length, c.context_len):
+            o = eager_attention(qc[None], k[None], v[None], c.hidden[None, None], scale)[0]
+        else:
+            mask = None if c.mask is None else c.mask[None, None]
+            o = F.scaled_dot_product_attention(qc[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale)[0]
         out[c.start : c.start + c.length] = o.view(Hkv, G, c.length, D).permute(2, 0, 1, 3).reshape(c.length, Hq, D)  # o: [Hkv, G*L, D]
     return out
