@@ -11,7 +11,7 @@ share the two cores. Results: benchmarks/results/compare_peers.{md,json}, with
 ratios shoal/peer and the issue's targets checked against them.
 
 Peers (see benchmarks/peers/setup.sh for how they are installed):
-- shoal: default settings, with the prefix cache off, and with --quantization int8;
+- shoal: default settings, with the prefix cache off, and with --quantization int8 and int4;
 - `transformers serve`, with and without --continuous-batching, on an HF folder
   exported once from the same GGUF (it cannot serve the GGUF itself: the config
   it builds has no `architectures`, and a GGUF-loaded model refuses save_pretrained,
@@ -113,7 +113,10 @@ class Peer:
 
 class Shoal(Peer):
     def __init__(self, name: str, flags: tuple[str, ...] = ()) -> None:
-        weights = "int8 weights, bfloat16 activations" if "int8" in flags else f"dtype auto ({DTYPE} on this CPU)"
+        quant = next((f for f in ("int8", "int4") if f in flags), None)
+        weights = f"{quant} weights, bfloat16 activations" if quant else f"dtype auto ({DTYPE} on this CPU)"
+        if quant == "int4":
+            weights += " (the GGUF's own Q4_1 codes; int8 head)"
         super().__init__(
             name=name, label=" ".join(("shoal",) + flags), health_path="/health", available=True,
             settings=f"{weights}, torch threads {THREADS}, defaults (max 64 sequences, 512-token steps, 1 GiB KV)",
@@ -185,7 +188,8 @@ class LlamaServer(Peer):
 
 def all_peers() -> list[Peer]:
     return [Shoal("shoal"), Shoal("shoal-no-prefix-cache", ("--no-prefix-cache",)),
-            Shoal("shoal-int8", ("--quantization", "int8", "--dtype", "bfloat16")), TransformersServe(True), TransformersServe(False), LlamaServer(), LlamaCppPython()]
+            Shoal("shoal-int8", ("--quantization", "int8", "--dtype", "bfloat16")),
+            Shoal("shoal-int4", ("--quantization", "int4", "--dtype", "bfloat16")), TransformersServe(True), TransformersServe(False), LlamaServer(), LlamaCppPython()]
 
 
 def _has_module(python: Path, module: str) -> bool:
@@ -334,7 +338,7 @@ def targets(results: dict) -> list[dict]:
     rows.append({"target": "random, 32 streams: output tok/s ahead of llama-server", "ratio": r,
                  "met": None if r is None else r > 1.0})
     llama_tpot = get("llama-server", "random-c1", "tpot_ms", "p50")
-    for name, label in (("shoal", "shoal"), ("shoal-int8", "shoal --quantization int8")):
+    for name, label in (("shoal", "shoal"), ("shoal-int8", "shoal --quantization int8"), ("shoal-int4", "shoal --quantization int4")):
         shoal_tpot = get(name, "random-c1", "tpot_ms", "p50")
         r = None if not (shoal_tpot and llama_tpot) else shoal_tpot / llama_tpot
         rows.append({"target": f"1 stream: TPOT <= 1.5x llama-server's (ratio = {label} TPOT / llama-server TPOT)",

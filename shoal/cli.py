@@ -58,7 +58,8 @@ ENGINE_OPTS = [
     Opt("--model", "smollm2", str, "'smollm2' (default), a .gguf file, or a Hugging Face model folder"),
     Opt("--dtype", "auto", str, "weights and KV cache dtype (auto: bfloat16 where the device has native bf16 math, else float32)",
         choices=("auto", "float32", "bfloat16", "float16")),
-    Opt("--quantization", None, str, "int8: weight-only int8 on CPU, faster at a few streams, slower at many", choices=("int8",)),
+    Opt("--quantization", None, str, "weight-only int8 or int4 on CPU (int4 keeps a GGUF's own 4-bit weights): "
+        "faster at a few streams, slower at many", choices=("int8", "int4")),
     Opt("--device", "auto", str, "cpu, cuda or auto (default)"),
     Opt("--max-model-len", None, int, "context length (default: the model's)"),
     Opt("--kv-cache-memory", "1GiB", str, "KV cache budget on CPU, e.g. 2GiB or 512MiB"),

@@ -71,17 +71,18 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
-    # None: weights in `dtype`; "int8": weight-only int8 on CPU (faster at a few sequences, slower at many)
+    # None: weights in `dtype`; "int8" / "int4": weight-only on CPU (faster at a few sequences, slower at many;
+    # int4 keeps a GGUF's own Q4_0/Q4_1 weights)
     quantization: str | None = None
     check_integrity: bool = False  # run the pool's integrity check after every step (tests)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 or none, got {self.quantization!r}")
-        if self.quantization == "int8" and self.dtype == "float32":
-            raise ValueError("int8 weights run with bfloat16 or float16 activations (--dtype bfloat16): "
-                             "torch's int8 kernel is slower than plain float32 with float32 ones")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8, int4 or none, got {self.quantization!r}")
+        if self.quantization and self.dtype == "float32":
+            raise ValueError(f"{self.quantization} weights run with bfloat16 or float16 activations (--dtype bfloat16): "
+                             "torch's low-bit kernels are slower than plain float32 with float32 ones")
         if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")

@@ -506,3 +506,33 @@ def test_missing_path_and_unknown_alias(tmp_path):
         resolve_model_path(str(tmp_path / "weights.bin"))
     with pytest.raises(ValueError, match="without config.json"):
         resolve_model_path(str(tmp_path))
+
+
+def test_gguf_q4_codes_are_the_stored_blocks_and_feed_int4_projections(tmp_path):
+    """keep_q4: every Q4_0/Q4_1 tensor comes back as its codes and group scales, dequantizing exactly to the
+    loaded weights (q/k un-permuted like them); int4 builds a projection from them when all its parts have codes."""
+    from shoal.model.quant import quantize_int4
+    from shoal.model.registry import model_class
+
+    folder = make_tiny_model("llama", tmp_path / "hf")
+    types = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_1,
+             "ffn_gate": Q.Q4_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
+    write_gguf(folder, tmp_path / "q4.gguf", "llama", types)
+    ckpt = load_checkpoint(tmp_path / "q4.gguf", progress=False, keep_q4=True)
+    kinds = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
+    layers = ckpt.hf_config.num_hidden_layers
+    assert sorted(ckpt.q4_codes) == sorted(f"model.layers.{i}.{'mlp' if k in ('gate_proj', 'down_proj') else 'self_attn'}.{k}.weight"
+                                           for i in range(layers) for k in kinds)
+    for name, codes in ckpt.q4_codes.items():
+        assert codes.codes.dtype == torch.uint8 and int(codes.codes.max()) <= 15
+        assert torch.equal(codes.dequantized(), ckpt.state_dict[name]), name
+    assert load_checkpoint(tmp_path / "q4.gguf", progress=False).q4_codes == {}  # only when asked for
+
+    model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, 64)
+    model.load_weights(ckpt.state_dict)
+    model = model.to(torch.bfloat16)
+    # qkv, o and down from codes; gate_up is rounded from bf16 (its up half is Q8_0)
+    assert quantize_int4(model, ckpt.q4_codes) == (3 * layers, 4 * layers)
+    o = model.model.layers[0].self_attn.o_proj.dequantized()
+    want = ckpt.state_dict["model.layers.0.self_attn.o_proj.weight"]
+    assert (o - want).abs().max() <= 0.01 * want.abs().max()

@@ -141,3 +141,22 @@ def test_bfloat16_runs_with_bfloat16_weights_and_kv(tmp_path):
     # bf16 has ~3 significant digits: the top tokens agree and logprobs are close, not equal.
     assert a.top[0].token_id == b.top[0].token_id
     assert abs(a.logprob - b.logprob) < 0.05 and a.logprob != b.logprob
+
+
+def test_bound_attributes_are_the_registered_tensors_and_change_nothing(tmp_path):
+    """The engine copies every module's parameters, buffers and submodules into its instance dict (fast lookups
+    in forward): they must be the very objects nn.Module registered, and the logits must not change."""
+    from shoal.model.layers import Layer, bind_attributes
+
+    runner = build_runner(make_tiny_model("llama", tmp_path))
+    seq = [ScheduledSeq(1, (5, 17, 99, 23, 8), 0, (0, 1), True, GREEDY)]
+    before = step_logits(runner, seq)
+    bind_attributes(runner.model)
+    for m in runner.model.modules():
+        for registry in (m._modules, m._parameters, m._buffers):
+            for name, value in registry.items():
+                assert m.__dict__[name] is value
+        if isinstance(m, Layer):
+            assert type(m).__call__ is type(m).forward  # no hook dispatch on the hot path
+    assert torch.equal(step_logits(runner, seq), before)
+

@@ -1,5 +1,6 @@
-"""Weight-only int8 (`quantization="int8"`): the layer's math, the model against transformers on the same
-int8-rounded weights, batch invariance, and the clear errors for what it does not do."""
+"""Weight-only int8 and int4 (`quantization="int8"|"int4"`): the layers' math, the model against transformers
+on the same rounded weights, batch invariance, a GGUF's own 4-bit codes served as they are, and the clear
+errors for what they do not do."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ import transformers
 
 from shoal import LLM, SamplingParams
 from shoal.config import EngineConfig
-from shoal.model.quant import Int8Linear
+from shoal.model.gguf_loader import Q4Codes
+from shoal.model.quant import Int4Linear, Int8Linear
 from tiny_models import make_tiny_model
 
 
@@ -30,13 +32,48 @@ def test_int8_linear_rounds_each_output_channel_to_its_own_grid():
     assert lin(x.view(5, 1, 32)).shape == (5, 1, 48)
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
+def test_int4_linear_rounds_each_group_of_32_to_16_levels_between_its_min_and_max():
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * torch.logspace(-2, 1, 40)[:, None]
+    w[3, 32:64] = 0.25  # a constant group: its one value must come back (no division by a zero range)
+    bias = torch.randn(40)
+    lin = Int4Linear.from_float(w.bfloat16(), bias.bfloat16())
+    deq = lin.dequantized()
+    groups = w.bfloat16().float().view(40, 3, 32)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = ((high - low) / 15)[..., None]
+    err = (deq.view(40, 3, 32) - groups).abs()
+    # half a step of the group's grid, plus bf16's rounding of the scale and offset the kernel reads
+    assert (err <= 0.5 * step + 0.02 * groups.abs().amax(-1, keepdim=True)).all()
+    assert torch.allclose(deq[3, 32:64], torch.full((32,), 0.25), atol=1e-3)
+    # each group uses 16 levels: its extremes come back (within the rounding above)
+    assert ((deq.view(40, 3, 32).amax(-1) - high).abs() <= 0.02 * high.abs() + 1e-6).all()
+    x = torch.randn(5, 96).bfloat16()
+    ref = F.linear(x.float(), deq, bias.bfloat16().float())
+    torch.testing.assert_close(lin(x).float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
+    assert lin(x.view(5, 1, 96)).shape == (5, 1, 40)
+
+
+def test_int4_linear_from_codes_multiplies_by_exactly_those_weights():
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (24, 64), generator=g, dtype=torch.uint8)
+    # scales and offsets that float16 (the kernel's dtype here) holds exactly, as a GGUF's float16 d and m are
+    scale = (torch.randint(1, 64, (24, 2), generator=g) / 512.0)
+    low = -(torch.randint(0, 64, (24, 2), generator=g) / 64.0)
+    lin = Int4Linear(codes, scale, low, None, torch.float16)
+    want = Q4Codes(codes, scale, low).dequantized()
+    assert torch.equal(lin.dequantized(), want)
+    x = torch.randn(3, 64, generator=g).half()
+    torch.testing.assert_close(lin(x).float(), x.float() @ want.T, atol=2e-2, rtol=2e-3)
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def tiny_pair(request, tmp_path_factory):
     """A tiny llama (weights large enough that rounding shows in the logits) served with int8 weights and float16
     activations (fp16's 10-bit mantissa keeps the activations' rounding below the weights'), transformers' float32
     copy whose projections and head hold shoal's int8-rounded weights, and transformers on the original weights."""
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("q8"), tie_word_embeddings=False, initializer_range=0.3)
-    llm = LLM(str(path), dtype="float16", quantization="int8", num_blocks=64, block_size=4, max_model_len=96,
+    path = make_tiny_model("llama", tmp_path_factory.mktemp(request.param), tie_word_embeddings=False, initializer_range=0.3)
+    llm = LLM(str(path), dtype="float16", quantization=request.param, num_blocks=64, block_size=4, max_model_len=96,
               check_integrity=True)
     model = llm.engine.runner.model
     original = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -57,16 +94,18 @@ def tiny_pair(tmp_path_factory):
     return llm, rounded, original
 
 
-def test_every_projection_and_the_head_are_int8(tiny_pair):
+def test_every_projection_is_quantized_and_the_head_is_int8(tiny_pair):
     llm = tiny_pair[0]
     model = llm.engine.runner.model
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert linears == []  # nothing left in floating point but the embedding table and norms
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * model.config.num_layers + 1
+    kind = Int8Linear if llm.engine.config.quantization == "int8" else Int4Linear
+    assert sum(isinstance(m, kind) for m in model.modules()) == 4 * model.config.num_layers + (kind is Int8Linear)
+    assert isinstance(model.logits_head, Int8Linear)  # int4 too: the head stays at 8 bits
     assert not hasattr(model, "lm_head")  # untied: the float head is gone, its int8 copy replaces it
 
 
-def test_int8_model_matches_transformers_on_the_same_rounded_weights(tiny_pair):
+def test_quantized_model_matches_transformers_on_the_same_rounded_weights(tiny_pair):
     llm, rounded, original = tiny_pair
     for ids in ([5, 17, 99, 23, 8, 200, 41], [300, 12, 7], list(range(40, 70))):
         top = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20))[0].outputs[0].logprobs[0].top
@@ -81,8 +120,9 @@ def test_int8_model_matches_transformers_on_the_same_rounded_weights(tiny_pair):
         assert to_original > 3 * to_rounded
 
 
-def test_int8_outputs_do_not_depend_on_the_batch(tiny_llama_path):
-    llm = LLM(str(tiny_llama_path), dtype="bfloat16", quantization="int8", num_blocks=128, block_size=4, max_model_len=96)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_outputs_do_not_depend_on_the_batch(tiny_llama_path, quantization):
+    llm = LLM(str(tiny_llama_path), dtype="bfloat16", quantization=quantization, num_blocks=128, block_size=4, max_model_len=96)
     prompts = [[5 + i, 17, 99, 23 + 2 * i, 8] * (1 + i % 3) for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -90,8 +130,9 @@ def test_int8_outputs_do_not_depend_on_the_batch(tiny_llama_path):
     assert batched == alone
 
 
-def test_int8_refuses_float32_activations_and_unknown_formats(tiny_llama_path):
-    with pytest.raises(ValueError, match="bfloat16 or float16 activations"):
-        EngineConfig(model=str(tiny_llama_path), dtype="float32", quantization="int8")
-    with pytest.raises(ValueError, match="quantization must be int8 or none"):
-        EngineConfig(model=str(tiny_llama_path), quantization="int4")
+def test_quantization_refuses_float32_activations_and_unknown_formats(tiny_llama_path):
+    for q in ("int8", "int4"):
+        with pytest.raises(ValueError, match=f"{q} weights run with bfloat16 or float16 activations"):
+            EngineConfig(model=str(tiny_llama_path), dtype="float32", quantization=q)
+    with pytest.raises(ValueError, match="quantization must be int8, int4 or none"):
+        EngineConfig(model=str(tiny_llama_path), quantization="fp8")

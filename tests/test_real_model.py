@@ -89,6 +89,34 @@ def test_bfloat16_greedy_matches_transformers_in_bfloat16(default_gguf_path, hf_
     _assert_greedy_matches(llm, hf16, PROMPTS[:8], min_exact=3)
 
 
+def test_int4_serves_the_gguf_own_4bit_weights(default_gguf_path, hf_default_model):
+    """`quantization="int4"` on a Q4_1 GGUF: every projection multiplies by the file's weights (codes as stored,
+    group scales rounded to bf16), and greedy continuations track transformers in bf16 like plain bf16 does."""
+    import copy
+
+    from shoal.model.loader import load_checkpoint
+
+    llm = LLM(str(default_gguf_path), dtype="bfloat16", quantization="int4", max_model_len=1024, check_integrity=True)
+    file_weights = load_checkpoint(str(default_gguf_path), progress=False).state_dict  # float32, dequantized by gguf
+    for i, layer in enumerate(llm.engine.runner.model.model.layers):
+        pre = f"model.layers.{i}"
+        pairs = [
+            (layer.self_attn.qkv_proj, [f"{pre}.self_attn.{p}_proj.weight" for p in "qkv"]),
+            (layer.self_attn.o_proj, [f"{pre}.self_attn.o_proj.weight"]),
+            (layer.mlp.gate_up_proj, [f"{pre}.mlp.gate_proj.weight", f"{pre}.mlp.up_proj.weight"]),
+            (layer.mlp.down_proj, [f"{pre}.mlp.down_proj.weight"]),
+        ]
+        for lin, names in pairs:
+            want = torch.cat([file_weights[n] for n in names])
+            got = lin.dequantized()
+            # only bf16's rounding of each group's scale and offset: well under one 4-bit step (~1/15 of a range)
+            assert (got - want).abs().max() <= 0.01 * want.abs().max(), names
+    # The first differences must be near ties (each side's token in the other's top 5). "What is the capital of
+    # France?" is one: its first token is "The" or "L'" at ~0.16 each, and int4's rounding can pick either.
+    hf16 = copy.deepcopy(hf_default_model).to(torch.bfloat16)
+    _assert_greedy_matches(llm, hf16, PROMPTS[:8], min_exact=3)
+
+
 def test_capital_of_france(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0.0, max_tokens=32))
     assert "Paris" in out[0].outputs[0].text

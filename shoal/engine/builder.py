@@ -10,8 +10,8 @@ import torch
 from shoal.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.model.loader import load_checkpoint
-from shoal.model.layers import Rotary
-from shoal.model.quant import quantize_int8
+from shoal.model.layers import Rotary, bind_attributes
+from shoal.model.quant import quantize_int4, quantize_int8
 from shoal.model.registry import model_class
 from shoal.runner.host import keep_freed_memory
 from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
@@ -27,7 +27,7 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cpu":
         keep_freed_memory()
-    ckpt = load_checkpoint(config.model, dtype=dtype)
+    ckpt = load_checkpoint(config.model, dtype=dtype, keep_q4=config.quantization == "int4")
     hf = ckpt.hf_config
     max_model_len = config.max_model_len or hf.max_position_embeddings
     if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
@@ -40,11 +40,18 @@ def build_engine(config: EngineConfig) -> Engine:
     model.model.rotary = Rotary(model.config, max_model_len).to(device)
     model.load_weights(ckpt.state_dict)
     model = model.to(dtype).eval()
-    if config.quantization == "int8":
+    if config.quantization:
         if device.type != "cpu" or dtype == torch.float32:
-            raise ValueError(f"int8 weights need the CPU and bfloat16 or float16 activations, not {dtype} on {device} "
+            raise ValueError(f"{config.quantization} weights need the CPU and bfloat16 or float16 activations, not {dtype} on {device} "
                              "(--dtype auto picks float32 on a CPU without native bf16: pass --dtype bfloat16)")
-        quantize_int8(model)
+        if config.quantization == "int8":
+            quantize_int8(model)
+        else:
+            exact, total = quantize_int4(model, ckpt.q4_codes)
+            log.info("int4 weights: %d of %d projections are the checkpoint's own 4-bit codes, %d rounded from %s",
+                     exact, total, total - exact, str(dtype).removeprefix("torch."))
+            ckpt.q4_codes = {}
+    bind_attributes(model)  # last: the model is final now
     spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)
     runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype)
     engine = Engine(runner, ckpt.tokenizer, ckpt.eos_token_ids, config, max_model_len)
@@ -53,6 +60,6 @@ def build_engine(config: EngineConfig) -> Engine:
     log.info(
         "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks",
         time.perf_counter() - t0, model.config.architecture, str(dtype).removeprefix("torch."),
-        " (int8 weights)" if config.quantization else "", device, max_model_len, spec.num_blocks,
+        f" ({config.quantization} weights)" if config.quantization else "", device, max_model_len, spec.num_blocks,
     )
     return engine

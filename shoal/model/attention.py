@@ -50,6 +50,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] long
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] bool
+    decode_context_len: int | None = None  # instead of the mask when one sequence decodes: its keys, all visible
     chunks: list[ChunkMeta] = field(default_factory=list)
 
 
@@ -108,16 +109,20 @@ def paged_attention(
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
-    out = torch.empty_like(q)
 
     Bd = meta.num_decodes
     if Bd:
         flat = meta.decode_block_tables.view(-1)
-        k = gather_blocks(k_cache, flat).view(Bd, -1, Hkv, D).transpose(1, 2)  # [Bd, Hkv, S, D]
-        v = gather_blocks(v_cache, flat).view(Bd, -1, Hkv, D).transpose(1, 2)
+        n = meta.decode_context_len  # None: padded to the longest table, masked
+        k = gather_blocks(k_cache, flat)[:n].view(Bd, -1, Hkv, D).transpose(1, 2)  # [Bd, Hkv, S, D]
+        v = gather_blocks(v_cache, flat)[:n].view(Bd, -1, Hkv, D).transpose(1, 2)
         qd = q[:Bd].view(Bd, Hkv, G, D)  # head h = kv_head * G + g, as in HF's repeat_kv
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[:Bd] = o.reshape(Bd, Hq, D)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale).reshape(Bd, Hq, D)
+        if not meta.chunks:
+            return o  # a decode-only step: no buffer to assemble
+    out = torch.empty_like(q)
+    if Bd:
+        out[:Bd] = o
 
     for c in meta.chunks:
         k = gather_blocks(k_cache, c.block_table)[: c.context_len].transpose(0, 1)  # [Hkv, S, D]

@@ -22,7 +22,8 @@ import logging
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,7 @@ class GGUFCheckpoint:
     tokenizer: transformers.PreTrainedTokenizerFast
     generation_eos_ids: tuple[int, ...]  # end-of-generation ids besides the tokenizer's eos (eot, eom)
     generation_defaults: dict[str, float]
+    q4_codes: dict[str, Q4Codes] = field(default_factory=dict)  # with keep_q4: the 4-bit tensors as stored
 
 
 # ---------------------------------------------------------------- reading
@@ -134,8 +136,12 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> GGUFCheckpoint:
-    """Read a GGUF file into HF-named `dtype` tensors, a config and a tokenizer."""
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, keep_q4: bool = False) -> GGUFCheckpoint:
+    """Read a GGUF file into HF-named `dtype` tensors, a config and a tokenizer.
+
+    keep_q4: also return the Q4_0/Q4_1 tensors' own codes and group scales
+    (`Q4Codes`), for int4 weights that are the file's weights, not a re-rounding.
+    """
     t0 = time.perf_counter()
     reader = GGUFFileReader(path)
     meta = read_metadata(reader)
@@ -148,7 +154,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     t2 = time.perf_counter()
     tensors = {t.name: t for t in reader.tensors}
     config = build_config(meta, tensors, tokenizer)
-    state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress)
+    q4: dict[str, Q4Codes] | None = {} if keep_q4 else None
+    state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress, q4)
     t3 = time.perf_counter()
     log.info(
         "GGUF %s: read metadata %.2f s, tokenizer %.2f s, dequantized %d tensors %.2f s",
@@ -156,7 +163,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     )
     eos_extra = tuple(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta)
     defaults = {name: meta[key] for key, name in SAMPLING_KEYS.items() if key in meta}
-    return GGUFCheckpoint(config, state_dict, tokenizer, eos_extra, defaults)
+    return GGUFCheckpoint(config, state_dict, tokenizer, eos_extra, defaults, q4 or {})
 
 
 # ---------------------------------------------------------------- weights
@@ -201,14 +208,59 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
+@dataclass
+class Q4Codes:
+    """A 4-bit GGUF tensor as stored: weight[r, c] = codes[r, c] * scale[r, c // 32] + low[r, c // 32].
+
+    Q4_1 blocks hold 32 weights as 4-bit codes with a float16 scale `d` and
+    minimum `m`; Q4_0 blocks hold a scale only, around code 8 (low = -8 d).
+    """
+
+    codes: torch.Tensor  # [out, in] uint8, 0..15
+    scale: torch.Tensor  # [out, in // 32] float32
+    low: torch.Tensor  # [out, in // 32] float32
+
+    def dequantized(self) -> torch.Tensor:
+        g = self.scale.shape[1]
+        w = self.codes.view(self.codes.shape[0], g, -1).float() * self.scale[..., None] + self.low[..., None]
+        return w.view(self.codes.shape)
+
+    def permute_rows(self, fn) -> Q4Codes:
+        return Q4Codes(fn(self.codes), fn(self.scale), fn(self.low))
+
+
+Q4_BLOCK = 32
+
+
+def q4_codes(tensor: gguf.ReaderTensor) -> Q4Codes | None:
+    """The codes and group scales of a Q4_0 or Q4_1 tensor (ggml's block layout); None for other types.
+
+    A block is its float16 scale (and, for Q4_1, minimum), then 16 bytes whose
+    low nibbles are codes 0-15 of the block and high nibbles codes 16-31.
+    """
+    kind = tensor.tensor_type
+    if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+        return None
+    rows, cols = (int(n) for n in reversed(tensor.shape))
+    head = 4 if kind == gguf.GGMLQuantizationType.Q4_1 else 2
+    blocks = np.asarray(tensor.data).reshape(rows, cols // Q4_BLOCK, head + Q4_BLOCK // 2)
+    halves = blocks[..., :head].copy().view(np.float16).astype(np.float32)  # [rows, groups, 1 or 2]
+    packed = blocks[..., head:]
+    codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows, cols)
+    scale = halves[..., 0]
+    low = halves[..., 1] if head == 4 else -8.0 * scale
+    return Q4Codes(torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(low)))
+
+
 def load_state_dict(
     tensors: Iterable[gguf.ReaderTensor],
     arch: ArchSpec,
     config: transformers.PretrainedConfig,
     dtype: torch.dtype,
     progress: bool,
+    q4: dict[str, Q4Codes] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Dequantize, rename and (for llama) un-permute every tensor of the file."""
+    """Dequantize, rename and (for llama) un-permute every tensor of the file; with `q4`, collect 4-bit codes too."""
     tensors = [t for t in tensors if t.name not in CONFIG_ONLY_TENSORS]
     unknown = [t.name for t in tensors if hf_tensor_name(t.name) is None]
     if unknown:
@@ -219,9 +271,13 @@ def load_state_dict(
         name = hf_tensor_name(tensor.name)
         weight = dequantize(tensor)
         proj = name.split(".")[-2]  # "q_proj" in model.layers.0.self_attn.q_proj.weight
+        codes = q4_codes(tensor) if q4 is not None else None
         if arch.qk_permuted and proj in heads:
             weight = unpermute_qk(weight, heads[proj])
+            codes = codes and codes.permute_rows(partial(unpermute_qk, n_head=heads[proj]))
         state_dict[name] = weight.to(dtype)
+        if codes is not None:
+            q4[name] = codes
     return state_dict
 
 

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -55,6 +55,7 @@ class LoadedCheckpoint:
     generation_defaults: dict  # sampling defaults the model ships ({} when none)
     path: Path
     format: str  # "gguf" or "hf"
+    q4_codes: dict = field(default_factory=dict)  # HF name -> gguf_loader.Q4Codes, when asked for and the file has them
 
 
 # ---------------------------------------------------------------- finding the model
@@ -105,13 +106,14 @@ def _alias_path(alias: str) -> Path:
 
 
 def load_checkpoint(
-    name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True
+    name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True, keep_q4: bool = False
 ) -> LoadedCheckpoint:
-    """Load a model's weights (as `dtype`), config, tokenizer and stop tokens."""
+    """Load a model's weights (as `dtype`), config, tokenizer and stop tokens (and a GGUF's 4-bit codes: keep_q4)."""
     path = resolve_model_path(str(name_or_path))
     start = time.perf_counter()
     if path.suffix == ".gguf":
-        gg = load_gguf(path, dtype=dtype, progress=progress)
+        gg = load_gguf(path, dtype=dtype, progress=progress, keep_q4=keep_q4)
+        q4 = gg.q4_codes
         config, state_dict, tokenizer = gg.config, gg.state_dict, gg.tokenizer
         generation_eos, defaults, fmt = gg.generation_eos_ids, gg.generation_defaults, "gguf"
     else:
@@ -120,13 +122,14 @@ def load_checkpoint(
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         generation_eos, defaults = read_generation_config(path, config)
         fmt = "hf"
+        q4 = {}
     eos = eos_token_ids(tokenizer, generation_eos)
     n_params = sum(t.numel() for t in state_dict.values())
     log.info(
         "loaded %s (%s, %s, %d tensors, %.1fM parameters, eos %s) in %.2f s",
         path.name, fmt, config.model_type, len(state_dict), n_params / 1e6, list(eos), time.perf_counter() - start,
     )
-    return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt)
+    return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt, q4)
 
 
 def load_safetensors(

@@ -148,12 +148,15 @@ class ModelRunner:
             bt = torch.tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in decodes], dtype=torch.long, device=dev)
             dpos = positions[: len(decodes)]
             slot_parts.append(bt.gather(1, (dpos // bs).unsqueeze(1)).squeeze(1) * bs + dpos % bs)
-            keys = torch.arange(max_blocks * bs, device=dev)
-            mask = keys.unsqueeze(0) <= dpos.unsqueeze(1)  # [Bd, S]
-            if window is not None:
-                mask &= keys.unsqueeze(0) > dpos.unsqueeze(1) - window
             meta.decode_block_tables = bt
-            meta.decode_mask = mask[:, None, None, :]
+            if len(decodes) == 1 and window is None:
+                meta.decode_context_len = decodes[0].start_pos + 1  # one sequence: its keys, unmasked
+            else:
+                keys = torch.arange(max_blocks * bs, device=dev)
+                mask = keys.unsqueeze(0) <= dpos.unsqueeze(1)  # [Bd, S]
+                if window is not None:
+                    mask &= keys.unsqueeze(0) > dpos.unsqueeze(1) - window
+                meta.decode_mask = mask[:, None, None, :]
         start = len(decodes)
         for s in chunks:
             L = len(s.token_ids)
