@@ -16,7 +16,7 @@ HKV, G, D, BS = 3, 3, 16, 4
 START, LENGTH = 23, 9  # 23 cached keys, then a 9-token chunk that starts mid-block
 
 
-def _setup(dtype):
+def _setup(dtype, window=None):
     g = torch.Generator().manual_seed(0)
     ctx = START + LENGTH
     nb = 16
@@ -25,13 +25,17 @@ def _setup(dtype):
     block_table = torch.randperm(nb, generator=g)[: -(-ctx // BS)]
     q = torch.randn(LENGTH, HKV * G, D, generator=g).to(dtype)
     pos = torch.arange(START, ctx)
-    mask = (torch.arange(ctx)[None, :] <= pos[:, None]).repeat(G, 1)  # as ModelRunner builds it
+    keys = torch.arange(ctx)[None, :]
+    mask = keys <= pos[:, None]  # as ModelRunner builds it
+    if window is not None:
+        mask &= keys > pos[:, None] - window
+    mask = mask.repeat(G, 1)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=0,
                              chunks=[ChunkMeta(0, LENGTH, block_table, ctx, mask)])
     return q, k_cache, v_cache, block_table, meta
 
 
-def _reference(q, k_cache, v_cache, block_table, scale):
+def _reference(q, k_cache, v_cache, block_table, scale, window=None):
     """Per query head, in float32: softmax(q k^T * scale + causal offset) v over the gathered keys."""
     ctx = START + LENGTH
     k = k_cache.float()[block_table].reshape(-1, HKV, D)[:ctx]
@@ -40,18 +44,22 @@ def _reference(q, k_cache, v_cache, block_table, scale):
     for h in range(HKV * G):
         kv = h // G  # query head h reads KV head h // G, as transformers' repeat_kv lays them out
         s = q.float()[:, h] @ k[:, kv].T * scale
-        s[torch.arange(ctx)[None, :] > torch.arange(START, ctx)[:, None]] = float("-inf")
+        keys, pos = torch.arange(ctx)[None, :], torch.arange(START, ctx)[:, None]
+        s[keys > pos] = float("-inf")
+        if window is not None:
+            s[keys <= pos - window] = float("-inf")
         out[:, h] = torch.softmax(s, -1) @ v[:, kv]
     return out
 
 
+@pytest.mark.parametrize("window", [None, 12])  # 12: a sliding window hides the oldest keys too
 @pytest.mark.parametrize("dtype, eager, atol", [(torch.bfloat16, True, 2e-2), (torch.float16, True, 3e-3), (torch.float32, False, 1e-5)])
-def test_chunk_after_cached_prefix_matches_float32_reference(dtype, eager, atol):
-    q, k_cache, v_cache, block_table, meta = _setup(dtype)
+def test_chunk_after_cached_prefix_matches_float32_reference(dtype, eager, atol, window):
+    q, k_cache, v_cache, block_table, meta = _setup(dtype, window)
     assert eager_chunk(q, HKV * G * LENGTH, START + LENGTH) is eager
     scale = D**-0.5
     got = paged_attention(q, k_cache, v_cache, meta, scale).float()
-    want = _reference(q, k_cache, v_cache, block_table, scale)
+    want = _reference(q, k_cache, v_cache, block_table, scale, window)
     err = (got - want).abs().max().item()
     assert err < atol
     # the output really is the attention: far from attending to the wrong keys (no causal offset)

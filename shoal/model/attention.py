@@ -39,9 +39,15 @@ class ChunkMeta:
     mask: torch.Tensor | None
 
     @cached_property
-    def hidden(self) -> torch.Tensor | None:
-        """Keys each query must not see (the mask inverted), computed once per step."""
-        return None if self.mask is None else self.mask.logical_not()
+    def hidden(self) -> tuple[int, torch.Tensor]:
+        """Keys the queries must not see, computed once per step (CPU path):
+        (first key column with any hidden entry, the inverted mask from that column on).
+        After a cached prefix only the chunk's own keys (the causal triangle) are
+        hidden, so masking touches L columns instead of the whole context."""
+        hidden = self.mask.logical_not()
+        cols = hidden.any(dim=0).nonzero()
+        first = int(cols[0]) if len(cols) else hidden.shape[1]
+        return first, hidden[:, first:]
 
 
 @dataclass
@@ -72,14 +78,15 @@ def eager_chunk(q: torch.Tensor, rows: int, keys: int) -> bool:
     return q.device.type == "cpu" and q.dtype != torch.float32 and rows * keys <= EAGER_MAX_SCORES
 
 
-def eager_attention(q, k, v, hidden, scale):
-    """q [B, H, M, D], k/v [B, H, S, D], hidden [B|1, 1, M, S] bool (True: masked out).
+def eager_attention(q, k, v, hidden: tuple[int, torch.Tensor], scale):
+    """q [B, H, M, D], k/v [B, H, S, D]; hidden: (first, [M, S - first] bool, True: masked out), see ChunkMeta.hidden.
 
     transformers' eager attention: half-precision scores, softmax in float32,
     probabilities cast back for the second matmul (scaled in float32 here).
     """
     s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    s.masked_fill_(hidden, float("-inf"))
+    first, tail = hidden
+    s[..., first:].masked_fill_(tail, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), v)
 
 
@@ -132,7 +139,7 @@ def paged_attention(
         # 4-D with a batch of one: with a mask, 3-D inputs send CPU SDPA down its math path (bmm, where,
         # softmax), 4-D ones to the flash kernel: 1.9-3.7x faster per call (benchmarks/NOTES.md).
         if c.mask is not None and eager_chunk(q, Hkv * G * c.length, c.context_len):
-            o = eager_attention(qc[None], k[None], v[None], c.hidden[None, None], scale)[0]
+            o = eager_attention(qc[None], k[None], v[None], c.hidden, scale)[0]
         else:
             mask = None if c.mask is None else c.mask[None, None]
             o = F.scaled_dot_product_attention(qc[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale)[0]
