@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.model.layers import Layer
+from shoal.model.layers import STACKED_PARAMS, Layer
 
 GROUP_SIZE = 32  # ggml's Q4 block: codes and scales map across unchanged
+
 
 class Int8Linear(Layer):
     """y = x @ (q * scale).T + bias, with q int8 [out, in] and one scale per output channel (symmetric)."""
@@ -103,8 +104,8 @@ class Int4Linear(Layer):
 
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-# fused projection -> the checkpoint tensors stacked in it, in order (layers.STACKED_PARAMS)
-PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# fused projection -> the checkpoint tensors stacked in it, in shard order
+PARTS = {fused: tuple(part for f, part, _ in sorted(STACKED_PARAMS, key=lambda p: p[2]) if f == fused) for fused, _, _ in STACKED_PARAMS}
 
 
 def quantize_int8(model: nn.Module) -> None:
