@@ -66,6 +66,8 @@ ENGINE_OPTS = [
     Opt("--block-size", 16, int, "tokens per KV block"),
     Opt("--max-num-seqs", 64, int, "most sequences in one step"),
     Opt("--max-num-batched-tokens", 512, int, "most tokens in one step (prefill chunk size)"),
+    Opt("--follow-up-window-ms", 20.0, float, "after a step that finished several requests and left the engine idle, "
+        "hold the next arrival up to this long for as many (clients in lockstep share one prefill step); 0: off"),
     Opt("--threads", None, int, "torch threads (default: torch's choice)"),
     Opt("--prefix-cache", True, None, "reuse the KV of earlier prompts (default: on)", kind="bool"),
     Opt("--prefix-cache-ttl", None, float, "drop cached prefixes idle this many seconds (default: only when space is needed)"),
@@ -189,7 +191,8 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
         max_model_len=v["max_model_len"],
         num_threads=v["threads"],
         quantization=v.get("quantization"),
-        scheduler=SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"]),
+        scheduler=SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"],
+                                  follow_up_window=v["follow_up_window_ms"] / 1000),
         cache=CacheConfig(**cache),
     )
 

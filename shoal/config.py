@@ -30,8 +30,14 @@ class SchedulerConfig:
     # weight reads, small enough that decodes sharing the step are not stalled.
     max_num_batched_tokens: int = 512
     max_model_len: int = 8192  # the engine sets the model's (or --max-model-len)
+    # After a step that finishes several requests and leaves the engine idle, wait up to this long
+    # (seconds) after the next arrival for as many requests, so that clients coming back together
+    # share one prefill step (AsyncEngine). 0 turns it off.
+    follow_up_window: float = 0.02
 
     def __post_init__(self) -> None:
+        if self.follow_up_window < 0:
+            raise ValueError(f"follow_up_window must be >= 0 seconds, got {self.follow_up_window}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -276,3 +276,56 @@ def test_beam_search_applies_logits_processors_like_transformers(model_path):
     # A bias that makes EOS the best continuation ends the best hypothesis at once.
     eos = llm.generate([p], SamplingParams(num_beams=2, max_tokens=6, logit_bias={0: 50.0}))[0].outputs[0]
     assert (eos.token_ids, eos.finish_reason) == ([0], FinishReason.STOP)
+
+
+def _record_adds_and_steps(engine) -> list[str]:
+    """Wrap the engine's add_request and step (called on the AsyncEngine's thread) to log their order."""
+    events: list[str] = []
+    add, step = engine.add_request, engine.step
+
+    def logged_add(request):
+        events.append(f"add {request.request_id}")
+        return add(request)
+
+    def logged_step():
+        outputs = step()
+        if outputs:
+            events.append("step")
+        return outputs
+
+    engine.add_request, engine.step = logged_add, logged_step
+    return events
+
+
+def test_clients_that_finish_together_come_back_into_one_step(model_path):
+    """Three requests finish in one step and leave the engine idle: the next arrivals, 150 ms apart (a 2 s
+    window here), are all admitted before the next step. After a step that finished one request, a follow-up
+    is stepped at once."""
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128, follow_up_window=2.0)
+    events = _record_adds_and_steps(llm.engine)
+    engine = AsyncEngine(llm.engine)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    async def run(ids, gap):
+        async def one(i, rid):
+            await asyncio.sleep(i * gap)
+            async for out in engine.generate(GenerationRequest(rid, (5, 6, 7 + i), params)):
+                pass
+            return out
+
+        return await asyncio.gather(*(one(i, rid) for i, rid in enumerate(ids)))
+
+    try:
+        asyncio.run(run(["a0", "a1", "a2"], 0.0))  # together: they finish in the same step
+        start = len(events)
+        outs = asyncio.run(run(["b0", "b1", "b2"], 0.15))
+        assert all(o.finished and len(o.outputs[0].token_ids) == 3 for o in outs)
+        assert events[start:start + 4] == ["add b0", "add b1", "add b2", "step"]
+
+        asyncio.run(run(["c0"], 0.0))  # the b's finished together too: c0 is their lone follow-up, held ~2 s
+        start = len(events)
+        asyncio.run(run(["d0", "d1"], 0.3))  # c0 finished alone: d0 is stepped without waiting for d1
+        assert events[start:start + 2] == ["add d0", "step"]
+        assert "add d1" in events[start + 2:]
+    finally:
+        engine.shutdown()

@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._queued_adds = 0  # submitted, not yet handed to the engine
+        self._expected = 0  # requests that finished together in the step that left the engine idle
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -118,21 +120,38 @@ class AsyncEngine:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
                 continue
+            finished = 0
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
                     sink.put(out)
                     if out.finished:
                         del self._sinks[out.request_id]
+                        finished += 1
+            self._expected = finished if finished > 1 and not self.engine.has_unfinished() else 0
 
     def _apply(self, block: bool) -> None:
+        """Apply what the inbox holds; when `block` (the engine is idle), wait for the first command.
+
+        Follow-ups: when the step that left the engine idle finished k > 1
+        requests at once, their clients (agents, a fleet of conversations in
+        lockstep) tend to come back together, a few milliseconds apart. The
+        first arrival then waits up to `follow_up_window` for k adds in all,
+        so their prefills share one step instead of k-1 of them queueing
+        behind the first one's step (benchmarks/NOTES.md). A lone request,
+        after a step that finished one or none, never waits.
+        """
         try:
             cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        expected, self._expected = (self._expected if block else 0), 0
+        deadline = time.monotonic() + self.engine.config.scheduler.follow_up_window
+        added = 0
         while True:
             kind, arg, sink = cmd
             if kind == "add":
+                added += 1
                 with self._lock:
                     self._queued_adds -= 1
                 try:
@@ -142,8 +161,11 @@ class AsyncEngine:
                     sink.put(exc)
             elif kind == "abort":
                 self.engine.abort(arg)
+            elif kind == "stop":
+                return
             try:
-                cmd = self._inbox.get_nowait()
+                wait = deadline - time.monotonic() if added < expected else 0.0
+                cmd = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
             except queue.Empty:
                 return
 
