@@ -22,10 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
 from shoal import LLM, SamplingParams  # noqa: E402
+from shoal.runner.model_runner import resolve_dtype  # noqa: E402
 from shoal.types import GenerationRequest  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DTYPE = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # what LLM() below runs in
 
 TOOLS = [
     ("read_file", "Read a file from the workspace and return its text.", "path: string, the file's path relative to the workspace root"),
@@ -37,7 +41,6 @@ TOOLS = [
     ("post_comment", "Post a comment on an issue.", "number: integer; body: string, markdown"),
     ("run_tests", "Run the project's tests and report failures.", "selector: string, optional pytest -k expression"),
 ]
-
 
 def system_prompt() -> str:
     rules = " ".join(
@@ -127,7 +130,7 @@ def main() -> None:
     md = [
         f"# Agentic prefix-cache benchmark ({time.strftime('%Y-%m-%d')})",
         "",
-        f"SmolLM2-135M-Instruct (GGUF Q4_1 → float32), {args.conversations} interleaved conversations x {args.turns} turns, "
+        f"SmolLM2-135M-Instruct (GGUF Q4_1 → {DTYPE}, shoal's `auto` on this machine), {args.conversations} interleaved conversations x {args.turns} turns, "
         f"a shared {on['system_tokens']}-token system prompt with tool definitions, {args.max_tokens} output tokens per turn, "
         "requests one at a time, cache on and off in the same run.",
         "",
