@@ -466,14 +466,14 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, dict[str, list[dict]]] = {}
     peer_rows = [{"name": p.name, "label": p.label, "settings": p.settings} for p in chosen]
+    for peer, row in zip(chosen, peer_rows):
+        if not peer.available:
+            row["skipped"] = peer.missing
+            print(f"== {peer.label}: skipped ({peer.missing})", flush=True)
     for rnd in range(a.rounds):
         for peer, row in zip(chosen, peer_rows):
-            if not peer.available:
-                row["skipped"] = peer.missing
-                print(f"== {peer.label}: skipped ({peer.missing})", flush=True)
-                continue
             if row.get("skipped"):
-                continue  # it failed in an earlier round
+                continue  # not installed, or it failed in an earlier round
             print(f"== {peer.label}: starting" + (f" (round {rnd + 1} of {a.rounds})" if a.rounds > 1 else ""), flush=True)
             server = Server(peer, gguf, log_dir)
             try:
