@@ -77,9 +77,14 @@ SERVER_OPTS = [
     Opt("--host", "127.0.0.1", str, "address to bind (default 127.0.0.1: this machine only)"),
     Opt("--port", 8000, int, "port to listen on"),
     Opt("--api-key", None, str, "require this key (Authorization: Bearer KEY or x-api-key); default $SHOAL_API_KEY"),
-    Opt("--allowed-origins", [], str, "CORS origin to allow (repeatable, or comma-separated; none by default)", kind="list"),
-    Opt("--max-request-bytes", "32MiB", str, "refuse request bodies over this size (413)"),
+    Opt("--allowed-origins", [], str, "browser origin allowed to call the server, with CORS (repeatable, or "
+        "comma-separated; '*' allows all). Requests from other origins are refused (403); bound to loopback, "
+        "http(s)://localhost|127.0.0.1|[::1] with any port are allowed too", kind="list"),
+    Opt("--max-request-bytes", "auto", str, "refuse request bodies over this size (413); auto (default): "
+        "16 bytes per token of the model's context + 64KiB, at least 1MiB"),
     Opt("--max-waiting", None, int, "refuse new requests (503) while this many are waiting"),
+    Opt("--max-sequences-per-request", 128, int, "most sequences one request may ask for: prompts x n, "
+        "beams counting as num_beams (400 beyond)"),
     Opt("--served-model-name", None, str, "the model's name in the API (default: the --model value)"),
     Opt("--chat-template", None, str, "a Jinja chat template file that replaces the model's"),
     Opt("--reasoning-parser", None, str, "split <think>...</think> into reasoning_content", choices=("deepseek_r1", "qwen3")),
@@ -263,8 +268,9 @@ def server_settings(v: dict):
         port=int(v["port"]),
         api_key=v["api_key"] or None,
         allowed_origins=tuple(origins),
-        max_request_bytes=parse_bytes(v["max_request_bytes"]),
+        max_request_bytes=None if v["max_request_bytes"] in (None, "auto") else parse_bytes(v["max_request_bytes"]),
         max_waiting=v["max_waiting"],
+        max_sequences_per_request=int(v["max_sequences_per_request"]),
         served_model_name=v["served_model_name"],
         chat_template=v["chat_template"],
         reasoning_parser=v["reasoning_parser"],

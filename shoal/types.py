@@ -7,14 +7,20 @@ only point down: cli -> server -> engine -> runner/model -> types.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+# Below this temperature sampling is greedy (vLLM's rule): the draw is the argmax up to
+# exact ties anyway, and logits / temperature could overflow float32.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # client went away or abort() was called
+    ERROR = "error"  # this request alone failed; RequestOutput.error says why
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class SamplingParams:
 
     n: int = 1
     max_tokens: int | None = 16  # None: up to the context limit
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below MIN_SAMPLING_TEMPERATURE) means greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -40,6 +46,7 @@ class SamplingParams:
     no_repeat_ngram_size: int = 0
     seed: int | None = None
     logprobs: int | None = None  # None: none; k: the chosen token's plus the top k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's plus the top k at its position
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
@@ -70,16 +77,16 @@ class SamplingParams:
             e.append(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             e.append(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            e.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # written so that NaN fails too
+            e.append(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             e.append(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             e.append(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 < self.typical_p <= 1:
             e.append(f"typical_p must be in (0, 1], got {self.typical_p}")
-        if self.repetition_penalty <= 0:
-            e.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            e.append(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if not -2 <= self.presence_penalty <= 2:
             e.append(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
@@ -88,6 +95,13 @@ class SamplingParams:
             e.append(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             e.append(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            e.append(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        bad_bias = [v for v in (self.logit_bias or {}).values() if not math.isfinite(v)]
+        if bad_bias:
+            e.append(f"logit_bias values must be finite numbers, got {bad_bias[0]}")
+        if not math.isfinite(self.length_penalty):
+            e.append(f"length_penalty must be a finite number, got {self.length_penalty}")
         if self.min_tokens < 0:
             e.append(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -100,7 +114,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
 
     @property
     def use_beam_search(self) -> bool:
@@ -162,6 +176,13 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # One entry per prompt token (the first None: nothing predicts it) when the params ask
+    # for prompt_logprobs; set on every output once complete (from the end of the prefill
+    # on), the same list each time.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Set, with finished=True and every choice's finish_reason ERROR, when this request
+    # alone failed: a message safe to show the client (the details are in the log).
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -206,6 +227,12 @@ class ScheduledSeq:
     # so seeded sampling is the same alone or in a batch.
     seed: int | None = None
     num_sampled: int = 0
+    # Prompt logprobs: the logits of positions prompt_logprobs_from .. + len(prompt_targets)
+    # give the logprobs of `prompt_targets` (the prompt tokens that follow them) and the top
+    # `prompt_logprobs` alternatives. Empty when the step has none to compute.
+    prompt_logprobs: int = 0
+    prompt_logprobs_from: int = 0
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -232,3 +259,12 @@ class SampledToken:
     token_id: int
     logprob: float
     top_logprobs: tuple[Logprob, ...] = ()
+    error: str | None = None  # no token: this sequence's sampling failed (a message safe to show)
+
+
+class StepOutput(NamedTuple):
+    """What one ModelRunner.execute returns."""
+
+    sampled: list[SampledToken]
+    # seq_id -> the prompt logprobs this step computed for it, in prompt order.
+    prompt_logprobs: dict[int, list[TokenLogprobs]]

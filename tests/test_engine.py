@@ -329,3 +329,22 @@ def test_clients_that_finish_together_come_back_into_one_step(model_path):
         assert "add d1" in events[start + 2:]
     finally:
         engine.shutdown()
+
+
+def test_same_prompt_computed_twice_in_one_step_leaves_the_cache_evictable(model_path):
+    """Two requests with the same head admitted in one step both compute it; the second holds
+    the first's cached blocks from then on, so when the first finishes, a newcomer that needs
+    every free block can evict what it left (before: no unreferenced leaf, the step failed)."""
+    llm = LLM(model_path, dtype="float32", num_blocks=12, block_size=4, max_model_len=48, check_integrity=True)
+    eng = llm.engine
+    head = list(range(5, 14))  # 2 full blocks + 1 token
+    eng.add_request(GenerationRequest("a", tuple(head), SamplingParams(temperature=0.0, max_tokens=1)))
+    b_params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eng.add_request(GenerationRequest("b", tuple(head + list(range(50, 58))), b_params))
+    done = {o.request_id: o for o in eng.step() if o.finished}
+    assert "a" in done and eng.pool.num_free == 12 - 5  # b holds 5 blocks, a's 3 are cached and free
+    eng.add_request(GenerationRequest("c", tuple(range(100, 124)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert done["b"].outputs[0].token_ids == alone(llm, [head + list(range(50, 58))], b_params)[0]
+    assert len(done["c"].outputs[0].token_ids) == 2 and eng.pool.num_free == 12

@@ -37,7 +37,7 @@ def build_runner(path, num_blocks=64, block_size=4):
 @torch.inference_mode()
 def step_logits(runner, seqs: list[ScheduledSeq]) -> torch.Tensor:
     """Hidden states -> logits for every token of the step, in plan order (decodes first)."""
-    _, input_ids, positions, meta, _ = runner._prepare(StepPlan(tuple(seqs)))
+    _, input_ids, positions, meta, *_ = runner._prepare(StepPlan(tuple(seqs)))
     return runner.model.compute_logits(runner.model(input_ids, positions, runner.kv_caches, meta))
 
 

@@ -1,4 +1,5 @@
-"""Sampler tests: each parameter against a hand-computed value or HF's own processor."""
+"""Sampler tests: each parameter against a hand-computed value or HF's own processor, and
+property tests (Hypothesis) that every admitted parameter value gives an allowed token."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     NoRepeatNGramLogitsProcessor,
@@ -18,11 +21,17 @@ from transformers.generation.logits_process import (
 
 from shoal.runner import sampler as sampler_mod
 from shoal.runner.sampler import (
+    ROW_ALL_BANNED,
+    ROW_ERRORS,
+    ROW_NONFINITE_LOGITS,
     SamplerRow,
     SamplingBatch,
+    _banned_tokens,
+    apply_processors,
     apply_top_k_top_p,
     apply_top_p_candidates,
     argmax_rows,
+    logits_to_probs,
     no_repeat_ngram_bans,
     process_logits,
     sample,
@@ -550,3 +559,135 @@ def test_mixed_batch_rows_equal_rows_alone():
     for i in (0, 1, 7):
         assert together.token_ids[i] == proc_together[i].argmax()
     assert math.isinf(proc_together[7, 9].item())
+
+
+# ---------------------------------------------------------------- every admitted value (property tests)
+
+
+def _edges(*values):
+    """Edge values first (Hypothesis shrinks towards them), then anything in the range."""
+    return st.sampled_from(values)
+
+
+UNIT_OPEN = _edges(5e-324, 1e-46, 1e-45, 1e-40, 1e-38, 1e-8, 1e-7, 0.3, 0.9, 1 - 1e-9, 1.0) | st.floats(0, 1, exclude_min=True)
+TEMPERATURE = _edges(0.0, 5e-324, 1e-45, 1e-40, 9.99e-6, 1e-5, 0.1, 0.7, 1.0, 2.0, 1e30, 1e308) | st.floats(0, 10)
+PENALTY = _edges(5e-324, 1e-45, 1e-30, 1e-20, 0.5, 1.0, 1.3, 1e20, 1e30, 1e308) | st.floats(0, 1e308, exclude_min=True)
+BIAS = _edges(-100.0, 100.0, 0.0) | st.floats(-100, 100)
+
+
+@st.composite
+def sampler_rows(draw, V: int):
+    tokens = st.lists(st.integers(0, V - 1), max_size=12)
+    params = dict(
+        temperature=draw(TEMPERATURE),
+        top_k=draw(_edges(0, 1, 2, 5, V - 1, V, V + 1, 10**9)),
+        top_p=draw(UNIT_OPEN),
+        min_p=draw(_edges(0.0, 5e-324, 1e-45, 0.05, 1.0) | st.floats(0, 1)),
+        typical_p=draw(UNIT_OPEN),
+        repetition_penalty=draw(PENALTY),
+        presence_penalty=draw(st.floats(-2, 2)),
+        frequency_penalty=draw(st.floats(-2, 2)),
+        logit_bias=draw(st.dictionaries(st.integers(0, V - 1), BIAS, max_size=V)),
+        no_repeat_ngram_size=draw(st.integers(0, 3)),
+        min_tokens=draw(st.integers(0, 3)),
+        ignore_eos=draw(st.booleans()),
+        stop_token_ids=draw(st.lists(st.integers(0, V - 1), max_size=3)),
+    )
+    seed = draw(st.none() | st.integers(0, 2**32))
+    return row(prompt=draw(tokens), output=draw(tokens), eos=(0,), gen=None if seed is None else gen(seed),
+               num_logprobs=draw(st.integers(0, 20)), **params)
+
+
+# Real logits are within a few hundred; up to 1e13 every admitted value must give a token.
+# Beyond (up to float32's max) a row may be refused with an error code, but never picks a
+# token outside its allowed set.
+SAFE_SCALE = 1e13
+
+
+@st.composite
+def batches(draw):
+    V = draw(st.sampled_from([8, 64, 256]))  # 256: the CPU argmax's blocked path
+    rows = draw(st.lists(sampler_rows(V), min_size=1, max_size=4))
+    scale = draw(_edges(1e-30, 1e-3, 1.0, 30.0, 1e4, SAFE_SCALE, 1e20, 1e30, 3e38))
+    logits = torch.randn(len(rows), V, generator=gen(draw(st.integers(0, 2**16)))) * scale
+    logits = logits.clamp(-torch.finfo(torch.float32).max, torch.finfo(torch.float32).max)
+    if draw(st.booleans()):  # a model that masks some tokens (never a whole row: that is the model's error)
+        logits[:, 1 : V // 2 : 3] = -INF
+    return rows, logits, scale
+
+
+@settings(max_examples=200, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_any_admitted_parameters_give_an_allowed_token_and_finite_probabilities(case):
+    rows, logits, scale = case
+    V = logits.shape[-1]
+    batch = build(rows, V)
+    out = sample(logits, batch)
+    pre = apply_processors(logits, batch)  # penalties, bias and bans: the HF-checked stages above
+    final = process_logits(logits, batch)
+    safe = scale <= SAFE_SCALE
+    if safe:
+        assert not pre.isnan().any() and not (pre == INF).any()  # the clamped penalty cannot overflow
+    for i, r in enumerate(rows):
+        tok = out.token_ids[i].item()
+        banned = set(_banned_tokens(r))
+        if banned >= {t for t in range(V) if logits[i, t] > -INF}:
+            assert tok == ROW_ALL_BANNED  # nothing left: an error for this request, not a pick
+            continue
+        if tok < 0:
+            assert not safe and tok in ROW_ERRORS
+            continue
+        assert 0 <= tok < V and tok not in banned and final[i, tok] > -INF and pre[i, tok] > -INF
+        # Beyond SAFE_SCALE a pick the processors lifted (a tiny repetition penalty on a
+        # -3e38 logit) may have a raw log-probability below float32's range: -inf is its value.
+        assert math.isfinite(out.logprobs[i].item()) or not safe
+        p = r.params
+        if p.greedy:
+            assert pre[i, tok] == pre[i].max()
+            continue
+        z = pre[i] / min(p.temperature, torch.finfo(torch.float32).max)  # float32, as sampled (ties as there)
+        if 0 < p.top_k < V:
+            assert (z > z[tok]).sum() < p.top_k
+            z = z.masked_fill(z < z.topk(p.top_k).values[-1], -INF)
+        if safe and p.top_p < 1.0:  # the mass of the tokens more likely than the pick is under top_p
+            assert z.double().softmax(-1)[z > z[tok]].sum() < p.top_p + 1e-3
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy and out.token_ids[i] != ROW_ALL_BANNED]
+    if safe and sampled:
+        probs = logits_to_probs(pre[sampled], build([rows[i] for i in sampled], V))
+        assert probs.isfinite().all()
+        torch.testing.assert_close(probs.sum(-1), torch.ones(len(sampled)), atol=1e-4, rtol=0)
+
+
+def test_issue_poison_values_are_greedy_or_keep_the_top_token():
+    """The issue's inputs, spelled out: each rule of the module docstring."""
+    torch.manual_seed(21)
+    logits = torch.randn(6, 300) * 4
+    greedy = logits.argmax(-1)
+    for spec in (dict(top_p=1e-46), dict(top_p=5e-324), dict(top_p=1e-9, top_k=50), dict(temperature=1e-40),
+                 dict(temperature=5e-324, top_p=0.5), dict(temperature=9.9e-6)):
+        assert torch.equal(run(logits, [row(**spec)] * 6), greedy), spec
+    # The sorted (accelerator) top-p path keeps only the top token for a top_p that rounds 1 - top_p to 1.
+    b = build([row(top_p=1e-46)] * 6, 300)
+    kept = apply_top_k_top_p(logits, None, b.top_p_rm, b.top_p_on) > -INF
+    assert torch.equal(kept.sum(-1), torch.ones(6, dtype=torch.long)) and kept[torch.arange(6), greedy].all()
+    # A repetition penalty of 1e-45 is 1e-20: finite logits, the same picks.
+    prompt = tuple(range(0, 300, 7))
+    tiny = process_logits(logits, build([row(temperature=0.0, repetition_penalty=1e-45, prompt=prompt)] * 6, 300))
+    clamped = process_logits(logits, build([row(temperature=0.0, repetition_penalty=1e-20, prompt=prompt)] * 6, 300))
+    assert tiny.isfinite().all() and torch.equal(tiny, clamped)
+
+
+def test_rows_without_a_token_get_error_codes_and_the_rest_are_untouched():
+    torch.manual_seed(22)
+    V = 64
+    logits = torch.randn(5, V)
+    logits[1, 7] = float("nan")
+    logits[2] = -INF
+    logits[3, 9] = INF
+    for params in (dict(temperature=0.0), dict(temperature=0.8, top_p=0.9)):
+        def rows(n):  # a fresh generator per row: the good row draws the same noise alone and in the batch
+            return [row(gen=gen(5), **params) for _ in range(n)] + [row(no_repeat_ngram_size=1, prompt=tuple(range(V)), **params)]
+
+        out = sample(logits, build(rows(4), V))
+        assert out.token_ids[1:].tolist() == [ROW_NONFINITE_LOGITS] * 3 + [ROW_ALL_BANNED]
+        assert out.token_ids[0] == sample(logits[:1], build(rows(1)[:1], V)).token_ids[0]

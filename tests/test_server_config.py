@@ -92,6 +92,20 @@ def test_yaml_config_with_flags_winning(tmp_path, monkeypatch):
     assert serve_values(build_parser().parse_args(["serve", "--config", str(cfg), "--api-key", "k"]))["api_key"] == "k"
 
 
+def test_request_bounds_from_flags_and_yaml(tmp_path):
+    s = server_settings(serve_values(build_parser().parse_args(["serve"])))
+    assert (s.max_sequences_per_request, s.max_request_bytes) == (128, None)  # None: fit the model's context
+    cfg = tmp_path / "shoal.yaml"
+    cfg.write_text("max-sequences-per-request: 16\nmax_request_bytes: 2MiB\n")
+    s = server_settings(serve_values(build_parser().parse_args(["serve", "--config", str(cfg)])))
+    assert (s.max_sequences_per_request, s.max_request_bytes) == (16, 2 << 20)
+    a = build_parser().parse_args(["serve", "--config", str(cfg), "--max-sequences-per-request", "4", "--max-request-bytes", "auto"])
+    s = server_settings(serve_values(a))
+    assert (s.max_sequences_per_request, s.max_request_bytes) == (4, None)
+    with pytest.raises(ValueError, match="max_sequences_per_request"):
+        server_settings(serve_values(build_parser().parse_args(["serve", "--max-sequences-per-request", "0"])))
+
+
 def test_yaml_config_errors_are_readable(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("prot: 1\n")

@@ -1,6 +1,7 @@
 """Access and limits: API keys, CORS, body size (413), loading and overload (503 + Retry-After)."""
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -131,6 +132,86 @@ def test_503_with_retry_after_when_too_many_wait(engine):
         assert result_b["r"].status_code == 200
         assert h.get("/stats").json()["rejected_overloaded"] == 1
         assert h.post("/v1/completions", json={"prompt": "D", "max_tokens": 1}).status_code == 200
+
+
+def test_max_waiting_holds_when_requests_arrive_together(engine):
+    # max_num_seqs=1: A runs and the engine is held in its step; 40 requests then arrive at
+    # once. A request counts as waiting from its admission, so exactly 4 get in.
+    limit, burst = 4, 40
+    settings = ServerSettings(max_waiting=limit, log_requests=False)
+    with LiveServer(engine, settings) as srv, srv.http() as h:
+        state = srv.state
+        # Requests refused after their admission (a prompt outside the vocabulary) hold nothing afterwards.
+        for _ in range(3):
+            assert h.post("/v1/completions", json={"prompt": [engine.vocab_size + 1]}).status_code == 400
+        assert state.admitted == 0
+        with Gate(engine, when=lambda: engine.num_running >= 1) as gate:
+            a = {"prompt": "A", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with h.stream("POST", "/v1/completions", json=a):
+                assert gate.blocked.wait(30)  # A runs, held in its first step
+                clients = [srv.http() for _ in range(burst)]
+                start = threading.Barrier(burst)
+
+                def send(client):
+                    start.wait()
+                    return client.post("/v1/completions", json={"prompt": "B", "max_tokens": 2})
+
+                with ThreadPoolExecutor(burst) as pool:
+                    futures = [pool.submit(send, c) for c in clients]
+                    srv.wait_until(lambda: sum(f.done() for f in futures) >= burst - limit, what="the refusals")
+                    assert state.admitted + state.aengine.num_waiting == limit
+                    gate.open()
+                    responses = [f.result(timeout=60) for f in futures]
+        for c in clients:
+            c.close()
+        accepted = [r for r in responses if r.status_code == 200]
+        refused = [r for r in responses if r.status_code == 503]
+        assert len(accepted) == limit and len(refused) == burst - limit, sorted(r.status_code for r in responses)
+        for r in refused:
+            err = _error(r, 503, "service_unavailable_error", "overloaded", f"--max-waiting {limit}")
+            assert err["code"] == "server_overloaded" and int(r.headers["retry-after"]) >= 1
+        assert all(r.json()["usage"]["completion_tokens"] >= 1 for r in accepted)
+        assert state.admitted == 0 and state.aengine.num_waiting == 0
+        assert h.get("/stats").json()["rejected_overloaded"] == burst - limit
+
+
+def test_an_admission_is_released_once_whichever_way_the_request_ends():
+    from shoal.server.state import ServerState, release_admission
+
+    state = ServerState(ServerSettings(max_waiting=2))
+    state.status = "ok"
+    with state.serving():
+        state.admit(None)
+        assert state.admitted == 1
+        release_admission()  # handed to the engine
+        release_admission()
+        assert state.admitted == 0
+    with pytest.raises(RuntimeError), state.serving():  # fails before the engine sees it
+        state.admit(None)
+        raise RuntimeError
+    assert state.admitted == 0
+    with state.serving():
+        state.admit(None)
+        with state.serving():  # another request, served meanwhile
+            state.admit(None)
+            with pytest.raises(Exception, match="--max-waiting 2"):
+                state.admit(None)
+        assert state.admitted == 1
+    assert state.admitted == 0
+
+
+def test_the_default_body_limit_fits_the_context(engine):
+    assert ServerSettings().max_request_bytes is None  # auto
+    s = ServerSettings()
+    assert s.request_byte_limit(None) == 1 << 20  # no model yet: the floor
+    assert s.request_byte_limit(8192) == 1 << 20  # 16 x 8192 + 64 KiB is under the floor
+    assert s.request_byte_limit(131072) == 16 * 131072 + (64 << 10)
+    assert ServerSettings(max_request_bytes=5000).request_byte_limit(131072) == 5000  # an explicit limit wins
+    with LiveServer(engine) as srv, srv.http() as h:
+        limit = srv.state.request_byte_limit
+        assert limit == 1 << 20
+        big = {"messages": [{"role": "user", "content": "x" * limit}]}
+        _error(h.post("/v1/chat/completions", json=big), 413, "invalid_request_error", str(limit), "--max-request-bytes")
 
 
 def test_server_binds_loopback_by_default():

@@ -31,7 +31,11 @@ log = logging.getLogger("shoal.engine")
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The step itself failed (the model's forward): every request in flight ends with it."""
+
+
+class RequestFailed(RuntimeError):
+    """This request alone failed; the message is safe to show the client."""
 
 
 @dataclass
@@ -63,7 +67,9 @@ class AsyncEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come; the last has finished=True.
 
-        Raises ValueError (before any output) when the engine rejects the request.
+        Raises ValueError (before any output) when the engine rejects the request,
+        RequestFailed when it failed on its own (others go on), EngineDeadError when
+        the whole step failed.
         """
         self.engine.validate(request)  # read-only: safe from this thread
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
@@ -76,6 +82,9 @@ class AsyncEngine:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True  # the engine has already let go of it
+                    raise RequestFailed(item.error)
                 yield item
                 if item.finished:
                     finished = True
@@ -116,9 +125,9 @@ class AsyncEngine:
                 break
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # a model failure must not take the server down
+            except Exception:  # a model failure must not take the server down
                 log.exception("engine step failed; failing the requests in flight")
-                self._fail_all(exc)
+                self._fail_all()
                 continue
             finished = 0
             for out in outputs:
@@ -169,8 +178,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _fail_all(self, exc: Exception) -> None:
-        err = EngineDeadError(f"the engine failed while running this request: {exc}")
+    def _fail_all(self) -> None:
+        log.error("the failed step ends requests %s", ", ".join(self._sinks) or "(none)")
+        err = EngineDeadError("the engine failed while running this request; the server log has the details")
         for request_id, sink in list(self._sinks.items()):
             self.engine.abort(request_id)
             sink.put(err)

@@ -24,10 +24,13 @@ from shoal.types import (
     RequestMetrics,
     RequestOutput,
     SampledToken,
+    StepOutput,
     TokenLogprobs,
 )
 
 log = logging.getLogger("shoal.engine")
+
+OUTPUT_FAILED = "the server failed while processing this request's output"
 
 
 @dataclass
@@ -68,6 +71,8 @@ class _RequestState:
     choices: list[_Choice]
     metrics: RequestMetrics
     beam: _BeamGroup | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled as the prefill goes
+    error: str | None = None  # set when this request alone failed
 
     @property
     def num_cached_tokens(self) -> int:
@@ -76,7 +81,14 @@ class _RequestState:
         return seqs[0].num_cached_tokens if seqs else 0
 
     @property
+    def complete_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        plp = self.prompt_logprobs
+        return plp if plp is not None and len(plp) == len(self.request.prompt_token_ids) else None
+
+    @property
     def finished(self) -> bool:
+        if self.error is not None:
+            return True
         if self.beam is not None and not self.beam.done:
             return False
         return all(c.out.finished for c in self.choices)
@@ -161,6 +173,8 @@ class Engine:
                 arrival=first.arrival if first else -1,
                 fork_parent=first,
                 seed=None if p.seed is None else p.seed + i,
+                # Forks share the prompt: only the first choice computes its logprobs.
+                num_prompt_logprobs=0 if first is None else len(request.prompt_token_ids),
             )
             first = first or seq
             detok = IncrementalDetokenizer(
@@ -173,6 +187,7 @@ class Engine:
             out = CompletionOutput(index=i, logprobs=[] if p.logprobs is not None else None)
             choices.append(_Choice(seq, detok, out))
         state = _RequestState(request, choices, RequestMetrics(arrival_time=request.arrival_time or now))
+        state.prompt_logprobs = [None] if p.prompt_logprobs is not None else None
         self._requests[request.request_id] = state
         for c in choices:
             self.scheduler.add(c.seq)
@@ -184,6 +199,7 @@ class Engine:
         seq = Sequence(request.request_id, list(request.prompt_token_ids), p, priority=request.priority, seed=p.seed)
         state = _RequestState(request, [], RequestMetrics(arrival_time=request.arrival_time or now))
         state.beam = _BeamGroup(live=[seq], scores={seq.seq_id: 0.0})
+        state.prompt_logprobs = [None] if p.prompt_logprobs is not None else None
         self._requests[request.request_id] = state
         self.scheduler.add(seq)
         self.stats.requests_added += 1
@@ -233,42 +249,76 @@ class Engine:
             m = self._requests[seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        sampled = self.runner.execute(sched.plan)
-        self.scheduler.on_step_done(sched, sampled)
+        result: StepOutput = self.runner.execute(sched.plan)
+        self.scheduler.on_step_done(sched, result.sampled)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
-        outputs.extend(self._postprocess(sampled))
+        for seq_id, entries in result.prompt_logprobs.items():
+            self._requests[self.scheduler.get(seq_id).request_id].prompt_logprobs.extend(entries)
+        outputs.extend(self._postprocess(result.sampled))
         if self.config.check_integrity:
             self.check_integrity()
         return outputs
 
     def _postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
+        """Apply the step's tokens. A failure that belongs to one request (its sampling
+        row, detokenizer, stop strings) ends that request alone, with an error."""
         touched: dict[str, _RequestState] = {}
         now = time.monotonic()
         for s in sampled:
             seq = self.scheduler.get(s.seq_id)
+            if seq is None:
+                continue  # its request failed earlier in this loop
             state = self._requests[seq.request_id]
-            if state.beam is not None:
-                state.beam.candidates[seq.seq_id] = [(t.token_id, t.logprob) for t in s.top_logprobs]
-                seq.paused = True
-            else:
-                self._accept_token(state.choices[seq.index], s)
+            touched[seq.request_id] = state
+            if s.error is not None:
+                self._fail(state, s.error)
+                continue
+            try:
+                if state.beam is not None:
+                    state.beam.candidates[seq.seq_id] = [(t.token_id, t.logprob) for t in s.top_logprobs]
+                    seq.paused = True
+                else:
+                    self._accept_token(state.choices[seq.index], s)
+            except Exception:
+                log.exception("request %s: applying its sampled token failed", seq.request_id)
+                self._fail(state, OUTPUT_FAILED)
+                continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
-            touched[seq.request_id] = state
         outputs = []
         for state in touched.values():
-            if state.beam is not None:
-                if len(state.beam.candidates) < len(state.beam.live):
-                    continue  # some beams of the group have not sampled yet
-                self._beam_step(state)
-                if not state.beam.done:
-                    continue  # beams are not streamed: only the final answer
-            outputs.append(self._output(state))
+            try:
+                if state.beam is not None and state.error is None:
+                    if len(state.beam.candidates) < len(state.beam.live):
+                        continue  # some beams of the group have not sampled yet
+                    self._beam_step(state)
+                    if not state.beam.done:
+                        continue  # beams are not streamed: only the final answer
+                out = self._output(state)
+            except Exception:
+                log.exception("request %s: building its output failed", state.request.request_id)
+                self._fail(state, OUTPUT_FAILED)
+                out = self._output(state)
+            outputs.append(out)
             if state.finished:
                 self.stats.requests_finished += 1
                 self._retire(state)
         return outputs
+
+    def _fail(self, state: _RequestState, message: str) -> None:
+        """End the request with an error the client may see; its sequences release their blocks."""
+        if state.error is not None:
+            return
+        log.error("request %s failed: %s", state.request.request_id, message)
+        state.error = message
+        for c in state.choices:
+            if not c.out.finished:
+                self._finish(c, FinishReason.ERROR)
+        if state.beam is not None and not state.beam.done:
+            for seq in state.beam.live:
+                self.scheduler.finish(seq, FinishReason.ERROR)
+            state.beam.done = True
 
     def _accept_token(self, choice: _Choice, s: SampledToken) -> None:
         seq, out, p = choice.seq, choice.out, choice.seq.params
@@ -355,7 +405,9 @@ class Engine:
         outs = []
         for c in state.choices:
             o = c.out
-            if c.detok is not None:
+            if state.error is not None:
+                delta = ""  # the detokenizer may be what failed
+            elif c.detok is not None:
                 delta = c.detok.take_delta(finished=o.finished)
                 o.text += delta
             else:
@@ -384,6 +436,8 @@ class Engine:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
+            prompt_logprobs=state.complete_prompt_logprobs,
+            error=state.error,
         )
 
     def _retire(self, state: _RequestState) -> None:

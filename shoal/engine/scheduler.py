@@ -175,10 +175,13 @@ class Scheduler:
 
         With the prefix cache, a fresh sequence starts from the longest cached
         prefix of its tokens: full blocks shared by reference, a partial one copied.
+        A sequence that still wants prompt logprobs takes no hit (vLLM's rule): cached
+        tokens have no hidden states to give logprobs, so it computes the whole prompt
+        (its blocks still go into the cache).
         """
         pool = self.pool
         match = None
-        if self.cache is not None and not seq.block_table:
+        if self.cache is not None and not seq.block_table and not seq.wants_prompt_logprobs:
             match = self.cache.match(_key_tokens(seq))
             pool.incref(match.blocks)
             if match.copy_block is not None:
@@ -265,6 +268,7 @@ class Scheduler:
             arrival=parent.arrival,
             token_ids=parent.token_ids + [token_id],
             seed=parent.seed,
+            num_prompt_logprobs=parent.num_prompt_logprobs,
         )
         self._by_id[child.seq_id] = child
         computed = parent.num_computed_tokens if parent.block_table else 0
@@ -320,6 +324,10 @@ class Scheduler:
         start = seq.num_computed_tokens
         end = start + num_new
         p = seq.params
+        lp_from, targets = 0, ()
+        if seq.wants_prompt_logprobs:  # positions lp_from .. min(end, prompt_len - 1) - 1 give them
+            lp_from = max(start, seq.num_prompt_logprobs)
+            targets = tuple(seq.token_ids[lp_from + 1 : min(end, seq.prompt_len - 1) + 1])
         return ScheduledSeq(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:end]),
@@ -331,17 +339,23 @@ class Scheduler:
             history=tuple(seq.token_ids) if needs_history(p) else (),
             seed=seq.seed,
             num_sampled=seq.num_output_tokens,
+            prompt_logprobs=p.prompt_logprobs or 0,
+            prompt_logprobs_from=lp_from,
+            prompt_targets=targets,
         )
 
     def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> None:
-        """Advance the computed counters, append the sampled tokens, hash full blocks."""
+        """Advance the computed counters, append the sampled tokens, hash full blocks.
+        A token with an error appends nothing: the engine fails its request."""
         for seq, num_new in out.scheduled:
             seq.num_computed_tokens += num_new
+            if seq.wants_prompt_logprobs:  # the plan asked for every prompt position computed so far
+                seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, min(seq.num_computed_tokens, seq.prompt_len - 1))
             if self.cache is not None:
                 self._cache_full_blocks(seq)
         for s in sampled:
             seq = self._by_id[s.seq_id]
-            if not seq.params.use_beam_search:  # beams grow by the engine's selection
+            if s.error is None and not seq.params.use_beam_search:  # beams grow by the engine's selection
                 seq.token_ids.append(s.token_id)
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
@@ -354,6 +368,14 @@ class Scheduler:
         for i in range(len(seq.cache_nodes), num_full):
             parent = seq.cache_nodes[-1] if seq.cache_nodes else None
             node = self.cache.insert_full(parent, tuple(keys[i * bs : (i + 1) * bs]), seq.block_table[i])
+            if node.block_id != seq.block_table[i]:
+                # The content was cached already (the same prompt admitted in the same step, or
+                # a prompt-logprobs request that took no hit): hold the cached block instead of
+                # the copy. A sequence then holds every node on its path, so an unreferenced
+                # cached block never has a referenced child and eviction always finds a leaf.
+                self.pool.incref([node.block_id])
+                self.pool.free([seq.block_table[i]])
+                seq.block_table[i] = node.block_id
             seq.cache_nodes.append(node)
 
 

@@ -49,6 +49,10 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from elsewhere (fork / prefix cache)
     seed: int | None = None
+    # Prompt positions whose logits already gave a prompt logprob (of the token after
+    # them); the prompt is done at prompt_len - 1. Not reset by preemption, so a recompute
+    # does not compute them again.
+    num_prompt_logprobs: int = 0
     # Extra content hashes at token positions (image placeholders): part of the prefix-cache key.
     extra_keys: dict[int, int] | None = None
     # Prefix-cache trie nodes of this sequence's indexed full blocks, in order.
@@ -79,6 +83,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.prompt_len - 1
 
     @property
     def finished(self) -> bool:

@@ -107,6 +107,7 @@ class GGUFCheckpoint:
     generation_eos_ids: tuple[int, ...]  # end-of-generation ids besides the tokenizer's eos (eot, eom)
     generation_defaults: dict[str, float]
     q4_codes: dict[str, Q4Codes] = field(default_factory=dict)  # with keep_q4: the 4-bit tensors as stored
+    names: tuple[str, ...] = ()  # what the file calls its model: general.basename, general.name
 
 
 # ---------------------------------------------------------------- reading
@@ -163,7 +164,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     )
     eos_extra = tuple(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta)
     defaults = {name: meta[key] for key, name in SAMPLING_KEYS.items() if key in meta}
-    return GGUFCheckpoint(config, state_dict, tokenizer, eos_extra, defaults, q4 or {})
+    names = tuple(str(meta[k]) for k in ("general.basename", "general.name") if k in meta)
+    return GGUFCheckpoint(config, state_dict, tokenizer, eos_extra, defaults, q4 or {}, names)
 
 
 # ---------------------------------------------------------------- weights

@@ -45,6 +45,17 @@ SAMPLING_KEYS = (
     "no_repeat_ngram_size",
 )
 
+# Sampling settings a model's authors recommend on its card, for checkpoints
+# that ship none of their own (GGUF conversions rarely carry general.sampling.*;
+# SmolLM2's generation_config.json names only token ids). Keyed by a lower-case
+# fragment of the model's name: the GGUF's general.basename / general.name, the
+# file or folder name. At temperature 1.0 SmolLM2-135M answers simple questions
+# with nonsense.
+CARD_DEFAULTS: dict[str, dict] = {
+    # huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: "temperature=0.2, top_p=0.9"
+    "smollm2": {"temperature": 0.2, "top_p": 0.9},
+}
+
 
 @dataclass
 class LoadedCheckpoint:
@@ -56,6 +67,7 @@ class LoadedCheckpoint:
     path: Path
     format: str  # "gguf" or "hf"
     q4_codes: dict = field(default_factory=dict)  # HF name -> gguf_loader.Q4Codes, when asked for and the file has them
+    defaults_source: str = "none"  # where generation_defaults come from: "the model's files", "the SmolLM2 model card", "none"
 
 
 # ---------------------------------------------------------------- finding the model
@@ -116,6 +128,7 @@ def load_checkpoint(
         q4 = gg.q4_codes
         config, state_dict, tokenizer = gg.config, gg.state_dict, gg.tokenizer
         generation_eos, defaults, fmt = gg.generation_eos_ids, gg.generation_defaults, "gguf"
+        names = (*gg.names, path.stem)
     else:
         config = transformers.AutoConfig.from_pretrained(path)
         state_dict = load_safetensors(path, config, dtype, progress)
@@ -123,13 +136,28 @@ def load_checkpoint(
         generation_eos, defaults = read_generation_config(path, config)
         fmt = "hf"
         q4 = {}
+        names = (path.name,)
+    source = "the model's files"
+    if not defaults:  # card defaults stand in for the model's own, never mix with them
+        card = card_defaults(names)
+        source, defaults = (f"the {card[0]} model card", dict(card[1])) if card else ("none", {})
     eos = eos_token_ids(tokenizer, generation_eos)
     n_params = sum(t.numel() for t in state_dict.values())
     log.info(
         "loaded %s (%s, %s, %d tensors, %.1fM parameters, eos %s) in %.2f s",
         path.name, fmt, config.model_type, len(state_dict), n_params / 1e6, list(eos), time.perf_counter() - start,
     )
-    return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt, q4)
+    log.info("sampling defaults from %s: %s", source, defaults or "none (the built-in ones apply)")
+    return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt, q4, source)
+
+
+def card_defaults(names) -> tuple[str, dict] | None:
+    """(the CARD_DEFAULTS key, its defaults) for the first key any of `names` contains; None if none does."""
+    lowered = [n.lower() for n in names]
+    for key, defaults in CARD_DEFAULTS.items():
+        if any(key in n for n in lowered):
+            return key, defaults
+    return None
 
 
 def load_safetensors(

@@ -14,12 +14,14 @@ import torch
 from shoal.config import CacheConfig
 from shoal.model.attention import AttentionMetadata, ChunkMeta
 from shoal.model.layers import DecoderForCausalLM
-from shoal.runner.sampler import SamplerRow, SamplingBatch, process_logits, sample
-from shoal.types import Logprob, SampledToken, ScheduledSeq, StepPlan
+from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, process_logits, sample
+from shoal.types import Logprob, SampledToken, ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
 
 log = logging.getLogger("shoal.runner")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAMPLING_FAILED = "sampling failed for this request's parameters"
+PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose [rows, V] logits exist at once
 
 
 def resolve_device(device: str) -> torch.device:
@@ -109,20 +111,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         if plan.block_copies:
             src = torch.tensor([s for s, _ in plan.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in plan.block_copies], device=self.device)
             self.kv[:, :, dst] = self.kv[:, :, src]
         if plan.empty:
-            return []
-        seqs, input_ids, positions, meta, sample_rows = self._prepare(plan)
+            return StepOutput([], {})
+        seqs, input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(plan)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampled = [s for s in seqs if s.sample]
-        if not sampled:
-            return []
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return self._sample(sampled, logits)
+        result = self._sample(sampled, self.model.compute_logits(hidden[sample_rows])) if sampled else []
+        return StepOutput(result, self._prompt_logprobs(prompt_rows, hidden) if prompt_rows else {})
 
     def _prepare(self, plan: StepPlan):
         dev, bs = self.device, self.block_size
@@ -175,16 +175,37 @@ class ModelRunner:
             start += L
         meta.slot_mapping = torch.cat(slot_parts)
 
-        # Row of each sampled sequence's last token in the flat batch.
+        # Row of each sampled sequence's last token in the flat batch, and of the first
+        # position whose logits give prompt logprobs.
         rows, offset = [], 0
+        prompt_rows: list[tuple[ScheduledSeq, int]] = []
         for s in seqs:
+            if s.prompt_targets:
+                prompt_rows.append((s, offset + s.prompt_logprobs_from - s.start_pos))
             offset += len(s.token_ids)
             if s.sample:
                 rows.append(offset - 1)
         sample_rows = torch.tensor(rows, dtype=torch.long, device=dev)
-        return seqs, input_ids, positions, meta, sample_rows
+        return seqs, input_ids, positions, meta, sample_rows, prompt_rows
 
     def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
+        """One SampledToken per sequence. A failure that belongs to some rows (their
+        parameters, a bug they trigger) fails those sequences alone: the batch is
+        sampled again row by row, and the rows that still raise get an error."""
+        try:
+            return self._sample_batch(seqs, logits)
+        except Exception:
+            log.exception("sampling %d rows failed; sampling them one by one to find the culprits", len(seqs))
+        result = []
+        for i, s in enumerate(seqs):
+            try:
+                result.extend(self._sample_batch([s], logits[i : i + 1]))
+            except Exception:
+                log.exception("sampling failed for sequence %d", s.seq_id)
+                result.append(SampledToken(s.seq_id, -1, float("nan"), error=SAMPLING_FAILED))
+        return result
+
+    def _sample_batch(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
         rows = []
         for s in seqs:
             p = s.params
@@ -220,10 +241,49 @@ class ModelRunner:
                 top_ids[i], top_lps[i] = ids, lps
         result = []
         for i, s in enumerate(seqs):
+            if token_ids[i] < 0:  # no token: the sampler's code says why
+                result.append(SampledToken(s.seq_id, -1, float("nan"), error=ROW_ERRORS[token_ids[i]]))
+                continue
             k = rows[i].num_logprobs
             top = tuple(Logprob(t, lp) for t, lp in zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids else ()
             result.append(SampledToken(s.seq_id, token_ids[i], logprobs[i], top))
         return result
+
+    def _prompt_logprobs(self, prompt_rows: list[tuple[ScheduledSeq, int]], hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
+        """Prompt logprobs from this step's forward, for (sequence, flat row of its first wanted position).
+
+        The logits of prompt position p give the logprob of prompt token p + 1 (its
+        target) under log_softmax in float32. Logits exist for at most
+        PROMPT_LOGPROBS_ROWS positions at a time ([rows, V] float32 each).
+        """
+        rows: list[int] = []
+        targets: list[int] = []
+        for s, first in prompt_rows:
+            rows.extend(range(first, first + len(s.prompt_targets)))
+            targets.extend(s.prompt_targets)
+        k = max(s.prompt_logprobs for s, _ in prompt_rows)
+        row_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        target_t = torch.tensor(targets, dtype=torch.long, device=self.device).unsqueeze(1)
+        chosen, top_vals, top_ids = [], [], []
+        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            logp = self.model.compute_logits(hidden[row_t[i : i + PROMPT_LOGPROBS_ROWS]]).log_softmax(dim=-1)  # [n, V]
+            chosen.append(logp.gather(1, target_t[i : i + PROMPT_LOGPROBS_ROWS]).squeeze(1))
+            if k:
+                top = logp.topk(k, dim=-1)
+                top_vals.append(top.values)
+                top_ids.append(top.indices)
+        chosen_l = torch.cat(chosen).tolist()
+        top_vals_l = torch.cat(top_vals).tolist() if k else None
+        top_ids_l = torch.cat(top_ids).tolist() if k else None
+        out, i = {}, 0
+        for s, _ in prompt_rows:
+            sk, entries = s.prompt_logprobs, []
+            for tok in s.prompt_targets:
+                top = [Logprob(t, lp) for t, lp in zip(top_ids_l[i][:sk], top_vals_l[i][:sk])] if sk else []
+                entries.append(TokenLogprobs(tok, chosen_l[i], top))
+                i += 1
+            out[s.seq_id] = entries
+        return out
 
 
 def _num_logprobs(p) -> int:

@@ -20,6 +20,26 @@ Pipeline (same order as HF `generate` and vLLM):
 `SamplingBatch.build` decides once per step which stages anybody in the batch
 uses; `sample` skips the rest, so an all-greedy batch without penalties costs
 one argmax (plus a logsumexp for the chosen token's logprob).
+
+Every value `SamplingParams` admits is safe: no crash, no NaN, no silent pick.
+`build` moves the parameters into float32's safe range, so the ops above need no
+per-step checks:
+  - temperature below MIN_SAMPLING_TEMPERATURE (1e-5) is greedy (`SamplingParams.greedy`),
+    one above float32's largest is clamped to it;
+  - top_p is at least float32's smallest normal (1e-46 would round to 0 and keep
+    nothing), and a top_p so small that 1 - top_p rounds to 1 keeps the top token only;
+  - repetition_penalty is clamped to [1e-20, 1e20]: beyond, every real logit has met the
+    same limit (seen tokens pushed to the top or the bottom), and inside it a logit up to
+    1e13 stays finite through the penalty and the smallest temperature;
+  - min_p, typical_p (any tiny value keeps the first token), top_k > V (off), logit_bias
+    (finite, validated) and presence/frequency (bounded) need nothing.
+A row with no token to give is an error for its request, never a pick: `sample`
+writes a negative code (ROW_ERRORS) in place of its token id. The raw logits hold a
+NaN or +inf, or nothing finite (their logsumexp, needed for logprobs, is not finite);
+the bans (ignore_eos, min_tokens, no_repeat_ngram_size) cover the whole vocabulary
+(the pick's processed logit is -inf); or the warpers made a NaN, which only logits
+beyond ~1e13 can (the exponential race then picks the NaN). The checks are a few
+ops over [B] and ride on the token ids' transfer: no extra host sync.
 """
 
 from __future__ import annotations
@@ -34,6 +54,18 @@ from shoal.types import SamplingParams
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+REPETITION_PENALTY_RANGE = (1e-20, 1e20)
+
+# Token-id codes of rows that have no token, and what their request is told.
+ROW_NONFINITE_LOGITS = -1
+ROW_ALL_BANNED = -2
+ROW_NONFINITE_PROBS = -3
+ROW_ERRORS = {
+    ROW_NONFINITE_LOGITS: "the model produced non-finite logits for this request",
+    ROW_ALL_BANNED: "every token is banned by this request's parameters (ignore_eos, min_tokens, stop_token_ids, no_repeat_ngram_size)",
+    ROW_NONFINITE_PROBS: "sampling with this request's parameters gave non-finite probabilities",
+}
 
 
 # ---------------------------------------------------------------- inputs
@@ -118,6 +150,8 @@ class SamplingBatch:
             row_idx, tok_idx, _ = _unique_pairs(ids, V)
             if len(row_idx):
                 b.rep_index = (row_idx.to(dev), tok_idx.to(dev))
+                lo, hi = REPETITION_PENALTY_RANGE
+                rep = [min(max(p, lo), hi) for p in rep]
                 b.rep_penalty = torch.tensor(rep, dtype=torch.float32)[row_idx].to(dev)
 
         # -------- presence / frequency: per-token counts over the output (OpenAI)
@@ -166,14 +200,15 @@ class SamplingBatch:
             if not b.all_sampled:
                 b.sample_rows = _i64(sampled, dev)
             if any(p.temperature != 1.0 for p in ps):
-                b.temperature = f32([p.temperature for p in ps])
+                b.temperature = f32([min(p.temperature, _FLOAT32_MAX) for p in ps])
             ks = [p.top_k for p in ps if 0 < p.top_k < V]
             if ks:
                 b.max_top_k = max(ks)
                 b.top_k = _i64([p.top_k if 0 < p.top_k < V else V for p in ps], dev).unsqueeze(1)
             if any(p.top_p < 1.0 for p in ps):
-                b.top_p = f32([p.top_p for p in ps])
-                b.top_p_rm = f32([1.0 - p.top_p for p in ps])
+                b.top_p = f32([max(p.top_p, _TINY) for p in ps])
+                rm = f32([1.0 - p.top_p for p in ps])
+                b.top_p_rm = rm.masked_fill(rm >= 1.0, float("inf"))  # 1 - top_p rounds to 1: all but the top go
                 b.top_p_on = torch.tensor([p.top_p < 1.0 for p in ps], device=dev).unsqueeze(1)
             if any(p.min_p > 0.0 for p in ps):
                 b.min_p = f32([p.min_p for p in ps])
@@ -482,7 +517,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class SamplerOutput(NamedTuple):
-    token_ids: torch.Tensor  # [B] int64
+    token_ids: torch.Tensor  # [B] int64; a negative id is a ROW_ERRORS code: that row has no token
     logprobs: torch.Tensor  # [B] float32: chosen token under log_softmax(raw logits)
     top_ids: torch.Tensor | None  # [B, K] int64, most likely first, from the raw distribution
     top_logprobs: torch.Tensor | None  # [B, K] float32, descending
@@ -493,17 +528,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     raw = logits.float()
     processed = apply_processors(raw, batch)  # [B, V]; `raw` itself is never modified
 
+    drawn_ok = None  # [B] bool: the exponential race picked a token of positive probability
     if batch.all_greedy:
         token_ids = argmax_rows(processed)
     else:
         sub = processed if batch.all_sampled else processed[batch.sample_rows]  # [Bs, V]
         probs = logits_to_probs(sub, batch)
         q = exponential_noise(batch, probs.shape[0], probs.shape[1], probs.device)
-        sampled = sample_from_probs(probs, q)  # [Bs]
+        sampled = sample_from_probs(probs, q)  # [Bs]; probs now holds p / q
+        won = probs.gather(1, sampled.unsqueeze(1)).squeeze(1) > 0  # a NaN anywhere in the row wins the race
         if batch.all_sampled:
-            token_ids = sampled
+            token_ids, drawn_ok = sampled, won
         else:
             token_ids = argmax_rows(processed).index_copy_(0, batch.sample_rows, sampled)
+            drawn_ok = torch.ones_like(token_ids, dtype=torch.bool).index_copy_(0, batch.sample_rows, won)
 
     # Logprobs under the raw model distribution (what vLLM/OpenAI report).
     lse = raw.logsumexp(dim=-1)  # [B]
@@ -512,4 +550,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.num_top_logprobs > 0:
         top_vals, top_ids = raw.topk(batch.num_top_logprobs, dim=-1)  # sorted descending
         top_logprobs = top_vals - lse.unsqueeze(1)
-    return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
+    return SamplerOutput(_mark_rows_without_token(token_ids, lse, processed, drawn_ok), chosen, top_ids, top_logprobs)
+
+
+def _mark_rows_without_token(
+    token_ids: torch.Tensor, lse: torch.Tensor, processed: torch.Tensor, drawn_ok: torch.Tensor | None
+) -> torch.Tensor:
+    """token_ids [B] with each row that has no real token replaced by its ROW_ERRORS code,
+    the model's fault first: lse [B] of the raw logits, processed [B, V]."""
+    allowed = processed.gather(1, token_ids.unsqueeze(1)).squeeze(1) > _NEG_INF  # -inf picked: all banned
+    if drawn_ok is not None:
+        token_ids = torch.where(drawn_ok, token_ids, ROW_NONFINITE_PROBS)
+    token_ids = torch.where(allowed, token_ids, ROW_ALL_BANNED)
+    return torch.where(lse.isfinite(), token_ids, ROW_NONFINITE_LOGITS)

@@ -21,10 +21,19 @@ from fastapi.responses import JSONResponse
 
 from shoal.config import EngineConfig
 from shoal.server.errors import bad_request, install_error_handlers
-from shoal.server.middleware import AccessMiddleware
+from shoal.server.middleware import LOOPBACK_ORIGIN_REGEX, AccessMiddleware, is_loopback_host
 from shoal.server.openai import router as openai_router
 from shoal.server.openai.chat import render_chat
-from shoal.server.openai.protocol import DetokenizeRequest, TokenizeRequest
+from shoal.server.openai.common import check_prompt_chars
+from shoal.server.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
+    StatsResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    error_responses,
+)
 from shoal.server.settings import ServerSettings
 from shoal.server.state import RETRY_LOADING_S, ServerState
 
@@ -65,13 +74,17 @@ def create_app(
     install_error_handlers(app)
     app.include_router(openai_router)
     _add_service_routes(app)
+    _drop_default_422(app)
     # Added first = innermost: CORS sits outside the key check, so preflights
     # pass and refusals still carry CORS headers.
-    app.add_middleware(AccessMiddleware, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes)
-    if settings.allowed_origins:
+    app.add_middleware(AccessMiddleware, state=state)
+    # The origins AccessMiddleware lets in get CORS headers (loopback ones when bound to loopback).
+    loopback_origins = LOOPBACK_ORIGIN_REGEX if is_loopback_host(settings.host) else None
+    if settings.allowed_origins or loopback_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(settings.allowed_origins),
+            allow_origin_regex=loopback_origins,
             allow_methods=["*"],
             allow_headers=["*"],
         )
@@ -84,8 +97,25 @@ def _version() -> str:
     return __version__
 
 
+def _drop_default_422(app: FastAPI) -> None:
+    """Validation errors are 400s here (errors.py): FastAPI's default 422 is not part of the contract."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()  # cached by FastAPI: edited in place once
+            for operations in schema["paths"].values():
+                for op in operations.values():
+                    op["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _add_service_routes(app: FastAPI) -> None:
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse, "description": "Loading, or the model failed to load"}})
     async def health(request: Request) -> JSONResponse:
         state: ServerState = request.app.state.shoal
         if state.status == "ok":
@@ -95,27 +125,28 @@ def _add_service_routes(app: FastAPI) -> None:
             body["error"] = state.load_error
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_LOADING_S)})
 
-    @app.get("/stats")
-    async def stats(request: Request) -> dict:
-        return request.app.state.shoal.stats()
+    @app.get("/stats", responses={200: {"model": StatsResponse}, **error_responses(401, 403, 500)})
+    async def stats(request: Request) -> JSONResponse:
+        return JSONResponse(request.app.state.shoal.stats())
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 403, 404, 413, 500, 503)})
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         state: ServerState = request.app.state.shoal
         state.require_engine()
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            text, ids = render_chat(state, body.messages, body.chat_template_kwargs, None, body.add_generation_prompt)
+            text, ids = await asyncio.to_thread(render_chat, state, body.messages, body.chat_template_kwargs, None, body.add_generation_prompt)
         else:
             text = body.prompt
+            check_prompt_chars(state, len(text), "prompt")
             add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = list(state.engine.tokenizer.encode(text, add_special_tokens=add))
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len, "prompt": text}
+            ids = list(await asyncio.to_thread(state.engine.tokenizer.encode, text, add_special_tokens=add))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len, "prompt": text})
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **error_responses(400, 401, 403, 404, 413, 500, 503)})
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         state: ServerState = request.app.state.shoal
         state.require_engine()
         state.check_model(body.model)
@@ -123,4 +154,4 @@ def _add_service_routes(app: FastAPI) -> None:
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+        return JSONResponse({"prompt": state.engine.tokenizer.decode(body.tokens)})

@@ -31,10 +31,12 @@ FALLBACK_STOP = ("\nUser:",)
 
 
 def _reserved_names(tokenizer) -> frozenset[str]:
-    """apply_chat_template's own parameters (tokenize, chat_template, ...)."""
+    """apply_chat_template's own parameters (tokenize, chat_template, ...) and the variables it sets, but
+    add_generation_prompt, a template variable clients set."""
     names = _RESERVED.get(type(tokenizer))
     if names is None:
-        names = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+        params = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters)
+        names = (params | {"messages"}) - {"add_generation_prompt", "kwargs"}
         _RESERVED[type(tokenizer)] = names
     return names
 
@@ -60,14 +62,25 @@ class ChatRenderer:
     def default_stop(self) -> tuple[str, ...]:
         return FALLBACK_STOP if self.is_fallback else ()
 
-    def render(self, messages: Sequence[dict[str, Any]], tools: list | None = None, **template_kwargs: Any) -> str:
-        """The prompt text, ready for the assistant's turn. Raises ValueError if the template refuses."""
+    def render(self, messages: Sequence[dict[str, Any]], tools: list | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text, ready for the assistant's turn.
+
+        `template_kwargs` are extra template variables (chat_template_kwargs);
+        add_generation_prompt among them is honoured. Raises ValueError if one
+        of them is a name the renderer passes itself (messages, tools, tokenize,
+        ...), or if the template refuses.
+        """
         import jinja2
 
-        kwargs = dict(template_kwargs)
+        kwargs = dict(template_kwargs or {})
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
-        # Template variables only: nothing that would change how apply_chat_template works.
-        kwargs = {k: v for k, v in kwargs.items() if k not in _reserved_names(self.tokenizer)}
+        # Template variables only: nothing that would replace the messages or tools, or change how apply_chat_template works.
+        taken = sorted(k for k in kwargs if k in _reserved_names(self.tokenizer))
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the server passes "
+                f"{'it' if len(taken) == 1 else 'them'} to the template itself (messages and tools come from the request's own fields)"
+            )
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages),

@@ -5,25 +5,26 @@
 Everything a handler refuses is an `APIError`; the handlers below also turn
 FastAPI's validation errors (bad types, malformed JSON: 422 there) into 400s
 whose message names the field, and Starlette's 404/405 into the same shape.
+An unexpected exception is a 500 that says only that the server failed, with a
+request id; the traceback goes to the log under that id (`server_failure`).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger("shoal.server")
-
 # status -> (type, default code)
 _KINDS = {
     400: ("invalid_request_error", None),
     401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", "forbidden"),
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
@@ -71,6 +72,16 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def unavailable(message: str, retry_after: int, code: str) -> APIError:
     return APIError(503, message, code=code, headers={"Retry-After": str(retry_after)})
+
+
+def new_request_id() -> str:
+    """An id that ties a failure's 500 to its traceback in the log."""
+    return f"req-{uuid.uuid4().hex[:24]}"
+
+
+def server_failure(request_id: str, code: str | None = None) -> APIError:
+    """The 500 for a failure the client cannot act on: what went wrong is in the log, under `request_id`."""
+    return APIError(500, f"the server failed while handling this request (request id {request_id}); see the server log", code=code)
 
 
 # A SamplingParams / engine ValueError starts with the field it is about
@@ -163,7 +174,6 @@ def install_error_handlers(app: FastAPI) -> None:
         err.headers = dict(exc.headers or {}) or None
         return err.response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error while serving %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error ({type(exc).__name__}: {exc})").response()
+    # No handler for Exception: Starlette runs that one in ServerErrorMiddleware,
+    # which re-raises after answering, and uvicorn then drops the keep-alive
+    # connection. AccessMiddleware answers unexpected exceptions inside it.

@@ -6,7 +6,8 @@ sampling defaults. Engine settings stay in `shoal.config.EngineConfig`.
 Sampling defaults are `None` unless set: a `None` means "no opinion here", so
 the next level down applies. The chain for every sampling field is
 
-    request field > ServerSettings > the model's generation_config > built-in default
+    request field > ServerSettings > the model's generation_config
+        > its model card's (`shoal.model.loader.CARD_DEFAULTS`, only for models that ship none) > built-in default
 
 (the lesson of seeds/002: a default of `False` or `1.0` at any level above the
 bottom would silently hide every level below it).
@@ -34,17 +35,28 @@ SAMPLING_DEFAULT_FIELDS = (
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
+# The automatic --max-request-bytes (see ServerSettings.request_byte_limit).
+AUTO_REQUEST_BYTES_PER_TOKEN = 16
+AUTO_REQUEST_BYTES_SLACK = 64 << 10
+AUTO_REQUEST_BYTES_FLOOR = 1 << 20
+
 
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
     api_key: str | None = field(default=None, repr=False)  # None: no authentication; never in logs
-    allowed_origins: tuple[str, ...] = ()  # CORS; none by default
-    # A chat request is a few KB; 32 MiB leaves room for very long prompts while
-    # refusing accidental (or hostile) giant bodies before they are parsed.
-    max_request_bytes: int = 32 << 20
+    # Browser origins allowed to call the server (CORS, and the Origin check: a
+    # request whose Origin is present and not allowed is refused); "*" allows all.
+    # Bound to loopback, the loopback origins are allowed too (see middleware.py).
+    allowed_origins: tuple[str, ...] = ()
+    # None: fit the model's context (`request_byte_limit`), so a body is refused
+    # before it is parsed unless its text could fit max_model_len tokens.
+    max_request_bytes: int | None = None
     max_waiting: int | None = None  # refuse new requests (503) while this many wait; None: no limit
+    # Sequences one request may ask for: prompts x n (beams count as num_beams).
+    # One 2 KB body must not hold the server for minutes.
+    max_sequences_per_request: int = 128
     served_model_name: str | None = None  # default: the --model value
     chat_template: Path | None = None  # a Jinja file that replaces the model's template
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think>...</think> out
@@ -78,10 +90,12 @@ class ServerSettings:
         errors = []
         if not 0 <= self.port <= 65535:
             errors.append(f"port must be in [0, 65535], got {self.port}")
-        if self.max_request_bytes < 1:
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
             errors.append(f"max_request_bytes must be positive, got {self.max_request_bytes}")
         if self.max_waiting is not None and self.max_waiting < 0:
             errors.append(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_sequences_per_request < 1:
+            errors.append(f"max_sequences_per_request must be at least 1, got {self.max_sequences_per_request}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             errors.append(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -94,6 +108,19 @@ class ServerSettings:
             errors.append(f"chat_template file {self.chat_template} does not exist")
         if errors:
             raise ValueError("; ".join(errors))
+
+    def request_byte_limit(self, max_model_len: int | None) -> int:
+        """The body size limit: max_request_bytes when set, else one that fits the context.
+
+        Auto: 16 bytes per token of context (a token is about 4 characters;
+        4 bytes each leaves room for non-ASCII text and JSON escapes), plus
+        64 KiB for the rest of the request, and never under 1 MiB. SmolLM2's 8k context gets
+        1 MiB; a 128k context gets 2 MiB + 64 KiB. Before a model is loaded
+        (max_model_len None) the floor applies.
+        """
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return max(AUTO_REQUEST_BYTES_FLOOR, AUTO_REQUEST_BYTES_PER_TOKEN * (max_model_len or 0) + AUTO_REQUEST_BYTES_SLACK)
 
     @property
     def sampling_defaults(self) -> dict:

@@ -3,6 +3,11 @@
 Handlers read the engine only through its public surface: `validate`,
 `num_running`/`num_waiting`, `stats`, `pool`, `tokenizer`, `max_model_len`,
 `checkpoint_info`; requests go through the `AsyncEngine`.
+
+--max-waiting counts a request from the moment it is admitted: `admit` counts
+it in `admitted` until `release_admission` (streams.merged, as it hands the
+request to the engine, which counts it from then) or the end of the HTTP
+request (`serving`), whichever comes first.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +47,35 @@ class ServerCounters:
     rejected_overloaded: int = 0  # 503s for --max-waiting
 
 
+class _Admission:
+    """What one HTTP request holds of `ServerState.admitted`."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.held = 0
+
+    def release(self) -> None:
+        self.state.admitted -= self.held
+        self.held = 0
+
+
+# The admission of the HTTP request being served: set by `ServerState.serving`
+# (AccessMiddleware, around every request); the handler's tasks and threads
+# inherit it, so `release_admission` finds it without being handed anything.
+_ADMISSION: ContextVar[_Admission | None] = ContextVar("shoal_admission", default=None)
+
+
+def release_admission() -> None:
+    """The request being served is handed to the engine: from now on the engine counts it as waiting.
+
+    Call it with no await between it and the hand-over (AsyncEngine.generate
+    counts the request before its first await), so no moment counts it twice
+    or not at all."""
+    admission = _ADMISSION.get()
+    if admission is not None:
+        admission.release()
+
+
 class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
@@ -54,6 +90,10 @@ class ServerState:
         self.generation_defaults: dict = {}
         self.created = int(time.time())
         self.counters = ServerCounters()
+        # Requests admitted (passed --max-waiting) and not yet handed to the
+        # engine: between the two a handler awaits (rendering in a thread), and
+        # requests arriving together would all see the same engine queue.
+        self.admitted = 0
 
     # ------------------------------------------------------------ life cycle
     async def load(self, config: EngineConfig, on_error: Callable[[BaseException], None] | None = None) -> None:
@@ -121,9 +161,27 @@ class ServerState:
             code="model_not_found",
         )
 
+    @property
+    def request_byte_limit(self) -> int:
+        """The body size limit now (it fits the model's context once one is loaded; settings.py)."""
+        return self.settings.request_byte_limit(self.engine.max_model_len if self.engine is not None else None)
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Around one HTTP request: what it was admitted for and did not hand to the engine is released at the end."""
+        admission = _Admission(self)
+        token = _ADMISSION.set(admission)
+        try:
+            yield
+        finally:
+            _ADMISSION.reset(token)
+            admission.release()
+
     def check_capacity(self) -> None:
+        """Refuse (503) while --max-waiting requests wait. No await between this
+        check and `admit`'s count: simultaneous arrivals see each other."""
         limit = self.settings.max_waiting
-        waiting = self.aengine.num_waiting if self.aengine is not None else 0
+        waiting = (self.aengine.num_waiting if self.aengine is not None else 0) + self.admitted
         if limit is not None and waiting >= limit:
             self.counters.rejected_overloaded += 1
             raise unavailable(
@@ -138,6 +196,10 @@ class ServerState:
         self.require_engine()
         self.check_model(model)
         self.check_capacity()
+        admission = _ADMISSION.get()
+        if admission is not None:  # outside `serving` nothing would release it
+            admission.held += 1
+            self.admitted += 1
 
     # ------------------------------------------------------------ stats
     def stats(self) -> dict:

@@ -18,8 +18,9 @@ from contextlib import aclosing
 
 from starlette.requests import Request
 
-from shoal.engine.async_engine import EngineDeadError
-from shoal.server.errors import APIError
+from shoal.engine.async_engine import RequestFailed
+from shoal.server.errors import APIError, new_request_id, server_failure
+from shoal.server.state import release_admission
 from shoal.types import GenerationRequest, RequestOutput
 
 log = logging.getLogger("shoal.server")
@@ -32,6 +33,7 @@ class ClientDisconnected(Exception):
 async def merged(aengine, requests: Sequence[GenerationRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(index of the request, output) as they come, from one or several requests."""
     if len(requests) == 1:
+        release_admission()  # no await until generate counts it
         async with aclosing(aengine.generate(requests[0])) as gen:
             async for out in gen:
                 yield 0, out
@@ -40,6 +42,7 @@ async def merged(aengine, requests: Sequence[GenerationRequest]) -> AsyncIterato
 
     async def pump(i: int, req: GenerationRequest) -> None:
         try:
+            release_admission()  # the first pump to run; no await until generate counts it
             async with aclosing(aengine.generate(req)) as gen:
                 async for out in gen:
                     queue.put_nowait((i, out))
@@ -103,13 +106,21 @@ async def run_to_end(aengine, requests: Sequence[GenerationRequest], http: Reque
     return work.result()
 
 
-def engine_error(exc: BaseException) -> APIError:
-    """An exception out of the engine as the error the client gets."""
+def engine_error(exc: BaseException, request_id: str | None = None) -> APIError:
+    """An exception out of the engine as the error the client gets.
+
+    ValueError: the engine refused the request (400). RequestFailed: this request
+    alone failed, and the message already says why in words fit for the client.
+    Anything else (EngineDeadError included) may hold internal text: the client
+    gets a request id, the log the details.
+    """
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
-    if isinstance(exc, EngineDeadError):
-        return APIError(500, str(exc), code="engine_failure")
-    return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_failure")
+    if isinstance(exc, RequestFailed):
+        return APIError(500, str(exc), code="request_failed")
+    request_id = request_id or new_request_id()
+    log.error("request %s failed in the engine", request_id, exc_info=exc)
+    return server_failure(request_id, code="engine_failure")
 
 
 class RequestTracker:

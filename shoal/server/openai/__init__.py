@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from shoal.server.openai.chat import create_chat_completion
 from shoal.server.openai.completions import create_completion
-from shoal.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from shoal.server.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+    error_responses,
+)
 from shoal.server.streams import ClientDisconnected
 
 router = APIRouter()
 
 # What a request that lost its client answers (nobody reads it; nginx's code for it).
 CLIENT_CLOSED = 499
+_GENERATION_ERRORS = error_responses(400, 401, 403, 404, 413, 500, 503)
 
 
-@router.post("/v1/chat/completions")
+def _generated(model) -> dict:
+    """A 200 that is JSON (`model`) or, with stream, server-sent events."""
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_GENERATION_ERRORS}
+
+
+@router.post("/v1/chat/completions", responses=_generated(ChatCompletionResponse))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     try:
         return await create_chat_completion(body, request, request.app.state.shoal)
@@ -24,7 +39,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return Response(status_code=CLIENT_CLOSED)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=_generated(CompletionResponse))
 async def completions(body: CompletionRequest, request: Request) -> Response:
     try:
         return await create_completion(body, request, request.app.state.shoal)
@@ -32,12 +47,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict:
+@router.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 403, 500, 503)})
+async def models(request: Request) -> JSONResponse:
     state = request.app.state.shoal
     state.require_engine()
     info = getattr(state.engine, "checkpoint_info", None)
-    return {
+    # The file or folder's name only: an absolute path tells any client the server's layout.
+    root = Path(str(getattr(info, "path", None) or state.engine.config.model)).name
+    return JSONResponse({
         "object": "list",
         "data": [
             {
@@ -45,8 +62,8 @@ async def models(request: Request) -> dict:
                 "object": "model",
                 "created": state.created,
                 "owned_by": "shoal",
-                "root": str(getattr(info, "path", state.engine.config.model)),
+                "root": root,
                 "max_model_len": state.engine.max_model_len,
             }
         ],
-    }
+    })

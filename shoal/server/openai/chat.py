@@ -1,7 +1,12 @@
-"""POST /v1/chat/completions: messages -> template -> GenerationRequest -> chat.completion(.chunk)."""
+"""POST /v1/chat/completions: messages -> template -> GenerationRequest -> chat.completion(.chunk).
+
+Rendering and tokenizing run in a worker thread: a long conversation must not
+stall the event loop (and /health with it).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -14,11 +19,17 @@ from shoal.server.errors import APIError, bad_request
 from shoal.server.openai.common import (
     chat_logprobs,
     check_prompt,
+    check_prompt_chars,
+    check_sequences,
+    check_unsupported,
+    clipped_headers,
     finish_reason,
+    fit_max_tokens,
     new_id,
     now,
     resolve_params,
     usage,
+    vllm_prompt_logprobs,
 )
 from shoal.server.openai.protocol import ChatCompletionRequest, ChatMessage
 from shoal.server.reasoning import ReasoningSplitter, Split, split_reasoning
@@ -66,36 +77,69 @@ def _text(content, i: int) -> str:
 
 
 def render_chat(state, messages: list[ChatMessage], template_kwargs: dict | None, tools=None, add_generation_prompt=None) -> tuple[str, list[int]]:
+    """The prompt text and its token ids. Blocking work: call it in a worker thread."""
+    dicts = message_dicts(messages)
+    # The rendered text holds every message's content: too much of it cannot fit.
+    check_prompt_chars(state, sum(len(d["content"]) for d in dicts), "messages")
     kwargs = dict(template_kwargs or {})
     if add_generation_prompt is not None:
         kwargs["add_generation_prompt"] = add_generation_prompt
     try:
-        text = state.renderer.render(message_dicts(messages), tools=tools, **kwargs)
+        text = state.renderer.render(dicts, tools=tools, template_kwargs=kwargs)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
+    check_prompt_chars(state, len(text), "messages")
     return text, state.renderer.encode(text)
+
+
+def check_tool_choice(choice, tools: list[dict] | None) -> None:
+    """Accept "none" and "auto", which is what shoal does (the template sees the tools; its text is not parsed into calls)."""
+    if choice is None or choice in ("none", "auto"):
+        return
+    if choice == "required":
+        if not tools:
+            raise bad_request("tool_choice 'required' needs tools", "tool_choice")
+        raise bad_request("tool_choice 'required' is not supported yet: use 'auto' or 'none'", "tool_choice")
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str) or choice.get("type") != "function":
+        raise bad_request(
+            "invalid tool_choice: expected 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            "tool_choice",
+        )
+    names = {t.get("function", {}).get("name") for t in tools or () if isinstance(t.get("function"), dict)}
+    if name not in names:
+        raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
+    raise bad_request("tool_choice naming a function is not supported yet: use 'auto' or 'none'", "tool_choice")
 
 
 async def create_chat_completion(body: ChatCompletionRequest, http: Request, state) -> JSONResponse | StreamingResponse:
     state.admit(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    text, ids = render_chat(state, body.messages, body.chat_template_kwargs, body.tools, body.add_generation_prompt)
+    check_unsupported(body)
+    check_tool_choice(body.tool_choice, body.tools)
+    check_sequences(state, 1, body.n)
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs is not supported with stream yet", "prompt_logprobs")
+    text, ids = await asyncio.to_thread(render_chat, state, body.messages, body.chat_template_kwargs, body.tools, body.add_generation_prompt)
     params = resolve_params(
         body,
         state,
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         default_max_tokens=None,  # up to the context limit
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs,
         extra_stop=state.renderer.default_stop,
     )
     rid = new_id("chatcmpl")
     req = GenerationRequest(rid, tuple(ids), params, priority=body.priority or 0, prompt=text, arrival_time=time.monotonic())
     check_prompt(state, req, "messages")
+    req, clipped = fit_max_tokens(state, req)
     chat = _Chat(state, rid, body, req)
+    headers = clipped_headers([clipped])
     if body.stream:
-        return StreamingResponse(chat.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await chat.complete(http)
+        return StreamingResponse(chat.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+    return await chat.complete(http, headers)
 
 
 class _Chat:
@@ -120,7 +164,7 @@ class _Chat:
         }
 
     # ------------------------------------------------------------ non-streaming
-    async def complete(self, http: Request) -> JSONResponse:
+    async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
         self.tracker = RequestTracker(self.state, self.rid, [self.req])
         try:
             (out,) = await run_to_end(self.state.aengine, [self.req], http, self.tracker)
@@ -132,7 +176,7 @@ class _Chat:
             raise
         except Exception as e:
             self.tracker.finish("error")
-            raise engine_error(e) from None
+            raise engine_error(e, self.rid) from None
         choices = []
         for c in out.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -149,16 +193,17 @@ class _Chat:
                 }
             )
         self.tracker.finish("ok")
-        return JSONResponse(
-            {
-                "id": self.rid,
-                "object": "chat.completion",
-                "created": self.created,
-                "model": self.state.model_name,
-                "choices": choices,
-                "usage": usage([out]),
-            }
-        )
+        body = {
+            "id": self.rid,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": usage([out]),
+        }
+        if self.body.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, self.state.token_strings)
+        return JSONResponse(body, headers=headers)
 
     # ------------------------------------------------------------ streaming
     async def stream(self) -> AsyncIterator[bytes]:
@@ -203,7 +248,7 @@ class _Chat:
             yield DONE
         except Exception as e:
             outcome = "error"
-            err = engine_error(e)
+            err = engine_error(e, self.rid)
             yield encode_event(err.body())
             yield DONE
         finally:

@@ -1,20 +1,39 @@
-"""What chat and completions share: sampling-parameter precedence, usage, logprobs, ids.
+"""What chat and completions share: sampling-parameter precedence, request bounds, usage, logprobs, ids.
 
 Precedence for every sampling field, the first that is set wins:
 
-    request field > server settings (flags / YAML) > the model's generation_config > built-in default
+    request field > server settings (flags / YAML) > the model's generation_config
+                  > its card's recommendation (models that ship none: loader.CARD_DEFAULTS) > built-in default
+
+Bounds on the work one request may ask for:
+
+- prompts x n may not exceed --max-sequences-per-request (a 400 naming both numbers);
+- a text prompt longer than `max_prompt_chars` is refused before it is tokenized
+  (it could not fit the context: see there);
+- a `max_tokens` larger than what the context leaves after the prompt is clipped
+  to that room, and the response says so in the header
+  `X-Shoal-Max-Tokens-Clipped: <the max_tokens it ran with>` (the smallest, when
+  several prompts were clipped). The choice's finish_reason "length" already says
+  the text stopped at the limit; the header says the limit was not the one asked for.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import lru_cache
 
 from shoal.server.errors import bad_request, from_value_error
 from shoal.server.openai.protocol import SamplingFields
-from shoal.types import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from shoal.types import FinishReason, GenerationRequest, RequestOutput, SamplingParams, TokenLogprobs
+
+CLIPPED_HEADER = "X-Shoal-Max-Tokens-Clipped"
+# A token spans at most as many characters as the longest vocabulary entry
+# (byte-level BPE spells each byte as one character, so this over-counts);
+# normalization can merge a few code points into one (NFC/NFKC composition),
+# hence the slack.
+NORMALIZATION_SLACK = 4
 
 _PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _BUILTIN = SamplingParams()
@@ -40,6 +59,7 @@ def resolve_params(
     max_tokens: int | None,
     default_max_tokens: int | None,
     logprobs: int | None,
+    prompt_logprobs: int | None = None,
     extra_stop: tuple[str, ...] = (),
 ) -> SamplingParams:
     """The request's SamplingParams: each field from the first level that sets it."""
@@ -71,6 +91,7 @@ def resolve_params(
         ("include_stop_str_in_output", req.include_stop_str_in_output),
         ("skip_special_tokens", req.skip_special_tokens),
         ("logprobs", logprobs),
+        ("prompt_logprobs", prompt_logprobs),
     ):
         if value is not None:
             kw[name] = value
@@ -95,13 +116,86 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def check_prompt(state, request, prompt_param: str) -> None:
-    """The engine's checks (vocabulary, context length, logit_bias ids) as a 400."""
+def check_prompt(state, request: GenerationRequest, prompt_param: str) -> None:
+    """The engine's checks (vocabulary, context length, logit_bias ids) and stop_token_ids as a 400."""
     try:
         state.engine.validate(request)
     except ValueError as e:
         msg = str(e)
         raise bad_request(msg, "logit_bias" if msg.startswith("logit_bias") else prompt_param) from None
+    vocab = state.engine.vocab_size
+    bad = [t for t in request.params.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})", "stop_token_ids")
+
+
+# ---------------------------------------------------------------- bounds and refusals
+
+
+def check_unsupported(body: SamplingFields) -> None:
+    """Fields OpenAI defines that shoal does not implement: a 400 rather than silence."""
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind in ("json_object", "json_schema"):
+            raise bad_request(f"response_format {kind!r} is not supported yet: this server has no structured output", "response_format")
+        if kind != "text":
+            raise bad_request("invalid response_format: expected an object with type 'text', 'json_object' or 'json_schema'", "response_format")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def check_sequences(state, num_prompts: int, n: int | None) -> None:
+    """prompts x n within --max-sequences-per-request (counted before any tokenizing)."""
+    limit = state.settings.max_sequences_per_request
+    n = n or 1
+    if num_prompts * n > limit:
+        raise bad_request(
+            f"this request asks for {num_prompts * n} sequences ({num_prompts} prompt{'s' if num_prompts != 1 else ''} x n {n}) "
+            f"but the server allows at most {limit} per request (--max-sequences-per-request)",
+            "n",
+        )
+
+
+@lru_cache(maxsize=8)
+def _longest_token_chars(tokenizer) -> int:
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def max_prompt_chars(state) -> int:
+    """More characters than this cannot fit the context, whatever they are (see NORMALIZATION_SLACK)."""
+    return state.engine.max_model_len * _longest_token_chars(state.engine.tokenizer) * NORMALIZATION_SLACK
+
+
+def check_prompt_chars(state, num_chars: int, param: str) -> None:
+    """Refuse a text that cannot fit the context before spending time tokenizing it."""
+    limit = max_prompt_chars(state)
+    if num_chars > limit:
+        raise bad_request(
+            f"the prompt has {num_chars} characters: more than {limit}, so it cannot fit "
+            f"the context of {state.engine.max_model_len} tokens",
+            param,
+        )
+
+
+def fit_max_tokens(state, request: GenerationRequest) -> tuple[GenerationRequest, int | None]:
+    """The request with max_tokens clipped to the room the context leaves, and the clipped value (None: unchanged)."""
+    p = request.params
+    room = state.engine.max_model_len - len(request.prompt_token_ids)
+    if p.max_tokens is None or p.max_tokens <= room:
+        return request, None
+    if p.min_tokens > room:
+        raise bad_request(
+            f"min_tokens ({p.min_tokens}) cannot be met: the context of {state.engine.max_model_len} tokens "
+            f"leaves room for {room} after the prompt",
+            "min_tokens",
+        )
+    return replace(request, params=replace(p, max_tokens=room)), room
+
+
+def clipped_headers(clipped: list[int | None]) -> dict[str, str]:
+    values = [c for c in clipped if c is not None]
+    return {CLIPPED_HEADER: str(min(values))} if values else {}
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -147,17 +241,47 @@ def chat_logprobs(entries: list[TokenLogprobs], text_of: TokenStrings) -> dict:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprobs], text_of: TokenStrings, offset: int) -> tuple[dict, int]:
-    """The completions format ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}) and the next offset."""
+def completion_logprobs(
+    entries: list[TokenLogprobs | None], text_of: TokenStrings, offset: int, prompt_ids: list[int] | None = None
+) -> tuple[dict, int]:
+    """The completions format ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}) and the next offset.
+
+    Each top_logprobs holds the top k and the chosen token (so k + 1 entries at
+    most; k = 0 gives the chosen token's alone), as OpenAI and vLLM do. An echoed
+    prompt's entries come first; its first token has nothing before it, so its
+    logprob and top_logprobs are null (`None` in `entries`, with `prompt_ids`
+    giving the token).
+    """
     tokens, lps, tops, offsets = [], [], [], []
-    for e in entries:
-        s = text_of(e.token_id)
+    for i, e in enumerate(entries):
+        s = text_of(e.token_id if e is not None else prompt_ids[i])
         tokens.append(s)
-        lps.append(_finite(e.logprob))
-        tops.append({text_of(t.token_id): _finite(t.logprob) for t in e.top})
         offsets.append(offset)
         offset += len(s)
+        if e is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(_finite(e.logprob))
+        top = {text_of(t.token_id): _finite(t.logprob) for t in e.top}
+        top.setdefault(s, _finite(e.logprob))
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprobs | None], text_of: TokenStrings) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} for it and the top k."""
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        ranked = {t.token_id: (r, t.logprob) for r, t in enumerate(e.top, 1)}
+        entry = {str(e.token_id): {"logprob": _finite(e.logprob), "rank": ranked.get(e.token_id, (None,))[0], "decoded_token": text_of(e.token_id)}}
+        for tid, (r, lp) in ranked.items():
+            entry.setdefault(str(tid), {"logprob": _finite(lp), "rank": r, "decoded_token": text_of(tid)})
+        out.append(entry)
+    return out
 
 
 def _finite(x: float) -> float:

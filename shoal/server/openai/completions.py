@@ -3,10 +3,18 @@
 `prompt` may be a string, a list of strings, a list of token ids or a list of
 token-id lists; each prompt is one engine request, and its `n` choices have
 indices `prompt_index * n + choice_index` (as OpenAI numbers them).
+
+`echo` with `logprobs: k` gives the prompt tokens' logprobs before the
+generated ones, in one list (the first prompt token's are null: nothing comes
+before it), which is what log-likelihood scoring through this API reads.
+`max_tokens: 0` is allowed with `echo`: the prompt back (and its logprobs),
+nothing generated. vLLM's `prompt_logprobs: k` adds each choice's
+`prompt_logprobs` in vLLM's format. Tokenizing runs in a worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -17,25 +25,31 @@ from starlette.requests import Request
 from shoal.server.errors import APIError, bad_request
 from shoal.server.openai.common import (
     check_prompt,
+    check_prompt_chars,
+    check_sequences,
+    check_unsupported,
+    clipped_headers,
     completion_logprobs,
     finish_reason,
+    fit_max_tokens,
     new_id,
     now,
     resolve_params,
     usage,
+    vllm_prompt_logprobs,
 )
 from shoal.server.openai.protocol import CompletionRequest
 from shoal.server.sse import DONE, DeltaEncoder, encode_event
 from shoal.server.streams import ClientDisconnected, RequestTracker, engine_error, merged, run_to_end
-from shoal.types import GenerationRequest
+from shoal.types import FinishReason, GenerationRequest, RequestOutput, TokenLogprobs
 
 # OpenAI's default for /v1/completions when max_tokens is not given.
 DEFAULT_MAX_TOKENS = 16
 MAX_PROMPTS = 256
 
 
-def parse_prompts(prompt, tokenizer) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt."""
+def prompt_items(prompt) -> list[str | list[int]]:
+    """The prompts, each a string or a list of token ids (shapes only: nothing is tokenized)."""
 
     def is_ids(x) -> bool:
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
@@ -55,53 +69,77 @@ def parse_prompts(prompt, tokenizer) -> list[tuple[str | None, list[int]]]:
         )
     if len(items) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
-    out = []
+    if any(p == "" for p in items):
+        raise bad_request("prompt must not be an empty string", "prompt")
+    return items
+
+
+def tokenize_prompts(state, items: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt. Blocking work: call it in a worker thread."""
     for p in items:
         if isinstance(p, str):
-            if not p:
-                raise bad_request("prompt must not be an empty string", "prompt")
-            out.append((p, list(tokenizer.encode(p))))
-        else:
-            out.append((None, list(p)))
-    return out
+            check_prompt_chars(state, len(p), "prompt")
+    tokenizer = state.engine.tokenizer
+    return [(p, list(tokenizer.encode(p))) if isinstance(p, str) else (None, list(p)) for p in items]
 
 
 async def create_completion(body: CompletionRequest, http: Request, state) -> JSONResponse | StreamingResponse:
     state.admit(body.model)
     if body.suffix is not None:
         raise bad_request("suffix is not supported: this server does not do fill-in-the-middle", "suffix")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise bad_request(f"best_of must equal n when given (best_of {body.best_of}, n {body.n or 1})", "best_of")
-    tokenizer = state.engine.tokenizer
-    prompts = parse_prompts(body.prompt, tokenizer)
+    check_unsupported(body)
+    echo_logprobs = bool(body.echo) and body.logprobs is not None
+    if body.stream and (echo_logprobs or body.prompt_logprobs is not None):
+        param = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
+        raise bad_request("prompt logprobs (echo with logprobs, or prompt_logprobs) are not supported with stream yet", param)
+    echo_only = body.max_tokens == 0
+    if echo_only and not body.echo:
+        raise bad_request("max_tokens 0 is only allowed with echo (the prompt back, nothing generated)", "max_tokens")
+    items = prompt_items(body.prompt)
+    check_sequences(state, len(items), body.n)
+    prompts = await asyncio.to_thread(tokenize_prompts, state, items)
+    prompt_k = max((k for k in (body.logprobs if echo_logprobs else None, body.prompt_logprobs) if k is not None), default=None)
     params = resolve_params(
-        body, state, max_tokens=body.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=body.logprobs
+        body,
+        state,
+        # Prompt logprobs come with the first step; the one token it samples is dropped.
+        max_tokens=1 if echo_only else body.max_tokens,
+        default_max_tokens=DEFAULT_MAX_TOKENS,
+        logprobs=body.logprobs,
+        prompt_logprobs=prompt_k,
     )
     rid = new_id("cmpl")
     arrival = time.monotonic()
-    reqs = []
+    reqs, clipped = [], []
     for i, (text, ids) in enumerate(prompts):
         req = GenerationRequest(
             rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids), params, priority=body.priority or 0, prompt=text, arrival_time=arrival
         )
         check_prompt(state, req, "prompt")
+        req, clip = fit_max_tokens(state, req)
         reqs.append(req)
+        clipped.append(clip)
+    tokenizer = state.engine.tokenizer
     echo = [(text if text is not None else tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
-    job = _Completion(state, rid, body, reqs, echo)
+    job = _Completion(state, rid, body, reqs, echo, echo_only)
+    headers = clipped_headers(clipped)
+    if echo_only and prompt_k is None:
+        return job.echo_without_engine(headers)
     if body.stream:
-        return StreamingResponse(job.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await job.complete(http)
+        return StreamingResponse(job.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+    return await job.complete(http, headers)
 
 
 class _Completion:
-    def __init__(self, state, rid, body: CompletionRequest, reqs: list[GenerationRequest], echo: list[str]) -> None:
+    def __init__(self, state, rid, body: CompletionRequest, reqs: list[GenerationRequest], echo: list[str], echo_only: bool) -> None:
         self.state = state
         self.rid = rid
         self.body = body
         self.reqs = reqs
         self.echo = echo
+        self.echo_only = echo_only  # max_tokens 0: whatever the engine samples is dropped
         self.tracker: RequestTracker | None = None  # made when the work starts (a stream may never start)
         self.n = reqs[0].params.n
         self.created = now()
@@ -117,7 +155,7 @@ class _Completion:
             **extra,
         }
 
-    async def complete(self, http: Request) -> JSONResponse:
+    async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
         self.tracker = RequestTracker(self.state, self.rid, self.reqs)
         try:
             finals = await run_to_end(self.state.aengine, self.reqs, http, self.tracker)
@@ -129,33 +167,52 @@ class _Completion:
             raise
         except Exception as e:
             self.tracker.finish("error")
-            raise engine_error(e) from None
-        choices = []
-        for p, out in enumerate(finals):
-            for c in out.outputs:
-                lps = None
-                if c.logprobs is not None and self.text_of is not None:
-                    lps, _ = completion_logprobs(c.logprobs, self.text_of, 0)
-                choices.append(
-                    {
-                        "index": p * self.n + c.index,
-                        "text": self.echo[p] + c.text,
-                        "logprobs": lps,
-                        "finish_reason": finish_reason(c.finish_reason),
-                        "stop_reason": c.stop_reason,
-                    }
-                )
+            raise engine_error(e, self.rid) from None
+        choices = [self._choice(p, out, c) for p, out in enumerate(finals) for c in out.outputs]
+        if self.echo_only:
+            finals = [_without_output(out) for out in finals]
         self.tracker.finish("ok")
-        return JSONResponse(
-            {
-                "id": self.rid,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.state.model_name,
-                "choices": choices,
-                "usage": usage(finals),
-            }
-        )
+        return JSONResponse(self._chunk(choices, usage=usage(finals)), headers=headers)
+
+    def _choice(self, p: int, out: RequestOutput, c) -> dict:
+        """One finished choice: echo and generated text, logprobs (the prompt's first when echoed)."""
+        body, text_of = self.body, self.state.token_strings
+        entries = [] if self.echo_only else (c.logprobs or [])
+        prompt_ids = None
+        if body.echo and body.logprobs is not None:
+            k = body.logprobs
+            prompt = [None if e is None else TokenLogprobs(e.token_id, e.logprob, e.top[:k]) for e in out.prompt_logprobs]
+            entries, prompt_ids = prompt + entries, out.prompt_token_ids
+        choice = {
+            "index": p * self.n + c.index,
+            "text": self.echo[p] + ("" if self.echo_only else c.text),
+            "logprobs": completion_logprobs(entries, text_of, 0, prompt_ids)[0] if body.logprobs is not None else None,
+            "finish_reason": "length" if self.echo_only else finish_reason(c.finish_reason),
+            "stop_reason": None if self.echo_only else c.stop_reason,
+        }
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, text_of)
+        return choice
+
+    def echo_without_engine(self, headers: dict[str, str]) -> JSONResponse | StreamingResponse:
+        """max_tokens 0 without logprobs: the prompts back; the engine has nothing to do."""
+        choices = [
+            {"index": p * self.n + i, "text": self.echo[p], "logprobs": None, "finish_reason": FinishReason.LENGTH.value, "stop_reason": None}
+            for p in range(len(self.reqs))
+            for i in range(self.n)
+        ]
+        outs = [RequestOutput(r.request_id, list(r.prompt_token_ids), [], finished=True) for r in self.reqs]
+        if not self.body.stream:
+            return JSONResponse(self._chunk(choices, usage=usage(outs)), headers=headers)
+
+        async def events() -> AsyncIterator[bytes]:
+            for choice in choices:
+                yield encode_event(self._chunk([choice]))
+            if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                yield encode_event(self._chunk([], usage=usage(outs)))
+            yield DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
     async def stream(self) -> AsyncIterator[bytes]:
         self.tracker = RequestTracker(self.state, self.rid, self.reqs)
@@ -198,7 +255,12 @@ class _Completion:
             yield DONE
         except Exception as e:
             outcome = "error"
-            yield encode_event(engine_error(e).body())
+            yield encode_event(engine_error(e, self.rid).body())
             yield DONE
         finally:
             self.tracker.finish(outcome)
+
+
+def _without_output(out: RequestOutput) -> RequestOutput:
+    """`out` as if nothing had been generated (for usage)."""
+    return RequestOutput(out.request_id, out.prompt_token_ids, [], out.finished, out.num_cached_tokens)

@@ -5,14 +5,26 @@ client did not say", so the server's and the model's defaults can apply
 (seeds/002). Types and ranges are checked here, so a bad value is a 400 that
 names its field; values that need the model (token ids, context length) are
 checked by the adapter and the engine. Unknown fields are ignored, not
-rejected: clients send many.
+rejected: clients send many. A known field shoal does not implement
+(`response_format` beyond text, `tool_choice` beyond none/auto) is refused by
+the adapter rather than silently ignored.
+
+Numbers are strict: a JSON boolean is not an integer or a float (pydantic would
+read `true` as 1), and an integer field takes no `1.0` or `"1"`.
+
+The response models at the end are the API's contract: the routes declare them
+in the OpenAPI document, and the fuzzer in the tests checks answers against them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # takes 1 as 1.0, refuses true
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class _Request(BaseModel):
@@ -27,28 +39,32 @@ class SamplingFields(_Request):
     """The fields chat and completions share."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1, le=128)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    n: Int | None = Field(None, ge=1)  # prompts x n is bounded by --max-sequences-per-request
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: Float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Float] | None = None
     user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # Common extras (vLLM / HF names).
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int | None = Field(None, ge=0)
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: Float | None = Field(None, ge=0, le=1)
+    repetition_penalty: Float | None = Field(None, gt=0)
+    min_tokens: Int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    priority: int | None = None
+    priority: Int | None = None
+    # Refused unless it asks for plain text (structured output is not implemented yet).
+    response_format: Any = None
+    # vLLM's extra: each prompt token's logprob and the top k (k = 0: the token's own only).
+    prompt_logprobs: Int | None = Field(None, ge=0, le=20)
 
 
 class ChatMessage(_Request):
@@ -63,11 +79,12 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # "none" | "auto"; the rest is refused by the adapter
     add_generation_prompt: bool | None = None
 
 
@@ -77,8 +94,10 @@ class CompletionRequest(SamplingFields):
     prompt: Any = Field(...)
     echo: bool | None = None
     suffix: str | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = Field(None, ge=1)
+    # 0 only with echo: the prompt back (and its logprobs), nothing generated.
+    max_tokens: Int | None = Field(None, ge=0)
+    logprobs: Int | None = Field(None, ge=0, le=20)
+    best_of: Int | None = Field(None, ge=1)
 
 
 class TokenizeRequest(_Request):
@@ -92,4 +111,185 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
+    tokens: list[Int]
+
+
+# ---------------------------------------------------------------- responses
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None
+    param: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal and failure, whatever the status."""
+
+    error: ErrorDetail
+
+
+FinishReasonName = Literal["stop", "length", "abort"]
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(_Response):
+    """vLLM's entry for one candidate of one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # None: the prompt's own token is outside the top k
+    decoded_token: str
+
+
+# One per prompt token, keyed by token id; the first is null (nothing precedes it).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"]
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReasonName | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # null for the first prompt token when echoed
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReasonName | None = None
+    stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
     tokens: list[int]
+    count: int
+    max_model_len: int
+    prompt: str
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class HealthResponse(_Response):
+    status: Literal["ok", "loading", "failed"]
+    model_loaded: bool
+    error: str | None = None
+
+
+class StatsResponse(_Response):
+    """The HTTP side's counters always; the engine's once the model is loaded."""
+
+    status: str
+    model: str
+    total_requests: int
+    in_flight_requests: int
+    finished_requests: int
+    client_disconnects: int
+    failed_requests: int
+    rejected_overloaded: int
+    active_requests: int | None = None
+    waiting_requests: int | None = None
+    aborted_requests: int | None = None
+    cache_usage: float | None = None
+    free_blocks: int | None = None
+    total_blocks: int | None = None
+    tokens_generated: int | None = None
+    prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
+    max_model_len: int | None = None
+    engine: dict[str, Any] | None = None
+    prefix_cache: dict[str, Any] | None = None
+
+
+def error_responses(*statuses: int) -> dict:
+    """`responses=` for a route: each status answers the error body."""
+    return {s: {"model": ErrorResponse, "description": _STATUS_TEXT[s]} for s in statuses}
+
+
+_STATUS_TEXT = {
+    400: "The request is invalid; the message names the field",
+    401: "A missing or wrong API key",
+    403: "A refused Origin or Host",
+    404: "No such model",
+    413: "The body is larger than --max-request-bytes",
+    500: "The server failed; details are in its log",
+    503: "The model is loading, failed to load, or the server is overloaded (Retry-After)",
+}
