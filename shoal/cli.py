@@ -83,8 +83,8 @@ SERVER_OPTS = [
     Opt("--max-request-bytes", "auto", str, "refuse request bodies over this size (413); auto (default): "
         "16 bytes per token of the model's context + 64KiB, at least 1MiB"),
     Opt("--max-waiting", None, int, "refuse new requests (503) while this many are waiting"),
-    Opt("--max-sequences-per-request", 128, int, "most sequences one request may ask for: prompts x n, "
-        "beams counting as num_beams (400 beyond)"),
+    Opt("--max-sequences-per-request", 128, int, "most sequences one request may ask for: prompts x n "
+        "(400 beyond)"),
     Opt("--served-model-name", None, str, "the model's name in the API (default: the --model value)"),
     Opt("--chat-template", None, str, "a Jinja chat template file that replaces the model's"),
     Opt("--reasoning-parser", None, str, "split <think>...</think> into reasoning_content", choices=("deepseek_r1", "qwen3")),

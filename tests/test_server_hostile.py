@@ -235,3 +235,50 @@ def test_health_answers_while_the_largest_allowed_body_is_processed(engine):
         assert result["r"].status_code == 400 and "prompt" in result["r"].json()["error"]["message"]  # it cannot fit 256 tokens
         # A liveness check, not a speed claim: the issue's target is 100 ms.
         assert max(latencies) < 0.5, f"/health took {max(latencies) * 1000:.0f} ms at worst over {len(latencies)} polls"
+
+
+# ---------------------------------------------------------------- one request cannot fail the others
+
+
+def test_poison_parameters_beside_four_streams_harm_none(srv):
+    """The values that once failed every request in flight (top_p 1e-46 indexed -1 in the
+    sampler) or silently returned garbage (NaN logits from temperature 1e-40, repetition
+    penalty 1e-45) arrive while four streams decode: all seven finish normally."""
+    client = srv.openai()
+    stream_args = dict(model=srv.state.model_name, messages=CHAT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    alone = client.chat.completions.create(**stream_args).choices[0].message.content
+    greedy = client.chat.completions.create(model=srv.state.model_name, messages=CHAT, max_tokens=8, temperature=0).choices[0].message.content
+    started = threading.Barrier(5, timeout=30)
+    texts, finishes, errors = [None] * 4, [None] * 4, []
+
+    def stream(i):
+        try:
+            parts = []
+            for chunk in client.chat.completions.create(stream=True, **stream_args):
+                if not chunk.choices:
+                    continue
+                c = chunk.choices[0]
+                if c.delta.content and not "".join(parts):
+                    started.wait()  # every stream is decoding before the poison arrives
+                parts.append(c.delta.content or "")
+                finishes[i] = c.finish_reason or finishes[i]
+            texts[i] = "".join(parts)
+        except Exception as e:  # reported below: the assertion names it
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    started.wait()
+    poison = [
+        dict(temperature=1.0, top_p=1e-46),  # keeps the top token only: greedy
+        dict(temperature=1e-40),  # below 1e-5: greedy
+        dict(temperature=0, extra_body={"repetition_penalty": 1e-45}),
+    ]
+    answers = [client.chat.completions.create(model=srv.state.model_name, messages=CHAT, max_tokens=8, **p).choices[0] for p in poison]
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert texts == [alone] * 4 and finishes == ["length"] * 4
+    assert [a.message.content for a in answers[:2]] == [greedy, greedy]
+    assert all(a.finish_reason in ("stop", "length") and a.message.content for a in answers)

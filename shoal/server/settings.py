@@ -54,7 +54,7 @@ class ServerSettings:
     # before it is parsed unless its text could fit max_model_len tokens.
     max_request_bytes: int | None = None
     max_waiting: int | None = None  # refuse new requests (503) while this many wait; None: no limit
-    # Sequences one request may ask for: prompts x n (beams count as num_beams).
+    # Sequences one request may ask for: prompts x n.
     # One 2 KB body must not hold the server for minutes.
     max_sequences_per_request: int = 128
     served_model_name: str | None = None  # default: the --model value
