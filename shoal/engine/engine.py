@@ -210,13 +210,7 @@ class Engine:
         state = self._requests.get(request_id)
         if state is None:
             return False
-        for c in state.choices:
-            if not c.out.finished:
-                self._finish(c, FinishReason.ABORT)
-        if state.beam is not None and not state.beam.done:
-            for seq in state.beam.live:
-                self.scheduler.finish(seq, FinishReason.ABORT)
-            state.beam.done = True
+        self._end(state, FinishReason.ABORT)
         self.stats.requests_aborted += 1
         self._pending.append(self._output(state))
         self._retire(state)
@@ -312,12 +306,16 @@ class Engine:
             return
         log.error("request %s failed: %s", state.request.request_id, message)
         state.error = message
+        self._end(state, FinishReason.ERROR)
+
+    def _end(self, state: _RequestState, reason: FinishReason) -> None:
+        """Finish every unfinished choice and live beam of the request; their sequences release their blocks."""
         for c in state.choices:
             if not c.out.finished:
-                self._finish(c, FinishReason.ERROR)
+                self._finish(c, reason)
         if state.beam is not None and not state.beam.done:
             for seq in state.beam.live:
-                self.scheduler.finish(seq, FinishReason.ERROR)
+                self.scheduler.finish(seq, reason)
             state.beam.done = True
 
     def _accept_token(self, choice: _Choice, s: SampledToken) -> None:
