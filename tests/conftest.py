@@ -57,3 +57,12 @@ def tiny_llama_path(tmp_path_factory) -> Path:
     from tiny_models import make_tiny_model
 
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf(tiny_llama_path):
+    """transformers' model of the tiny llama, float32, eval mode (the reference for its logprobs)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()

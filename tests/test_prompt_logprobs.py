@@ -15,20 +15,18 @@ from shoal.types import GenerationRequest
 K = 5
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_llama_path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
-
-
 def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def assert_matches_transformers(hf, ids, entries, k=K):
+def reference(tiny_llama_hf, ids) -> torch.Tensor:
+    """transformers' log_softmax at every prompt position, [P, V]."""
     with torch.no_grad():
-        logp = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [P, V]
+        return tiny_llama_hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def assert_matches_transformers(tiny_llama_hf, ids, entries, k=K):
+    logp = reference(tiny_llama_hf, ids)
     assert entries is not None and len(entries) == len(ids) and entries[0] is None
     for i in range(1, len(ids)):
         e = entries[i]
@@ -39,20 +37,20 @@ def assert_matches_transformers(hf, ids, entries, k=K):
         torch.testing.assert_close(torch.tensor([t.logprob for t in e.top]), top.values, atol=1e-4, rtol=0)
 
 
-def test_chunked_prefill_gives_transformers_prompt_logprobs(tiny_llama_path, hf):
+def test_chunked_prefill_gives_transformers_prompt_logprobs(tiny_llama_path, tiny_llama_hf):
     """A 70-token prompt over 16-token steps: five chunks, each giving its positions' logprobs."""
     llm = LLM(str(tiny_llama_path), dtype="float32", num_blocks=128, block_size=4, max_num_batched_tokens=16,
               enable_prefix_cache=False, check_integrity=True)
     ids = prompt(70)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=K)
     out = llm.generate([ids], params)[0]
-    assert_matches_transformers(hf, ids, out.prompt_logprobs)
+    assert_matches_transformers(tiny_llama_hf, ids, out.prompt_logprobs)
     plain = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
     assert plain.prompt_logprobs is None
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids  # sampling is unaffected
 
 
-def test_every_output_after_the_prefill_carries_them_complete(tiny_llama_path, hf):
+def test_every_output_after_the_prefill_carries_them_complete(tiny_llama_path, tiny_llama_hf):
     llm = LLM(str(tiny_llama_path), dtype="float32", num_blocks=128, block_size=4, max_num_batched_tokens=8)
     ids = prompt(20, seed=1)
     eng = llm.engine
@@ -62,11 +60,11 @@ def test_every_output_after_the_prefill_carries_them_complete(tiny_llama_path, h
         outs.extend(eng.step())
     assert len(outs) == 4  # one per token: nothing is output during the prefill
     for o in outs:
-        assert_matches_transformers(hf, ids, o.prompt_logprobs, k=0)
+        assert_matches_transformers(tiny_llama_hf, ids, o.prompt_logprobs, k=0)
         assert all(e.top == [] for e in o.prompt_logprobs[1:])
 
 
-def test_a_prefix_cache_hit_does_not_skip_prompt_logprobs(tiny_llama_path, hf):
+def test_a_prefix_cache_hit_does_not_skip_prompt_logprobs(tiny_llama_path, tiny_llama_hf):
     """The prompt was cached by an earlier request: a request wanting prompt logprobs still
     computes the whole prompt (and gets transformers' values); one that does not takes the hit."""
     llm = LLM(str(tiny_llama_path), dtype="float32", num_blocks=128, block_size=4, max_num_batched_tokens=32,
@@ -77,17 +75,17 @@ def test_a_prefix_cache_hit_does_not_skip_prompt_logprobs(tiny_llama_path, hf):
     assert first.num_cached_tokens == 0
     wants = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=K))[0]
     assert wants.num_cached_tokens == 0  # no hit taken
-    assert_matches_transformers(hf, ids, wants.prompt_logprobs)
+    assert_matches_transformers(tiny_llama_hf, ids, wants.prompt_logprobs)
     assert wants.outputs[0].token_ids == first.outputs[0].token_ids
     again = llm.generate([ids], greedy)[0]
     assert again.num_cached_tokens > 0  # the cache still serves requests without prompt logprobs
     # and a longer prompt whose head is cached: the cached head gets its logprobs too
     longer = ids + prompt(10, seed=3)
     out = llm.generate([longer], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=K))[0]
-    assert_matches_transformers(hf, longer, out.prompt_logprobs)
+    assert_matches_transformers(tiny_llama_hf, longer, out.prompt_logprobs)
 
 
-def test_n_choices_and_preemption_give_each_entry_once(tiny_llama_path, hf, monkeypatch):
+def test_n_choices_and_preemption_give_each_entry_once(tiny_llama_path, tiny_llama_hf, monkeypatch):
     """n = 3 forks share the prompt: one list. A pool too small for the batch preempts
     sequences halfway through their prompt logprobs and recomputes them; no entry is
     computed twice or lost."""
@@ -105,22 +103,22 @@ def test_n_choices_and_preemption_give_each_entry_once(tiny_llama_path, hf, monk
               max_num_batched_tokens=24, check_integrity=True)
     forked = llm.generate([prompt(30, seed=4)], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, prompt_logprobs=2))[0]
     assert len(forked.outputs) == 3
-    assert_matches_transformers(hf, prompt(30, seed=4), forked.prompt_logprobs, k=2)
+    assert_matches_transformers(tiny_llama_hf, prompt(30, seed=4), forked.prompt_logprobs, k=2)
 
     prompts = [prompt(30 + 5 * i, seed=10 + i) for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=K)
     outs = llm.generate(prompts, params)
     assert any(halfway)
     for ids, out in zip(prompts, outs):
-        assert_matches_transformers(hf, ids, out.prompt_logprobs)
+        assert_matches_transformers(tiny_llama_hf, ids, out.prompt_logprobs)
     assert llm.engine.pool.num_free == 40
 
 
-def test_beam_search_and_one_token_prompts(tiny_llama_path, hf):
+def test_beam_search_and_one_token_prompts(tiny_llama_path, tiny_llama_hf):
     llm = LLM(str(tiny_llama_path), dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
     ids = prompt(12, seed=6)
     out = llm.generate([ids], SamplingParams(num_beams=2, max_tokens=3, ignore_eos=True, prompt_logprobs=K))[0]
-    assert_matches_transformers(hf, ids, out.prompt_logprobs)
+    assert_matches_transformers(tiny_llama_hf, ids, out.prompt_logprobs)
     one = llm.generate([[7]], SamplingParams(max_tokens=2, prompt_logprobs=K))[0]
     assert one.prompt_logprobs == [None]
 

@@ -14,6 +14,7 @@ from server_utils import LiveServer, tiny_engine
 from shoal.engine.async_engine import EngineDeadError, RequestFailed
 from shoal.server import ServerSettings
 from shoal.server.streams import engine_error
+from test_server_errors import check
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -36,13 +37,8 @@ def h(srv):
 
 
 def error(resp, status, *words, param=None):
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    for w in words:
-        assert w in err["message"], (w, err["message"])
-    if param is not None:
-        assert err["param"] == param
-    return err
+    """`check`, with the error type OpenAI gives each status."""
+    return check(resp, status, {400: "invalid_request_error", 403: "permission_error"}[status], *words, param=param)
 
 
 # ---------------------------------------------------------------- Unicode

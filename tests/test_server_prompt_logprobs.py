@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from server_utils import LiveServer, tiny_engine
+from test_prompt_logprobs import prompt, reference
 from test_server_errors import check
 
 K = 3
@@ -20,22 +21,6 @@ def srv(tiny_llama_path):
 @pytest.fixture(scope="module")
 def client(srv):
     return srv.openai()
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama_path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
-
-
-def ids_of(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def reference(hf, ids) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [P, V]
 
 
 def assert_echoed_prompt_matches(lp, ids, logp, text_of, k):
@@ -55,39 +40,39 @@ def assert_echoed_prompt_matches(lp, ids, logp, text_of, k):
     assert lp.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
 
 
-def test_echo_logprobs_are_the_prompts_then_the_generated(client, srv, hf):
+def test_echo_logprobs_are_the_prompts_then_the_generated(client, srv, tiny_llama_hf):
     """lm-evaluation-harness's local-completions request: token ids, echo, max_tokens 1, logprobs 1."""
-    ids = ids_of(24, seed=0)
+    ids = prompt(24, seed=0)
     r = client.completions.create(model=srv.state.model_name, prompt=ids, echo=True, max_tokens=1, logprobs=1, temperature=0)
     (choice,) = r.choices
     lp = choice.logprobs
     assert len(lp.tokens) == len(ids) + 1
-    assert_echoed_prompt_matches(lp, ids, reference(hf, ids), srv.state.token_strings, 1)
-    logp_next = reference(hf, ids)[-1]
+    assert_echoed_prompt_matches(lp, ids, reference(tiny_llama_hf, ids), srv.state.token_strings, 1)
+    logp_next = reference(tiny_llama_hf, ids)[-1]
     assert lp.token_logprobs[-1] == pytest.approx(logp_next.max().item(), abs=1e-4)  # greedy: the top token
     assert choice.text == srv.engine.tokenizer.decode(ids) + lp.tokens[-1]
     assert r.usage.completion_tokens == 1
 
 
-def test_a_cached_prompt_keeps_them_right(client, srv, hf):
+def test_a_cached_prompt_keeps_them_right(client, srv, tiny_llama_hf):
     """The prompt's head is in the prefix cache (an earlier request put it there): its logprobs are still right."""
-    first = ids_of(40, seed=1)
-    longer = first + ids_of(12, seed=2)
+    first = prompt(40, seed=1)
+    longer = first + prompt(12, seed=2)
     params = dict(model=srv.state.model_name, max_tokens=1, temperature=0)
     client.completions.create(prompt=first, **params)
     assert client.completions.create(prompt=longer, **params).usage.prompt_tokens_details.cached_tokens >= 32
     r = client.completions.create(prompt=longer, echo=True, logprobs=K, **params)
-    assert_echoed_prompt_matches(r.choices[0].logprobs, longer, reference(hf, longer), srv.state.token_strings, K)
+    assert_echoed_prompt_matches(r.choices[0].logprobs, longer, reference(tiny_llama_hf, longer), srv.state.token_strings, K)
 
 
-def test_max_tokens_0_gives_the_prompt_part_only(client, srv, hf):
-    ids = ids_of(16, seed=3)
+def test_max_tokens_0_gives_the_prompt_part_only(client, srv, tiny_llama_hf):
+    ids = prompt(16, seed=3)
     r = client.completions.create(model=srv.state.model_name, prompt=[ids, ids[:8]], echo=True, max_tokens=0, logprobs=2)
     assert [len(c.logprobs.tokens) for c in r.choices] == [16, 8]
     assert [c.text for c in r.choices] == [srv.engine.tokenizer.decode(ids), srv.engine.tokenizer.decode(ids[:8])]
     assert {c.finish_reason for c in r.choices} == {"length"}
     assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 24
-    assert_echoed_prompt_matches(r.choices[0].logprobs, ids, reference(hf, ids), srv.state.token_strings, 2)
+    assert_echoed_prompt_matches(r.choices[0].logprobs, ids, reference(tiny_llama_hf, ids), srv.state.token_strings, 2)
 
 
 def assert_vllm_format(entries, ids, logp, text_of, k):
@@ -103,19 +88,19 @@ def assert_vllm_format(entries, ids, logp, text_of, k):
         assert set(e) == {str(t) for t in best.indices.tolist()} | {str(ids[i])}
 
 
-def test_vllm_prompt_logprobs_on_completions_and_chat(client, srv, hf):
-    ids = ids_of(20, seed=4)
+def test_vllm_prompt_logprobs_on_completions_and_chat(client, srv, tiny_llama_hf):
+    ids = prompt(20, seed=4)
     r = client.completions.create(model=srv.state.model_name, prompt=ids, max_tokens=2, temperature=0,
                                   extra_body={"prompt_logprobs": K})
     assert r.choices[0].logprobs is None  # not asked for
-    assert_vllm_format(r.choices[0].model_extra["prompt_logprobs"], ids, reference(hf, ids), srv.state.token_strings, K)
+    assert_vllm_format(r.choices[0].model_extra["prompt_logprobs"], ids, reference(tiny_llama_hf, ids), srv.state.token_strings, K)
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with srv.http() as h:
         chat_ids = h.post("/tokenize", json={"messages": messages}).json()["tokens"]
     c = client.chat.completions.create(model=srv.state.model_name, messages=messages, max_tokens=2, temperature=0,
                                        extra_body={"prompt_logprobs": 0})
-    assert_vllm_format(c.model_extra["prompt_logprobs"], chat_ids, reference(hf, chat_ids), srv.state.token_strings, 0)
+    assert_vllm_format(c.model_extra["prompt_logprobs"], chat_ids, reference(tiny_llama_hf, chat_ids), srv.state.token_strings, 0)
 
 
 def test_prompt_logprobs_with_stream_are_refused(srv):

@@ -9,11 +9,10 @@ import pytest
 
 from server_utils import LiveServer, tiny_engine
 from shoal.server import ServerSettings
-from test_server_errors import check
+from test_server_errors import CHAT, chat, check, complete
 
 MAX_LEN = 64
 MAX_SEQS = 6
-CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +26,6 @@ def srv(tiny_llama_path):
 def h(srv):
     with srv.http() as client:
         yield client
-
-
-def chat(h, **fields):
-    return h.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **fields})
-
-
-def complete(h, **fields):
-    return h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **fields})
 
 
 @pytest.mark.parametrize(
