@@ -81,6 +81,9 @@ class EngineConfig:
     # int4 keeps a GGUF's own Q4_0/Q4_1 weights)
     quantization: str | None = None
     check_integrity: bool = False  # run the pool's integrity check after every step (tests)
+    # "sdpa": attention kernels picked by the step's shape (fast; a greedy answer may change with the load);
+    # "invariant": --deterministic, a token is computed the same way whatever else is in the step (README, Determinism)
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -90,5 +93,7 @@ class EngineConfig:
         if self.quantization and self.dtype == "float32":
             raise ValueError(f"{self.quantization} weights run with bfloat16 or float16 activations (--dtype bfloat16): "
                              "torch's low-bit kernels are slower than plain float32 with float32 ones")
+        if self.attention not in ("invariant", "sdpa"):
+            raise ValueError(f"attention must be invariant or sdpa, got {self.attention!r}")
         if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")

@@ -6,9 +6,14 @@ is done at most once per test session.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
+# float32 batch invariance needs MKL's strict reproducible mode, read at MKL's first call: set before any
+# test computes anything (what `shoal serve --deterministic` does at start-up; README, Determinism)
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

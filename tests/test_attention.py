@@ -1,16 +1,21 @@
-"""Paged attention's chunk path against a float32 reference written out head by head.
+"""Both attention backends' chunk path against a float32 reference written out head by head.
 
 A chunk after a cached prefix attends over keys gathered through a shuffled
-block table, causally offset by its start. In bf16 on the CPU that chunk goes
-through `eager_attention` (half-precision matmuls around a float32 softmax)
-instead of SDPA's flash kernel; in float32 it stays on SDPA. Both must give
-the reference's numbers, to the precision of their dtype.
+block table, causally offset by its start. The invariant backend
+(`--deterministic`) tiles the keys; the sdpa backend (the default) sends
+that chunk in bf16 on the CPU through `eager_attention` (half-precision
+matmuls around a float32 softmax) instead of SDPA's flash kernel, and keeps
+SDPA in float32. Each must give the reference's numbers, to the precision of
+its dtype. (That the invariant backend gives the same bits in every step
+shape is tests/test_invariance.py.)
 """
 
 import pytest
 import torch
 
-from shoal.model.attention import AttentionMetadata, ChunkMeta, eager_chunk, paged_attention
+from shoal.model.attention import SeqSpan
+from shoal.model.attention.invariant import InvariantAttention
+from shoal.model.attention.sdpa import AttentionMetadata, ChunkMeta, eager_chunk, paged_attention
 
 HKV, G, D, BS = 3, 3, 16, 4
 START, LENGTH = 23, 9  # 23 cached keys, then a 9-token chunk that starts mid-block
@@ -60,12 +65,18 @@ def test_chunk_after_cached_prefix_matches_float32_reference(dtype, eager, atol,
     q, k_cache, v_cache, block_table, meta = _setup(dtype, window)
     assert eager_chunk(q, HKV * G * LENGTH, START + LENGTH) is eager
     scale = D**-0.5
-    got = paged_attention(q, k_cache, v_cache, meta, scale).float()
+    # the layer's cache as the runner holds it: [2, Hkv, blocks + 1 (the null block), block_size, D]
+    kv = torch.stack((k_cache, v_cache)).permute(0, 3, 1, 2, 4)
+    kv = torch.cat((kv, torch.zeros_like(kv[:, :, :1])), dim=2).contiguous()
+    invariant = InvariantAttention(block_size=BS, num_kv_heads=HKV, group_size=G, sliding_window=window,
+                                   null_block=kv.shape[2] - 1, device=torch.device("cpu"), dtype=dtype)
+    inv_meta = invariant.prepare([], [SeqSpan(START, LENGTH, tuple(block_table.tolist()))])
     want = _reference(q, k_cache, v_cache, block_table, scale, window)
-    err = (got - want).abs().max().item()
-    assert err < atol
-    # the output really is the attention: far from attending to the wrong keys (no causal offset)
-    assert (got - _reference(q, k_cache, v_cache, block_table, scale, causal=False)).abs().max().item() > 10 * atol
+    wrong = _reference(q, k_cache, v_cache, block_table, scale, causal=False)
+    for got in (paged_attention(q, kv, meta, scale).float(), invariant.attend(q, kv, inv_meta, scale).float()):
+        assert (got - want).abs().max().item() < atol
+        # the output really is the attention: far from attending to the wrong keys (no causal offset)
+        assert (got - wrong).abs().max().item() > 10 * atol
 
 
 def test_eager_chunk_only_on_the_cpu_and_for_bounded_score_matrices():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -10,13 +11,18 @@ import torch
 from shoal.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.model.loader import load_checkpoint
-from shoal.model.layers import Rotary, bind_attributes
+from shoal.model.layers import Rotary, bind_attributes, make_row_invariant
 from shoal.model.quant import quantize_int4, quantize_int8
 from shoal.model.registry import model_class
 from shoal.runner.host import keep_freed_memory
 from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
 
 log = logging.getLogger("shoal.engine")
+
+# MKL's float32 GEMM gives a row other bits depending on how many rows share the call (a GEMV for one row,
+# other blockings for a few); its strict reproducible mode computes every row the same way, at up to half
+# the speed of a one-sequence float32 decode (README, Determinism). MKL reads it once, at its first call.
+STRICT_MKL = "AUTO,STRICT"
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -51,9 +57,17 @@ def build_engine(config: EngineConfig) -> Engine:
             log.info("int4 weights: %d of %d projections are the checkpoint's own 4-bit codes, %d rounded from %s",
                      exact, total, total - exact, str(dtype).removeprefix("torch."))
             ckpt.q4_codes = {}
+    if config.attention == "invariant":
+        if device.type == "cpu" and dtype == torch.float32 and os.environ.get("MKL_CBWR") != STRICT_MKL:
+            log.warning("deterministic float32 on the CPU needs MKL_CBWR=%s in the environment before torch's first "
+                        "float32 matmul (shoal serve --deterministic sets it at start-up); without it rows may differ "
+                        "with the batch", STRICT_MKL)
+        swapped = make_row_invariant(model, device, dtype)
+        if swapped:
+            log.info("batch-invariant matmuls: %d linear layers split or padded for %s on %s", swapped, str(dtype).removeprefix("torch."), device)
     bind_attributes(model)  # last: the model is final now
     spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)
-    runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype)
+    runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, config.attention)
     engine = Engine(runner, ckpt.tokenizer, ckpt.eos_token_ids, config, max_model_len)
     engine.checkpoint_info = ckpt  # tokenizer, chat template, generation defaults for the layers above
     ckpt.state_dict = {}  # the model holds the weights now; drop the second copy

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.model.attention import AttentionMetadata, paged_attention, write_kv
 from shoal.model.config import ModelConfig
 
 # (fused parameter, checkpoint parameter, shard index): weight-name mapping as data.
@@ -44,6 +43,79 @@ class Layer(nn.Module):
 
 class Linear(Layer, nn.Linear):
     pass
+
+
+# oneDNN's bfloat16/float16 GEMMs on the CPU give a row the same bits whatever the
+# number of rows only while the reduction is at most this long: past it, rows in a
+# full M block and rows in a tail block add their partial sums differently
+# (tests/test_invariance.py measures it at SmolLM2's 1536-wide down projection).
+INVARIANT_K = 1024
+
+
+class InvariantLinear(Layer):
+    """A linear layer whose every output row is the same whatever else is in the batch.
+
+    - A reduction longer than INVARIANT_K is cut into equal pieces of at most
+      that length; each piece is one GEMM in the activation dtype, and the
+      pieces are added in order in float32 (one rounding back at the end).
+    - `pad_single_row`: the float16 GEMM takes a different kernel for a single
+      row than for several, so a one-row call runs on the row twice.
+
+    Chosen once per layer by `make_row_invariant` when the device and dtype need it.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pad_single_row: bool) -> None:
+        super().__init__()
+        k = weight.shape[1]
+        pieces = -(-k // INVARIANT_K)
+        size = -(-k // pieces)
+        self.bounds = [(i, min(i + size, k)) for i in range(0, k, size)]
+        self.parts = [weight[:, a:b].contiguous() for a, b in self.bounds]
+        for i, w in enumerate(self.parts):
+            self.register_buffer(f"weight_{i}", w, persistent=False)
+        self.bias = bias
+        self.pad_single_row = pad_single_row
+        self.in_features, self.out_features = k, weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        single = self.pad_single_row and x.shape[0] == 1
+        if single:
+            x = torch.cat((x, x))
+        if len(self.parts) == 1:
+            y = F.linear(x, self.parts[0], self.bias)
+        else:
+            y = None
+            for (a, b), w in zip(self.bounds, self.parts):
+                part = F.linear(x[:, a:b].contiguous(), w)
+                y = part.float() if y is None else y.add_(part)
+            y = y.to(x.dtype) if self.bias is None else y.add_(self.bias).to(x.dtype)
+        return y[:1] if single else y
+
+
+def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Swap the linear layers (and the logits head) whose GEMM is not row-invariant on this
+    device and dtype for InvariantLinear; returns how many were swapped.
+
+    bfloat16/float16 on the CPU: reductions longer than INVARIANT_K are split;
+    float16 also pads single rows. float32 on the CPU needs nothing here: shoal
+    runs MKL in its strict reproducible mode (shoal/__init__.py). Weight-only
+    int8/int4 kernels are row-invariant as they are.
+    """
+    if device.type != "cpu" or dtype == torch.float32:
+        return 0
+    pad = dtype == torch.float16
+    swapped = 0
+    if model.logits_head is None:  # the head is F.linear over the embedding table or lm_head's weight
+        head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+        if pad or head.shape[1] > INVARIANT_K:
+            model.logits_head = InvariantLinear(head.detach(), None, pad)
+            swapped += 1
+    for owner in list(model.model.modules()):  # the decoder's projections; the head is done
+        for name, child in list(owner.named_children()):
+            if type(child) is Linear and (pad or child.in_features > INVARIANT_K):
+                setattr(owner, name, InvariantLinear(child.weight.detach(), child.bias, pad))
+                swapped += 1
+    return swapped
 
 
 def bind_attributes(model: nn.Module) -> None:
@@ -132,7 +204,8 @@ class Attention(Layer):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.scale = config.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, rope, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, kv: torch.Tensor, meta) -> torch.Tensor:
+        """kv: this layer's cache [2, Hkv, blocks, block_size, D]; meta: the attention backend's metadata for the step."""
         c = self.c
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
@@ -143,8 +216,7 @@ class Attention(Layer):
             qk = torch.cat((self.q_norm(qk[:, : c.num_heads]), self.k_norm(qk[:, c.num_heads :])), dim=1)
         qk = apply_rope(qk, rope)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        o = paged_attention(q, kv[0], kv[1], meta, self.scale)
+        o = meta.forward(q, k, v, kv, self.scale)
         return self.o_proj(o.reshape(T, c.q_size))
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from shoal.config import CacheConfig
-from shoal.model.attention import AttentionMetadata, ChunkMeta
+from shoal.model.attention import SeqSpan, make_attention_backend
 from shoal.model.layers import DecoderForCausalLM
 from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, process_logits, sample
 from shoal.types import Logprob, SampledToken, ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
@@ -91,6 +91,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         device: torch.device,
         dtype: torch.dtype,
+        attention: str = "invariant",
     ) -> None:
         self.model = model
         self.config = model.config
@@ -101,12 +102,16 @@ class ModelRunner:
         self.bytes_per_block = spec.bytes_per_block
         self.eos_token_ids = eos_token_ids
         c = self.config
-        # One tensor for all layers: [layers, 2 (k|v), blocks, block_size, Hkv, D].
-        self.kv = torch.zeros(c.num_layers, 2, spec.num_blocks, spec.block_size, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(c.num_layers)]
+        # One tensor for all layers: [layers, 2 (k|v), Hkv, blocks + 1, block_size, D] (head-major, see
+        # attention/common.py). The last block is the null block: the pool never hands it out, attention
+        # pads block tables with it and reads zeros.
+        self.kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, spec.num_blocks + 1, spec.block_size, c.head_dim, dtype=dtype, device=device)
+        self.kv_caches = list(self.kv)  # per layer: [2, Hkv, blocks + 1, block_size, D]
+        self.attention = make_attention_backend(attention, c, block_size=spec.block_size, null_block=spec.num_blocks, device=device, dtype=dtype)
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; %s attention",
             spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, self.kv.numel() * self.kv.element_size() / 2**20,
+            self.attention.name,
         )
 
     # ------------------------------------------------------------ step
@@ -115,7 +120,7 @@ class ModelRunner:
         if plan.block_copies:
             src = torch.tensor([s for s, _ in plan.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in plan.block_copies], device=self.device)
-            self.kv[:, :, dst] = self.kv[:, :, src]
+            self.kv[:, :, :, dst] = self.kv[:, :, :, src]
         if plan.empty:
             return StepOutput([], {})
         seqs, input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(plan)
@@ -125,10 +130,8 @@ class ModelRunner:
         return StepOutput(result, self._prompt_logprobs(prompt_rows, hidden) if prompt_rows else {})
 
     def _prepare(self, plan: StepPlan):
-        dev, bs = self.device, self.block_size
-        G = self.config.group_size
-        window = self.config.sliding_window
-        # Decodes first (one query token each), then chunks: see attention.py.
+        dev = self.device
+        # Decodes first (one query token each), then chunks: see attention/common.py.
         decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
         chunks = [s for s in plan.seqs if len(s.token_ids) > 1]
         seqs = decodes + chunks
@@ -140,40 +143,10 @@ class ModelRunner:
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
-        slot_parts = []
-        if decodes:
-            max_blocks = max(len(s.block_table) for s in decodes)
-            bt = torch.tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in decodes], dtype=torch.long, device=dev)
-            dpos = positions[: len(decodes)]
-            slot_parts.append(bt.gather(1, (dpos // bs).unsqueeze(1)).squeeze(1) * bs + dpos % bs)
-            meta.decode_block_tables = bt
-            if len(decodes) == 1 and window is None:
-                meta.decode_context_len = decodes[0].start_pos + 1  # one sequence: its keys, unmasked
-            else:
-                keys = torch.arange(max_blocks * bs, device=dev)
-                mask = keys.unsqueeze(0) <= dpos.unsqueeze(1)  # [Bd, S]
-                if window is not None:
-                    mask &= keys.unsqueeze(0) > dpos.unsqueeze(1) - window
-                meta.decode_mask = mask[:, None, None, :]
-        start = len(decodes)
-        for s in chunks:
-            L = len(s.token_ids)
-            ctx = s.start_pos + L
-            bt = torch.tensor(s.block_table, dtype=torch.long, device=dev)
-            cpos = positions[start : start + L]
-            slot_parts.append(bt[cpos // bs] * bs + cpos % bs)
-            mask = None
-            if s.start_pos or G > 1 or window is not None:
-                keys = torch.arange(ctx, device=dev)
-                m = keys.unsqueeze(0) <= cpos.unsqueeze(1)  # [L, ctx]
-                if window is not None:
-                    m &= keys.unsqueeze(0) > cpos.unsqueeze(1) - window
-                mask = m.repeat(G, 1)  # rows g*L + i, matching the folded queries
-            meta.chunks.append(ChunkMeta(start, L, bt, ctx, mask))
-            start += L
-        meta.slot_mapping = torch.cat(slot_parts)
+        meta = self.attention.prepare(
+            [SeqSpan(s.start_pos, 1, tuple(s.block_table)) for s in decodes],
+            [SeqSpan(s.start_pos, len(s.token_ids), tuple(s.block_table)) for s in chunks],
+        )
 
         # Row of each sampled sequence's last token in the flat batch, and of the first
         # position whose logits give prompt logprobs.

@@ -19,7 +19,7 @@ Pipeline (same order as HF `generate` and vLLM):
 
 `SamplingBatch.build` decides once per step which stages anybody in the batch
 uses; `sample` skips the rest, so an all-greedy batch without penalties costs
-one argmax (plus a logsumexp for the chosen token's logprob).
+one argmax (plus a log_softmax for the chosen token's logprob).
 
 Every value `SamplingParams` admits is safe: no crash, no NaN, no silent pick.
 `build` moves the parameters into float32's safe range, so the ops above need no
@@ -35,7 +35,7 @@ per-step checks:
     (finite, validated) and presence/frequency (bounded) need nothing.
 A row with no token to give is an error for its request, never a pick: `sample`
 writes a negative code (ROW_ERRORS) in place of its token id. The raw logits hold a
-NaN or +inf, or nothing finite (their logsumexp, needed for logprobs, is not finite);
+NaN or +inf, or nothing finite (their log_softmax, needed for logprobs, is not finite);
 the bans (ignore_eos, min_tokens, no_repeat_ngram_size) cover the whole vocabulary
 (the pick's processed logit is -inf); or the warpers made a NaN, which only logits
 beyond ~1e13 can (the exponential race then picks the NaN). The checks are a few
@@ -382,9 +382,10 @@ def apply_top_p_candidates(
     """
     V = logits.shape[-1]
     n = min(V, num_candidates or TOP_P_CANDIDATES)
-    vals, _ = logits.topk(n, dim=-1)  # [Bs, n] descending
-    lse = logits.logsumexp(dim=-1, keepdim=True)  # [Bs, 1]
-    p = (vals - lse).exp()  # candidates' probabilities under the whole (renormalized) distribution
+    vals, idx = logits.topk(n, dim=-1)  # [Bs, n] descending
+    # candidates' probabilities under the whole (renormalized) distribution; log_softmax, not
+    # logsumexp: see `sample`
+    p = logits.log_softmax(dim=-1).gather(1, idx).exp_()
     cum = p.cumsum(dim=-1)
     above = torch.cat([cum.new_zeros(cum.shape[0], 1), cum[:, :-1]], dim=1)  # mass ranked above each
     num_kept = (above < top_p).sum(dim=-1, keepdim=True)  # >= 1: the first has 0 above
@@ -543,23 +544,27 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             token_ids = argmax_rows(processed).index_copy_(0, batch.sample_rows, sampled)
             drawn_ok = torch.ones_like(token_ids, dtype=torch.bool).index_copy_(0, batch.sample_rows, won)
 
-    # Logprobs under the raw model distribution (what vLLM/OpenAI report).
-    lse = raw.logsumexp(dim=-1)  # [B]
-    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
+    # Logprobs under the raw model distribution (what vLLM/OpenAI report). log_softmax works
+    # row by row whatever the batch; a reduction such as logsumexp splits a lone row's
+    # vocabulary across threads, so a request's logprobs would change with the batch.
+    logp = raw.log_softmax(dim=-1)  # [B, V]
+    chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     top_ids = top_logprobs = None
     if batch.num_top_logprobs > 0:
-        top_vals, top_ids = raw.topk(batch.num_top_logprobs, dim=-1)  # sorted descending
-        top_logprobs = top_vals - lse.unsqueeze(1)
-    return SamplerOutput(_mark_rows_without_token(token_ids, lse, processed, drawn_ok), chosen, top_ids, top_logprobs)
+        top_ids = raw.topk(batch.num_top_logprobs, dim=-1).indices  # sorted descending
+        top_logprobs = logp.gather(1, top_ids)
+    # NaN or +inf anywhere in a row, or nothing finite, leaves no finite log_softmax maximum
+    finite = logp.amax(dim=-1).isfinite()
+    return SamplerOutput(_mark_rows_without_token(token_ids, finite, processed, drawn_ok), chosen, top_ids, top_logprobs)
 
 
 def _mark_rows_without_token(
-    token_ids: torch.Tensor, lse: torch.Tensor, processed: torch.Tensor, drawn_ok: torch.Tensor | None
+    token_ids: torch.Tensor, finite: torch.Tensor, processed: torch.Tensor, drawn_ok: torch.Tensor | None
 ) -> torch.Tensor:
     """token_ids [B] with each row that has no real token replaced by its ROW_ERRORS code,
-    the model's fault first: lse [B] of the raw logits, processed [B, V]."""
+    the model's fault first: finite [B], whether the raw logits have a finite log_softmax; processed [B, V]."""
     allowed = processed.gather(1, token_ids.unsqueeze(1)).squeeze(1) > _NEG_INF  # -inf picked: all banned
     if drawn_ok is not None:
         token_ids = torch.where(drawn_ok, token_ids, ROW_NONFINITE_PROBS)
     token_ids = torch.where(allowed, token_ids, ROW_ALL_BANNED)
-    return torch.where(lse.isfinite(), token_ids, ROW_NONFINITE_LOGITS)
+    return torch.where(finite, token_ids, ROW_NONFINITE_LOGITS)

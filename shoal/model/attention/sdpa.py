@@ -1,9 +1,4 @@
-"""Paged attention over a flat batch of tokens from many sequences.
-
-The runner lays a step's tokens out flat, decodes first:
-
-    tokens: | d0 d1 ... d(B-1) | prefill chunk of seq a | prefill chunk of seq b | ...
-            |<--- decodes --->|<----------------- chunks ----------------------->|
+"""The default backend, fast and not batch-invariant: SDPA kernels picked by the step's shape.
 
 Every token's K/V is first written into the cache at its slot
 (block_id * block_size + offset). Then:
@@ -17,6 +12,11 @@ Every token's K/V is first written into the cache at its slot
 Queries of the KV heads' groups are folded into the query-length axis
 (`[B, Hkv, G*q, D]`), which is GQA without repeating K/V and measured faster
 than SDPA's enable_gqa on CPU.
+
+Which kernel a token's attention takes depends on the step: an unmasked
+one-sequence decode, a masked batched decode, a chunk through the eager path or
+SDPA's flash kernel. Each reduces in its own order, so in bfloat16 a greedy
+answer can change with the load; `invariant.py` (`--deterministic`) does not.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, write_kv
 
 
 @dataclass
@@ -59,6 +61,52 @@ class AttentionMetadata:
     decode_context_len: int | None = None  # instead of the mask when one sequence decodes: its keys, all visible
     chunks: list[ChunkMeta] = field(default_factory=list)
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of this step; kv [2, Hkv, blocks, block_size, D]: the layer's cache."""
+        write_kv(kv, k, v, self.slot_mapping)
+        return paged_attention(q, kv, self, scale)
+
+
+class SdpaAttention:
+    name = "sdpa"
+
+    def __init__(self, *, block_size: int, group_size: int, sliding_window: int | None, device: torch.device) -> None:
+        self.block_size = block_size
+        self.group_size = group_size
+        self.window = sliding_window
+        self.device = device
+
+    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan]) -> AttentionMetadata:
+        dev, bs, G, window = self.device, self.block_size, self.group_size, self.window
+        meta = AttentionMetadata(slot_mapping=slot_mapping(decodes + chunks, bs, dev), num_decodes=len(decodes))
+        if decodes:
+            max_blocks = max(len(s.block_table) for s in decodes)
+            meta.decode_block_tables = torch.tensor(
+                [list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in decodes], dtype=torch.long, device=dev)
+            if len(decodes) == 1 and window is None:
+                meta.decode_context_len = decodes[0].context_len  # one sequence: its keys, unmasked
+            else:
+                dpos = torch.tensor([s.start_pos for s in decodes], device=dev)
+                keys = torch.arange(max_blocks * bs, device=dev)
+                mask = keys.unsqueeze(0) <= dpos.unsqueeze(1)  # [Bd, S]
+                if window is not None:
+                    mask &= keys.unsqueeze(0) > dpos.unsqueeze(1) - window
+                meta.decode_mask = mask[:, None, None, :]
+        start = len(decodes)
+        for s in chunks:
+            L, ctx = s.length, s.context_len
+            mask = None
+            if s.start_pos or G > 1 or window is not None:
+                keys = torch.arange(ctx, device=dev)
+                cpos = torch.arange(s.start_pos, ctx, device=dev)
+                m = keys.unsqueeze(0) <= cpos.unsqueeze(1)  # [L, ctx]
+                if window is not None:
+                    m &= keys.unsqueeze(0) > cpos.unsqueeze(1) - window
+                mask = m.repeat(G, 1)  # rows g*L + i, matching the folded queries
+            meta.chunks.append(ChunkMeta(start, L, torch.tensor(s.block_table, dtype=torch.long, device=dev), ctx, mask))
+            start += L
+        return meta
+
 
 # Largest score matrix (query rows x keys, over all KV heads) the eager chunk path
 # materializes: 64 MiB of float32, about 10k keys for a full 512-token chunk.
@@ -90,39 +138,24 @@ def eager_attention(q, k, v, hidden: tuple[int, torch.Tensor], scale):
     return torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), v)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k_cache: [num_blocks, block_size, Hkv, D]; k: [T, Hkv, D]; slots: [T]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, Hkv, D], block_ids [n] -> [n * block_size, Hkv, D].
-
-    index_select over 2-D rows (one row per block) is a plain row copy: measured
-    4x faster on this CPU than advanced indexing of the 4-D cache.
-    """
-    nb, bs, h, d = cache.shape
-    return torch.index_select(cache.view(nb, bs * h * d), 0, block_ids).view(-1, h, d)
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
+    kv: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     T, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
+    Hkv = kv.shape[1]
     G = Hq // Hkv
 
     Bd = meta.num_decodes
     if Bd:
         flat = meta.decode_block_tables.view(-1)
         n = meta.decode_context_len  # None: padded to the longest table, masked
-        k = gather_blocks(k_cache, flat)[:n].view(Bd, -1, Hkv, D).transpose(1, 2)  # [Bd, Hkv, S, D]
-        v = gather_blocks(v_cache, flat)[:n].view(Bd, -1, Hkv, D).transpose(1, 2)
+        if n is None:
+            k, v = gather_blocks(kv, flat).view(2, Hkv, Bd, -1, D).transpose(1, 2)  # [Bd, Hkv, S, D] each
+        else:  # one sequence
+            k, v = gather_blocks(kv, flat)[:, :, :n].unsqueeze(1)
         qd = q[:Bd].view(Bd, Hkv, G, D)  # head h = kv_head * G + g, as in HF's repeat_kv
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale).reshape(Bd, Hq, D)
         if not meta.chunks:
@@ -132,8 +165,7 @@ def paged_attention(
         out[:Bd] = o
 
     for c in meta.chunks:
-        k = gather_blocks(k_cache, c.block_table)[: c.context_len].transpose(0, 1)  # [Hkv, S, D]
-        v = gather_blocks(v_cache, c.block_table)[: c.context_len].transpose(0, 1)
+        k, v = gather_blocks(kv, c.block_table)[:, :, : c.context_len]  # [Hkv, S, D] each
         # [L, Hq, D] -> [Hkv, G*L, D]: rows g*L + i are query i of group member g.
         qc = q[c.start : c.start + c.length].view(c.length, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * c.length, D)
         # 4-D with a batch of one: with a mask, 3-D inputs send CPU SDPA down its math path (bmm, where,

@@ -1,0 +1,161 @@
+"""Batch-invariant paged attention: one definition of a query's attention, whatever the step.
+
+A query at position p attends over keys 0..p (or its sliding window). Here it
+always does so the same way, whether it is a decode, a row of a prefill chunk
+of any length or start, alone or next to 63 other sequences:
+
+- The keys are cut into tiles of TILE_KEYS positions (whole cache blocks)
+  counted from position 0, and a sequence's keys are padded with the null
+  block to whole tiles, so a given key always sits in the same tile at the
+  same offset.
+- The scores q.k are one matmul per (KV head, sequence): each score is a
+  D-long dot product, and the CPU's GEMMs give a row and a column the same
+  bits whatever the number of rows and columns (`matmul` for the one case
+  that needs a nudge).
+- Hidden keys (past p, padding, outside the window) score -inf, and the row's
+  float32 softmax runs over whole tiles: torch's kernel reduces a row in one
+  vector pass from its start, and the keys past the query's own tiles add
+  exact zeros to it.
+- p.v is one matmul of a fixed shape [M, TILE] x [TILE, D] per tile, and the
+  tiles' results are added in tile order in float32; a tile the query cannot
+  see adds +0.0.
+
+Nothing here looks at the step's shape to pick a kernel. torch's fused SDPA
+kernels were tried and rejected: their GEMMs block the query rows (32, 64,
+256 by the chunk's length) and a row's bits then depend on where it falls in
+its block (tests/test_invariance.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, write_kv
+
+# Keys per tile: the length of every p.v reduction. 128 keys x 64 dims is 16 KiB of
+# bf16 per head; shorter tiles mean more matmuls per step.
+TILE_KEYS = 128
+
+
+@dataclass
+class _Group:
+    """One batched attention call: B sequences with the same number of query rows each (decodes: 1)."""
+
+    row_start: int  # first row of the group in the flat batch
+    num_seqs: int  # B
+    queries: int  # query tokens per sequence
+    num_tiles: int  # n: tiles every sequence of the group reads (padded with the null block)
+    block_ids: torch.Tensor  # [B * n * blocks_per_tile] long
+    mask_from: int  # first key column with any hidden key
+    hidden: torch.Tensor | None  # [1, B or 1, M or 1, n * TILE - mask_from] bool, True: hidden
+
+
+@dataclass
+class InvariantMetadata:
+    backend: InvariantAttention
+    slot_mapping: torch.Tensor  # [T] long
+    groups: list[_Group] = field(default_factory=list)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of this step; kv [2, Hkv, blocks, block_size, D]: the layer's cache."""
+        write_kv(kv, k, v, self.slot_mapping)
+        return self.backend.attend(q, kv, self, scale)
+
+
+class InvariantAttention:
+    name = "invariant"
+
+    def __init__(self, *, block_size: int, num_kv_heads: int, group_size: int, sliding_window: int | None,
+                 null_block: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.block_size = block_size
+        self.blocks_per_tile = max(1, TILE_KEYS // block_size)
+        self.tile = self.blocks_per_tile * block_size
+        self.num_kv_heads = num_kv_heads
+        self.group_size = group_size
+        self.window = sliding_window
+        self.null_block = null_block
+        self.device = device
+        # MKL's float32 and oneDNN's float16 batched GEMMs take another path for a single
+        # row than for several (tests/test_invariance.py): such a matmul runs on the row twice.
+        self.pad_single_row = device.type == "cpu" and dtype in (torch.float32, torch.float16)
+
+    # ------------------------------------------------------------ plan -> metadata
+    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan]) -> InvariantMetadata:
+        meta = InvariantMetadata(self, slot_mapping(decodes + chunks, self.block_size, self.device))
+        if decodes:
+            meta.groups.append(self._group(0, decodes, 1))
+        row = len(decodes)
+        for s in chunks:
+            meta.groups.append(self._group(row, [s], s.length))
+            row += s.length
+        return meta
+
+    def _group(self, row_start: int, spans: list[SeqSpan], queries: int) -> _Group:
+        T, bpt = self.tile, self.blocks_per_tile
+        n = -(-max(s.context_len for s in spans) // T)
+        ids: list[int] = []
+        for s in spans:
+            table = list(s.block_table[: n * bpt])
+            ids.extend(table + [self.null_block] * (n * bpt - len(table)))
+        if queries == 1:  # the decode group: one row per sequence, the same for every head
+            pos = torch.tensor([s.start_pos for s in spans], device=self.device)
+        else:  # one chunk: its positions
+            pos = torch.arange(spans[0].start_pos, spans[0].context_len, device=self.device)
+        keys = torch.arange(n * T, device=self.device)
+        hidden = keys > pos[:, None]  # [rows, n * TILE]
+        if self.window is not None:
+            hidden |= keys <= pos[:, None] - self.window
+        cols = hidden.any(dim=0).nonzero()
+        mask_from = int(cols[0]) if len(cols) else n * T
+        mask = None
+        if mask_from < n * T:
+            tail = hidden[:, mask_from:]
+            # decodes: a row per sequence for every head; a chunk: rows g * L + i of the folded heads
+            mask = tail[None, :, None, :] if queries == 1 else tail.repeat(self.group_size, 1)[None, None]
+        return _Group(row_start, len(spans), queries, n, torch.tensor(ids, dtype=torch.long, device=self.device), mask_from, mask)
+
+    # ------------------------------------------------------------ forward
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, meta: InvariantMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D]; kv [2, Hkv, blocks, block_size, D] -> [T, Hq, D]."""
+        _, Hq, D = q.shape
+        Hkv, G = self.num_kv_heads, self.group_size
+        q = q * scale  # HF scales the scores; the same factor on the queries (exact for head_dim 64, 256)
+        out = None if len(meta.groups) == 1 else torch.empty_like(q)
+        for g in meta.groups:
+            B, L = g.num_seqs, g.queries
+            # [2, Hkv, B * n * TILE, D] -> K and V as [Hkv, B, n * TILE, D], no copy
+            k, v = gather_blocks(kv, g.block_ids).view(2, Hkv, B, -1, D)
+            rows = q[g.row_start : g.row_start + B * L]
+            if L == 1:  # decodes: [Hkv, B, G, D], head h = kv_head * G + g as in HF's repeat_kv
+                qg = rows.view(B, Hkv, G, D).transpose(0, 1)
+            else:  # a chunk's rows, query heads folded into the rows: [Hkv, 1, G * L, D]
+                qg = rows.view(L, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, 1, G * L, D)
+            o = self._tiles(qg, k, v, g)  # [Hkv, B, M, D]
+            o = o.transpose(0, 1).reshape(B, Hq, D) if L == 1 else o.view(Hkv, G, L, D).permute(2, 0, 1, 3).reshape(L, Hq, D)
+            if out is None:
+                return o
+            out[g.row_start : g.row_start + B * L] = o
+        return out
+
+    def _tiles(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group) -> torch.Tensor:
+        """q [Hkv, B, M, D] (scaled); k, v [Hkv, B, n * TILE, D] -> [Hkv, B, M, D]."""
+        Hkv, B, M, D = q.shape
+        n, T = g.num_tiles, self.tile
+        s = self.matmul(q, k.transpose(-1, -2))  # [Hkv, B, M, n * TILE]
+        if g.hidden is not None:
+            s[..., g.mask_from :].masked_fill_(g.hidden, float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32)
+        if n == 1:
+            return self.matmul(p.to(v.dtype), v)
+        # p.v tile by tile ([M, TILE] x [TILE, D] each), added in tile order in float32
+        tiles = torch.empty(Hkv, B, n, M, T, dtype=v.dtype, device=v.device)
+        tiles.copy_(p.view(Hkv, B, M, n, T).transpose(2, 3))
+        o = self.matmul(tiles, v.view(Hkv, B, n, T, D))  # [Hkv, B, n, M, D]
+        return o.sum(dim=2, dtype=torch.float32).to(v.dtype)
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.pad_single_row and a.shape[-2] == 1:
+            return torch.matmul(torch.cat((a, a), dim=-2), b)[..., :1, :]
+        return torch.matmul(a, b)
