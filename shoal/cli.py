@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from shoal.config import STRICT_MKL, CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 from shoal.types import GenerationRequest, SamplingParams
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -617,8 +617,8 @@ def _setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     _setup_logging(getattr(a, "log_level", "info"))
-    if getattr(a, "deterministic", False):  # before torch computes anything: MKL reads it once (engine/builder.py)
-        os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+    if getattr(a, "deterministic", False):  # before torch computes anything: MKL reads it once
+        os.environ.setdefault("MKL_CBWR", STRICT_MKL)
     from shoal.client import ClientError
 
     try:

@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 
 GiB = 1 << 30
 
+# MKL's float32 GEMM gives a row other bits depending on how many rows share the call (a GEMV for one row,
+# other blockings for a few); in this strict reproducible mode it computes every row the same way, at up to
+# half the speed of a one-sequence float32 decode (README, Determinism). MKL reads MKL_CBWR once, at its
+# first call, so it must be in the environment before torch computes anything.
+STRICT_MKL = "AUTO,STRICT"
+
 
 def parse_bytes(value: str | int | float) -> int:
     """'2GiB', '512MiB', '1.5G', '1000000' or a number -> bytes."""

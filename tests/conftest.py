@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
+from shoal.config import STRICT_MKL  # shoal.config imports no torch
+
 # float32 batch invariance needs MKL's strict reproducible mode, read at MKL's first call: set before any
 # test computes anything (what `shoal serve --deterministic` does at start-up; README, Determinism)
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-
-import pytest  # noqa: E402
+os.environ.setdefault("MKL_CBWR", STRICT_MKL)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from shoal.config import EngineConfig
+from shoal.config import STRICT_MKL, EngineConfig
 from shoal.engine.engine import Engine
 from shoal.model.loader import load_checkpoint
 from shoal.model.layers import Rotary, bind_attributes, make_row_invariant
@@ -18,11 +18,6 @@ from shoal.runner.host import keep_freed_memory
 from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
 
 log = logging.getLogger("shoal.engine")
-
-# MKL's float32 GEMM gives a row other bits depending on how many rows share the call (a GEMV for one row,
-# other blockings for a few); its strict reproducible mode computes every row the same way, at up to half
-# the speed of a one-sequence float32 decode (README, Determinism). MKL reads it once, at its first call.
-STRICT_MKL = "AUTO,STRICT"
 
 
 def build_engine(config: EngineConfig) -> Engine:

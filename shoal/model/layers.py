@@ -97,9 +97,9 @@ def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtyp
     device and dtype for InvariantLinear; returns how many were swapped.
 
     bfloat16/float16 on the CPU: reductions longer than INVARIANT_K are split;
-    float16 also pads single rows. float32 on the CPU needs nothing here: shoal
-    runs MKL in its strict reproducible mode (shoal/__init__.py). Weight-only
-    int8/int4 kernels are row-invariant as they are.
+    float16 also pads single rows. float32 on the CPU needs nothing here, given
+    MKL's strict reproducible mode (config.STRICT_MKL). Weight-only int8/int4
+    kernels are row-invariant as they are.
     """
     if device.type != "cpu" or dtype == torch.float32:
         return 0

@@ -42,6 +42,15 @@ def slot_mapping(spans: list[SeqSpan], block_size: int, device: torch.device) ->
     return torch.tensor(slots, dtype=torch.long, device=device)
 
 
+def visible_keys(keys: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """keys [S], query positions [rows] -> [rows, S] bool: the keys each query attends to (causal, and
+    within the sliding window if there is one)."""
+    visible = keys <= pos[:, None]
+    if window is not None:
+        visible &= keys > pos[:, None] - window
+    return visible
+
+
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """kv: [2, Hkv, num_blocks, block_size, D]; k, v: [T, Hkv, D]; slots: [T]."""
     _, h, nb, bs, d = kv.shape

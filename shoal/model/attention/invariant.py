@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, write_kv
+from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
 
 # Keys per tile: the length of every p.v reduction. 128 keys x 64 dims is 16 KiB of
 # bf16 per head; shorter tiles mean more matmuls per step.
@@ -103,10 +103,7 @@ class InvariantAttention:
             pos = torch.tensor([s.start_pos for s in spans], device=self.device)
         else:  # one chunk: its positions
             pos = torch.arange(spans[0].start_pos, spans[0].context_len, device=self.device)
-        keys = torch.arange(n * T, device=self.device)
-        hidden = keys > pos[:, None]  # [rows, n * TILE]
-        if self.window is not None:
-            hidden |= keys <= pos[:, None] - self.window
+        hidden = ~visible_keys(torch.arange(n * T, device=self.device), pos, self.window)  # [rows, n * TILE]
         cols = hidden.any(dim=0).nonzero()
         mask_from = int(cols[0]) if len(cols) else n * T
         mask = None

@@ -27,7 +27,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, write_kv
+from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
 
 
 @dataclass
@@ -87,21 +87,13 @@ class SdpaAttention:
                 meta.decode_context_len = decodes[0].context_len  # one sequence: its keys, unmasked
             else:
                 dpos = torch.tensor([s.start_pos for s in decodes], device=dev)
-                keys = torch.arange(max_blocks * bs, device=dev)
-                mask = keys.unsqueeze(0) <= dpos.unsqueeze(1)  # [Bd, S]
-                if window is not None:
-                    mask &= keys.unsqueeze(0) > dpos.unsqueeze(1) - window
-                meta.decode_mask = mask[:, None, None, :]
+                meta.decode_mask = visible_keys(torch.arange(max_blocks * bs, device=dev), dpos, window)[:, None, None, :]
         start = len(decodes)
         for s in chunks:
             L, ctx = s.length, s.context_len
             mask = None
             if s.start_pos or G > 1 or window is not None:
-                keys = torch.arange(ctx, device=dev)
-                cpos = torch.arange(s.start_pos, ctx, device=dev)
-                m = keys.unsqueeze(0) <= cpos.unsqueeze(1)  # [L, ctx]
-                if window is not None:
-                    m &= keys.unsqueeze(0) > cpos.unsqueeze(1) - window
+                m = visible_keys(torch.arange(ctx, device=dev), torch.arange(s.start_pos, ctx, device=dev), window)  # [L, ctx]
                 mask = m.repeat(G, 1)  # rows g*L + i, matching the folded queries
             meta.chunks.append(ChunkMeta(start, L, torch.tensor(s.block_table, dtype=torch.long, device=dev), ctx, mask))
             start += L
