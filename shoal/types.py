@@ -24,6 +24,34 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output: exactly one of the fields is set.
+
+    Plain data (text, hashable): the engine compiles it into a grammar once and caches
+    it by value (engine/structured.py), so equal constraints share one compilation.
+    """
+
+    json_schema: str | None = None  # a JSON schema, serialized
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark grammar, or llama.cpp's GBNF (`root ::= ...`)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_ = [k for k in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"a structured output constraint needs exactly one of json_schema, json_object, regex, choice, grammar; got {set_ or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction, never mutated.
 
@@ -57,6 +85,9 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    # Grammar-constrained decoding: every sampled token keeps the output inside this
+    # constraint, and the choice ends when the grammar is complete.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Normalize the list-ish fields so equal params compare and hash equal.
@@ -233,6 +264,9 @@ class ScheduledSeq:
     prompt_logprobs: int = 0
     prompt_logprobs_from: int = 0
     prompt_targets: tuple[int, ...] = ()
+    # Structured output: the tokens this row may sample (bit t of the little-endian
+    # bytes: token t allowed), for a constrained sequence that samples; None: any.
+    token_mask: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from shoal.engine.detokenizer import IncrementalDetokenizer
 from shoal.engine.prefix_cache import PrefixCache
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sequence import Sequence
+from shoal.engine.structured import GrammarCompiler, GrammarError
 from shoal.types import (
     CompletionOutput,
     FinishReason,
@@ -123,6 +124,9 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_model_len), self.pool, self.prefix_cache
         )
+        # Structured output: constraints compiled once and cached; the server compiles in a
+        # worker thread (`validate`), so add_request finds them ready.
+        self.grammars = GrammarCompiler(tokenizer, tuple(sorted(self.eos_token_ids)), self.vocab_size)
         self.stats = EngineStats()
         self._requests: dict[str, _RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
@@ -151,6 +155,8 @@ class Engine:
         bad_bias = [t for t in (p.logit_bias or {}) if not 0 <= int(t) < self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if p.structured is not None:
+            self.grammars.compile(p.structured)  # GrammarError (a ValueError) names the problem
 
     def add_request(self, request: GenerationRequest) -> None:
         if request.request_id in self._requests:
@@ -158,8 +164,9 @@ class Engine:
         self.validate(request)
         p = request.params
         now = time.monotonic()
+        grammar = self.grammars.compile(p.structured) if p.structured is not None else None
         if p.use_beam_search:
-            self._add_beam_request(request, now)
+            self._add_beam_request(request, now, grammar)
             return
         choices = []
         first: Sequence | None = None
@@ -175,6 +182,7 @@ class Engine:
                 seed=None if p.seed is None else p.seed + i,
                 # Forks share the prompt: only the first choice computes its logprobs.
                 num_prompt_logprobs=0 if first is None else len(request.prompt_token_ids),
+                grammar=grammar.matcher() if grammar is not None else None,
             )
             first = first or seq
             detok = IncrementalDetokenizer(
@@ -194,9 +202,10 @@ class Engine:
         self.stats.requests_added += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
 
-    def _add_beam_request(self, request: GenerationRequest, now: float) -> None:
+    def _add_beam_request(self, request: GenerationRequest, now: float, grammar) -> None:
         p = request.params
         seq = Sequence(request.request_id, list(request.prompt_token_ids), p, priority=request.priority, seed=p.seed)
+        seq.grammar = grammar.matcher() if grammar is not None else None
         state = _RequestState(request, [], RequestMetrics(arrival_time=request.arrival_time or now))
         state.beam = _BeamGroup(live=[seq], scores={seq.seq_id: 0.0})
         state.prompt_logprobs = [None] if p.prompt_logprobs is not None else None
@@ -270,10 +279,14 @@ class Engine:
                 continue
             try:
                 if state.beam is not None:
-                    state.beam.candidates[seq.seq_id] = [(t.token_id, t.logprob) for t in s.top_logprobs]
+                    # -inf: a token the grammar or a ban rules out, listed only because fewer were allowed
+                    state.beam.candidates[seq.seq_id] = [(t.token_id, t.logprob) for t in s.top_logprobs if t.logprob > float("-inf")]
                     seq.paused = True
                 else:
                     self._accept_token(state.choices[seq.index], s)
+            except GrammarError as e:
+                self._fail(state, f"structured output: {e}")
+                continue
             except Exception:
                 log.exception("request %s: applying its sampled token failed", seq.request_id)
                 self._fail(state, OUTPUT_FAILED)
@@ -289,6 +302,9 @@ class Engine:
                     self._beam_step(state)
                     if not state.beam.done:
                         continue  # beams are not streamed: only the final answer
+                out = self._output(state)
+            except GrammarError as e:
+                self._fail(state, f"structured output: {e}")
                 out = self._output(state)
             except Exception:
                 log.exception("request %s: building its output failed", state.request.request_id)
@@ -344,6 +360,10 @@ class Engine:
                 reason = FinishReason.LENGTH
             elif seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
+        if reason is None and seq.grammar is not None:
+            seq.grammar.accept(tok)  # and computes the next step's mask
+            if seq.grammar.done:  # complete: nothing but an end token could follow
+                reason = FinishReason.STOP
         if reason is not None:
             out.stop_reason = stop_reason
             self._finish(choice, reason)
@@ -380,7 +400,14 @@ class Engine:
             g.done = True
             self._beam_outputs(state)
             return
-        new_live = [self.scheduler.fork_beam(beam, tok) for _, beam, tok in nxt]
+        new_live: list[Sequence] = []
+        try:
+            for _, beam, tok in nxt:
+                new_live.append(self.scheduler.fork_beam(beam, tok))
+        except Exception:
+            for b in new_live:  # the request fails: no half-made group may stay scheduled
+                self.scheduler.finish(b, FinishReason.ERROR)
+            raise
         g.scores = {b.seq_id: score for b, (score, _, _) in zip(new_live, nxt)}
         for b in g.live:
             self.scheduler.finish(b, FinishReason.STOP)

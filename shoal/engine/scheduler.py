@@ -270,6 +270,9 @@ class Scheduler:
             seed=parent.seed,
             num_prompt_logprobs=parent.num_prompt_logprobs,
         )
+        if parent.grammar is not None:
+            child.grammar = parent.grammar.fork()
+            child.grammar.accept(token_id)
         self._by_id[child.seq_id] = child
         computed = parent.num_computed_tokens if parent.block_table else 0
         num_full, partial = divmod(computed, self.pool.block_size)
@@ -328,12 +331,13 @@ class Scheduler:
         if seq.wants_prompt_logprobs:  # positions lp_from .. min(end, prompt_len - 1) - 1 give them
             lp_from = max(start, seq.num_prompt_logprobs)
             targets = tuple(seq.token_ids[lp_from + 1 : min(end, seq.prompt_len - 1) + 1])
+        sample = end == seq.num_tokens
         return ScheduledSeq(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:end]),
             start_pos=start,
             block_table=tuple(seq.block_table),
-            sample=end == seq.num_tokens,
+            sample=sample,
             params=p,
             prompt_len=seq.prompt_len,
             history=tuple(seq.token_ids) if needs_history(p) else (),
@@ -342,6 +346,7 @@ class Scheduler:
             prompt_logprobs=p.prompt_logprobs or 0,
             prompt_logprobs_from=lp_from,
             prompt_targets=targets,
+            token_mask=seq.grammar.mask if sample and seq.grammar is not None else None,
         )
 
     def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> None:

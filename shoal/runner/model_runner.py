@@ -194,6 +194,7 @@ class ModelRunner:
                     eos_token_ids=self.eos_token_ids,
                     generator=gen,
                     num_logprobs=_num_logprobs(p),
+                    token_mask=s.token_mask,
                 )
             )
         batch = SamplingBatch.build(rows, logits.shape[-1], self.device)

@@ -12,10 +12,13 @@ Pipeline (same order as HF `generate` and vLLM):
     raw logits [B, V]
       -> logits processors, every row:  repetition penalty -> presence/frequency
          penalty -> logit_bias -> bans (no_repeat_ngram, min_tokens, ignore_eos)
+         -> the grammar's mask (structured output: the tokens it does not allow)
       -> greedy rows: argmax
       -> sampled rows only: temperature -> top-k -> top-p -> min-p -> typical-p
          -> softmax -> exponential race (argmax(probs / q), q = -log(U) ~ Exp(1))
-    logprobs (chosen token and top-K) always come from the *raw* logits.
+    logprobs (chosen token and top-K) always come from the *raw* logits, under a
+    grammar too: they say what the model thought of the token, not how likely the
+    constrained draw made it (vLLM's default).
 
 `SamplingBatch.build` decides once per step which stages anybody in the batch
 uses; `sample` skips the rest, so an all-greedy batch without penalties costs
@@ -63,7 +66,7 @@ ROW_ALL_BANNED = -2
 ROW_NONFINITE_PROBS = -3
 ROW_ERRORS = {
     ROW_NONFINITE_LOGITS: "the model produced non-finite logits for this request",
-    ROW_ALL_BANNED: "every token is banned by this request's parameters (ignore_eos, min_tokens, stop_token_ids, no_repeat_ngram_size)",
+    ROW_ALL_BANNED: "every token is banned by this request's parameters (ignore_eos, min_tokens, stop_token_ids, no_repeat_ngram_size, structured output)",
     ROW_NONFINITE_PROBS: "sampling with this request's parameters gave non-finite probabilities",
 }
 
@@ -83,6 +86,9 @@ class SamplerRow:
     # (non-greedy) step draws exactly V uniforms from it; greedy steps draw none.
     generator: torch.Generator | None = None
     num_logprobs: int = 0  # top logprobs wanted besides the chosen token's
+    # Structured output: the tokens the grammar allows (bit t of the little-endian bytes:
+    # token t), or None for an unconstrained row.
+    token_mask: bytes | None = None
 
 
 @dataclass
@@ -105,6 +111,8 @@ class SamplingBatch:
     bias_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [N], tokens [N]) int64
     bias_values: torch.Tensor | None = None  # [N] float32, added at bias_index
     ban_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [M], tokens [M]) set to -inf
+    mask_rows: torch.Tensor | None = None  # [C] int64: the constrained rows
+    mask_allowed: torch.Tensor | None = None  # [C, V] bool: what their grammars allow
 
     # -- sampling, over the Bs sampled rows
     all_greedy: bool = True
@@ -131,6 +139,7 @@ class SamplingBatch:
             or self.pf_index is not None
             or self.bias_index is not None
             or self.ban_index is not None
+            or self.mask_rows is not None
         )
 
     @classmethod
@@ -191,6 +200,12 @@ class SamplingBatch:
         if ban_rows:
             b.ban_index = (_i64(ban_rows, dev), _i64(ban_toks, dev))
 
+        # -------- grammar masks: only the constrained rows, one bool row each
+        masked = [i for i, r in enumerate(rows) if r.token_mask is not None]
+        if masked:
+            b.mask_rows = _i64(masked, dev)
+            b.mask_allowed = unpack_token_masks([rows[i].token_mask for i in masked], V).to(dev)
+
         # -------- sampling params of the non-greedy rows
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         b.all_greedy = not sampled
@@ -233,6 +248,19 @@ def _unique_pairs(ids: list[list[int]], V: int) -> tuple[torch.Tensor, torch.Ten
     keep = (flat >= 0) & (flat < V)
     keys, counts = torch.unique(rows[keep] * V + flat[keep], return_counts=True)
     return keys // V, keys % V, counts
+
+
+_BIT = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
+
+
+def unpack_token_masks(masks: list[bytes], V: int) -> torch.Tensor:
+    """Bitmasks (bit t of the little-endian bytes: token t; the same length each) -> [n, V] bool."""
+    packed = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).view(len(masks), -1)  # [n, bytes]
+    bits = (packed.unsqueeze(-1) & _BIT) != 0  # [n, bytes, 8]
+    allowed = bits.view(len(masks), -1)
+    if allowed.shape[1] < V:  # tokens past the mask (a vocabulary padded beyond the tokenizer's) are never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros(len(masks), V - allowed.shape[1])], dim=1)
+    return allowed[:, :V]
 
 
 def _banned_tokens(r: SamplerRow) -> list[int]:
@@ -305,6 +333,9 @@ def apply_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         logits.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
     if batch.ban_index is not None:
         logits.index_put_(batch.ban_index, logits.new_tensor(_NEG_INF))
+    if batch.mask_rows is not None:
+        constrained = logits.index_select(0, batch.mask_rows).masked_fill_(~batch.mask_allowed, _NEG_INF)
+        logits.index_copy_(0, batch.mask_rows, constrained)
     return logits
 
 

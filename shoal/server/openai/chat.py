@@ -22,11 +22,13 @@ from shoal.server.openai.common import (
     check_prompt_chars,
     check_sequences,
     check_unsupported,
+    compile_constraint,
     clipped_headers,
     finish_reason,
     fit_max_tokens,
     new_id,
     now,
+    output_constraint,
     resolve_params,
     usage,
     vllm_prompt_logprobs,
@@ -117,6 +119,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     check_unsupported(body)
+    structured, structured_param = output_constraint(body)
     check_tool_choice(body.tool_choice, body.tools)
     check_sequences(state, 1, body.n)
     if body.prompt_logprobs is not None and body.stream:
@@ -130,7 +133,9 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
         extra_stop=state.renderer.default_stop,
+        structured=structured,
     )
+    await compile_constraint(state, structured, structured_param)
     rid = new_id("chatcmpl")
     req = GenerationRequest(rid, tuple(ids), params, priority=body.priority or 0, prompt=text, arrival_time=time.monotonic())
     check_prompt(state, req, "messages")

@@ -19,14 +19,17 @@ Bounds on the work one request may ask for:
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from dataclasses import fields, replace
 from functools import lru_cache
 
+from shoal.engine.structured import GrammarError
 from shoal.server.errors import bad_request, from_value_error
 from shoal.server.openai.protocol import SamplingFields
-from shoal.types import FinishReason, GenerationRequest, RequestOutput, SamplingParams, TokenLogprobs
+from shoal.types import FinishReason, GenerationRequest, RequestOutput, SamplingParams, StructuredOutput, TokenLogprobs
 
 CLIPPED_HEADER = "X-Shoal-Max-Tokens-Clipped"
 # A token spans at most as many characters as the longest vocabulary entry
@@ -61,6 +64,7 @@ def resolve_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     extra_stop: tuple[str, ...] = (),
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams: each field from the first level that sets it."""
     settings, model = state.settings, state.generation_defaults
@@ -97,6 +101,7 @@ def resolve_params(
             kw[name] = value
     if req.logit_bias:
         kw["logit_bias"] = _logit_bias(req.logit_bias)
+    kw["structured"] = structured
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -134,15 +139,108 @@ def check_prompt(state, request: GenerationRequest, prompt_param: str) -> None:
 
 def check_unsupported(body: SamplingFields) -> None:
     """Fields OpenAI defines that shoal does not implement: a 400 rather than silence."""
-    fmt = body.response_format
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind in ("json_object", "json_schema"):
-            raise bad_request(f"response_format {kind!r} is not supported yet: this server has no structured output", "response_format")
-        if kind != "text":
-            raise bad_request("invalid response_format: expected an object with type 'text', 'json_object' or 'json_schema'", "response_format")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+# ---------------------------------------------------------------- structured output
+
+_VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's options that shoal's grammars fix (whitespace) or choose themselves (the backend).
+_VLLM_IGNORED = {"disable_any_whitespace", "disable_fallback", "disable_additional_properties", "whitespace_pattern", "backend"}
+
+
+def output_constraint(body: SamplingFields) -> tuple[StructuredOutput | None, str | None]:
+    """The request's structured-output constraint and the field that gave it.
+
+    OpenAI's `response_format` (text, json_object, json_schema) is the documented
+    spelling; vLLM's `structured_outputs: {json|regex|choice|grammar|json_object}` and
+    its older `guided_json|guided_regex|guided_choice|guided_grammar` are accepted too.
+    At most one constraint per request.
+    """
+    found: list[tuple[StructuredOutput, str]] = []
+    if body.response_format is not None:
+        spec = _response_format(body.response_format)
+        if spec is not None:
+            found.append((spec, "response_format.json_schema.schema" if spec.json_schema is not None else "response_format"))
+    if body.structured_outputs is not None:
+        found.append(_vllm_structured(body.structured_outputs))
+    for field_, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(body, field_)
+        if value is not None:
+            found.append((_constraint(kind, value, field_), field_))
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, not several: {', '.join(p for _, p in found)}", found[1][1])
+    return found[0] if found else (None, None)
+
+
+def _response_format(fmt) -> StructuredOutput | None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise bad_request("invalid response_format: expected an object with type 'text', 'json_object' or 'json_schema'", "response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema must be an object with the schema under 'schema'", "response_format.json_schema")
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request("response_format.json_schema.name must be a string", "response_format.json_schema.name")
+    if "schema" not in spec:
+        return StructuredOutput(json_object=True)  # a name without a schema: any JSON object
+    return _constraint("json", spec["schema"], "response_format.json_schema.schema")
+
+
+def _vllm_structured(opts: dict) -> tuple[StructuredOutput, str]:
+    given = [k for k in _VLLM_KINDS if opts.get(k) not in (None, False)]
+    unknown = sorted(set(opts) - set(_VLLM_KINDS) - _VLLM_IGNORED)
+    if "structural_tag" in unknown:
+        raise bad_request("structured_outputs.structural_tag is not supported: use json, regex, choice or grammar", "structured_outputs.structural_tag")
+    if unknown:
+        raise bad_request(f"structured_outputs has unknown keys {unknown}: expected one of json, regex, choice, grammar, json_object", "structured_outputs")
+    if len(given) != 1:
+        raise bad_request(
+            f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}", "structured_outputs"
+        )
+    (kind,) = given
+    return _constraint(kind, opts[kind], f"structured_outputs.{kind}"), f"structured_outputs.{kind}"
+
+
+def _constraint(kind: str, value, param: str) -> StructuredOutput:
+    """One constraint from vLLM's spelling of it, with its type checked."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad_request(f"{param} is a string that is not valid JSON: give the schema as an object", param) from None
+        if not isinstance(value, (dict, bool)):
+            raise bad_request(f"{param} must be a JSON schema (an object)", param)
+        return StructuredOutput(json_schema=json.dumps(value, ensure_ascii=False))
+    if kind == "json_object":
+        if value is not True:
+            raise bad_request(f"{param} must be true", param)
+        return StructuredOutput(json_object=True)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
+        return StructuredOutput(choice=tuple(value))
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string", param)
+    return StructuredOutput(regex=value) if kind == "regex" else StructuredOutput(grammar=value)
+
+
+async def compile_constraint(state, spec: StructuredOutput | None, param: str | None) -> None:
+    """Compile the constraint in a worker thread (cached by the engine), so the engine thread
+    never compiles and a constraint that cannot be compiled is a 400 naming the problem."""
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(state.engine.grammars.compile, spec)
+    except GrammarError as e:
+        raise bad_request(f"{param} cannot be used for structured output: {e}", param) from None
 
 
 def check_sequences(state, num_prompts: int, n: int | None) -> None:

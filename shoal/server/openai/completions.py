@@ -28,12 +28,14 @@ from shoal.server.openai.common import (
     check_prompt_chars,
     check_sequences,
     check_unsupported,
+    compile_constraint,
     clipped_headers,
     completion_logprobs,
     finish_reason,
     fit_max_tokens,
     new_id,
     now,
+    output_constraint,
     resolve_params,
     usage,
     vllm_prompt_logprobs,
@@ -90,6 +92,7 @@ async def create_completion(body: CompletionRequest, http: Request, state) -> JS
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise bad_request(f"best_of must equal n when given (best_of {body.best_of}, n {body.n or 1})", "best_of")
     check_unsupported(body)
+    structured, structured_param = output_constraint(body)
     echo_logprobs = bool(body.echo) and body.logprobs is not None
     if body.stream and (echo_logprobs or body.prompt_logprobs is not None):
         param = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
@@ -109,7 +112,9 @@ async def create_completion(body: CompletionRequest, http: Request, state) -> JS
         default_max_tokens=DEFAULT_MAX_TOKENS,
         logprobs=body.logprobs,
         prompt_logprobs=prompt_k,
+        structured=structured,
     )
+    await compile_constraint(state, structured, structured_param)
     rid = new_id("cmpl")
     arrival = time.monotonic()
     reqs, clipped = [], []

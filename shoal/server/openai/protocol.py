@@ -6,8 +6,8 @@ client did not say", so the server's and the model's defaults can apply
 names its field; values that need the model (token ids, context length) are
 checked by the adapter and the engine. Unknown fields are ignored, not
 rejected: clients send many. A known field shoal does not implement
-(`response_format` beyond text, `tool_choice` beyond none/auto) is refused by
-the adapter rather than silently ignored.
+(`tool_choice` beyond none/auto) is refused by the adapter rather than silently
+ignored.
 
 Numbers are strict: a JSON boolean is not an integer or a float (pydantic would
 read `true` as 1), and an integer field takes no `1.0` or `"1"`.
@@ -61,8 +61,14 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: Int | None = None
-    # Refused unless it asks for plain text (structured output is not implemented yet).
+    # Structured output (checked by the adapter, which names what is wrong): OpenAI's
+    # response_format, and vLLM's extras, `structured_outputs` and the older `guided_*`.
     response_format: Any = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM's extra: each prompt token's logprob and the top k (k = 0: the token's own only).
     prompt_logprobs: Int | None = Field(None, ge=0, le=20)
 
