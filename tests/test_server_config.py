@@ -9,7 +9,7 @@ import pytest
 from server_utils import LiveServer, tiny_engine
 from shoal.cli import build_parser, engine_config, serve_values, server_settings
 from shoal.server import ServerSettings
-from shoal.server.openai.common import resolve_params
+from shoal.server.chat.params import resolve_params
 from shoal.server.openai.protocol import ChatCompletionRequest
 
 CHAT = [{"role": "user", "content": "hi"}]

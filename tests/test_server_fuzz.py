@@ -38,6 +38,7 @@ def test_the_served_document_is_the_one_fuzzed(srv):
     assert served == schema.raw_schema
     ops = {(path, method) for path, item in served["paths"].items() for method in item}
     assert ops == {("/v1/chat/completions", "post"), ("/v1/completions", "post"), ("/v1/models", "get"),
+                   ("/v1/messages", "post"), ("/v1/messages/count_tokens", "post"),
                    ("/health", "get"), ("/stats", "get"), ("/tokenize", "post"), ("/detokenize", "post")}
     for path, item in served["paths"].items():
         for op in item.values():

@@ -39,3 +39,28 @@ def test_second_turn_reports_cached_prompt_tokens(srv):
     assert 0 <= cached < second.usage.prompt_tokens
     if getattr(srv.engine, "prefix_cache", None) is not None:
         assert cached >= first.usage.prompt_tokens // 2  # the first turn's prompt was reused
+
+
+def test_anthropic_messages_on_the_real_model(srv):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    kw = dict(model="smollm2", max_tokens=32, messages=QUESTION, extra_body={"temperature": 0})
+    r = client.messages.create(**kw)
+    assert "Paris" in r.content[0].text and r.stop_reason == "end_turn"
+    assert client.messages.count_tokens(model="smollm2", messages=QUESTION).input_tokens == r.usage.input_tokens
+    with client.messages.stream(**kw) as stream:
+        assert "".join(stream.text_stream) == r.content[0].text
+
+
+def test_forced_tool_call_on_the_real_model_through_the_manual_format(srv):
+    assert not srv.state.renderer.supports_tools  # SmolLM2's template has no tools: shoal's own format
+    client = srv.openai()
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                               "required": ["city"], "additionalProperties": False}}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="smollm2", messages=ask, tools=tools, tool_choice="required", temperature=0, max_tokens=64)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and "city" in call.function.arguments
+    assert r.choices[0].finish_reason == "tool_calls"

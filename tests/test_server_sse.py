@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from shoal.server.reasoning import ReasoningSplitter, split_reasoning
+from shoal.server.chat.reasoning import ReasoningSplitter, split_reasoning
 from shoal.server.sse import DeltaEncoder, encode_event
 
 TEXTS = [

@@ -19,6 +19,26 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML with tools the way Qwen 2.5 / Hermes templates do it: definitions in the system
+# turn, calls as <tool_call> blocks, results as <tool_response> in a user turn.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    "Call a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' %}<|im_start|>assistant\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>\n"
+    "{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 _CORPUS = [
@@ -79,11 +99,13 @@ ARCHS = {
 }
 
 
-def make_tiny_model(arch: str, path: Path, *, seed: int = 0, rope_parameters: dict | None = None, **overrides) -> Path:
+def make_tiny_model(arch: str, path: Path, *, seed: int = 0, rope_parameters: dict | None = None, chat_template: str | None = None, **overrides) -> Path:
     """Write a random-weight `arch` model folder (config, safetensors, tokenizer) to `path`."""
     import transformers
 
     tokenizer = make_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     config_cls_name, model_cls_name, extra = ARCHS[arch]
     kwargs = {**_BASE, **extra, "vocab_size": len(tokenizer), **overrides}
     if rope_parameters is not None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from shoal.config import CacheConfig, EngineConfig, SchedulerConfig
 from shoal.engine.engine import Engine
+from shoal.server.chat.template import ChatRenderer
 from shoal.types import GenerationRequest, RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -24,6 +26,7 @@ class LLM:
     def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
         self.engine = Engine.from_config(_engine_config(model, kwargs))
         self.tokenizer = self.engine.tokenizer
+        self._renderer = ChatRenderer(self.tokenizer)  # the server's rendering: the model's template, or the fallback
         self._ids = itertools.count()
 
     def generate(
@@ -51,10 +54,14 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         token_lists = [self.apply_chat_template(c, **(chat_template_kwargs or {})) for c in conversations]
+        stop = self._renderer.default_stop  # the plain fallback's: a base model must not write the user's turn
+        if stop:
+            plist = self._params(params, len(token_lists))
+            params = [replace(p, stop=p.stop + tuple(s for s in stop if s not in p.stop)) for p in plist]
         return self._run(token_lists, params, None, use_tqdm, texts=[None] * len(token_lists))
 
     def apply_chat_template(self, messages: Sequence[Message], **kwargs: Any) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages, **kwargs)
+        return self._renderer.encode(self._renderer.render(list(messages), template_kwargs=kwargs))
 
     # ------------------------------------------------------------ internals
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -62,13 +69,18 @@ class LLM:
             return list(self.tokenizer.encode(prompt))
         return list(prompt)
 
-    def _run(self, token_lists, params, priority, use_tqdm, texts) -> list[RequestOutput]:
-        n = len(token_lists)
+    @staticmethod
+    def _params(params, n: int) -> list[SamplingParams]:
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, Sequence) else [params] * n
         if len(plist) != n:
             raise ValueError(f"{n} prompts but {len(plist)} SamplingParams")
+        return plist
+
+    def _run(self, token_lists, params, priority, use_tqdm, texts) -> list[RequestOutput]:
+        n = len(token_lists)
+        plist = self._params(params, n)
         order = []
         for i, ids in enumerate(token_lists):
             rid = f"offline-{next(self._ids)}"
@@ -89,11 +101,10 @@ class LLM:
 
 
 def apply_chat_template(tokenizer, messages: Sequence[Message], **kwargs: Any) -> list[int]:
-    """Render `messages` with the model's template, ready for the assistant's turn, as token ids."""
-    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True, **kwargs)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    """Render `messages` as the server does (the model's template, or the plain fallback for a
+    model without one), ready for the assistant's turn, as token ids."""
+    renderer = ChatRenderer(tokenizer)
+    return renderer.encode(renderer.render(list(messages), template_kwargs=kwargs))
 
 
 def _progress(total: int):

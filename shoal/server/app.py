@@ -22,9 +22,10 @@ from fastapi.responses import JSONResponse
 from shoal.config import EngineConfig
 from shoal.server.errors import bad_request, install_error_handlers
 from shoal.server.middleware import LOOPBACK_ORIGIN_REGEX, AccessMiddleware, is_loopback_host
+from shoal.server.anthropic import router as anthropic_router
 from shoal.server.openai import router as openai_router
-from shoal.server.openai.chat import render_chat
-from shoal.server.openai.common import check_prompt_chars
+from shoal.server.openai.chat import render_chat, tool_use
+from shoal.server.chat.render import check_prompt_chars
 from shoal.server.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -73,6 +74,7 @@ def create_app(
     app.state.shoal = state
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
     _add_service_routes(app)
     _drop_default_422(app)
     # Added first = innermost: CORS sits outside the key check, so preflights
@@ -137,7 +139,9 @@ def _add_service_routes(app: FastAPI) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            text, ids = await asyncio.to_thread(render_chat, state, body.messages, body.chat_template_kwargs, None, body.add_generation_prompt)
+            tools = tool_use(body.tools, None, None)  # checked like chat's; rendered the same way
+            shown = [dict(t) for t in tools.tools] if tools is not None else None
+            text, ids = await asyncio.to_thread(render_chat, state, body.messages, body.chat_template_kwargs, shown, body.add_generation_prompt)
         else:
             text = body.prompt
             check_prompt_chars(state, len(text), "prompt")

@@ -1,6 +1,12 @@
-"""Errors in OpenAI's format, never a stack trace.
+"""Errors in the protocol's format, never a stack trace.
+
+OpenAI's (the default, and every route outside another protocol's):
 
     {"error": {"message": "...", "type": "invalid_request_error", "code": null, "param": "temperature"}}
+
+A protocol adapter registers its own body for its routes' path prefix
+(`register_error_format`: Anthropic's for /v1/messages), so every refusal, from a
+handler, FastAPI's validation or the middleware, answers in the client's format.
 
 Everything a handler refuses is an `APIError`; the handlers below also turn
 FastAPI's validation errors (bad types, malformed JSON: 422 there) into 400s
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,15 +62,28 @@ class APIError(Exception):
         self.type = type or kind
         self.headers = headers
 
-    def body(self) -> dict:
+    def body(self, path: str = "") -> dict:
+        """The error body in the format of the protocol that serves `path`."""
+        for prefix, fmt in _ERROR_FORMATS:
+            if path.startswith(prefix):
+                return fmt(self)
         return error_body(self.message, self.type, self.code, self.param)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "code": code, "param": param}}
+
+
+_ERROR_FORMATS: list[tuple[str, Callable[[APIError], dict]]] = []
+
+
+def register_error_format(path_prefix: str, fmt: Callable[[APIError], dict]) -> None:
+    """Routes under `path_prefix` answer errors with `fmt(error)` as the body."""
+    if (path_prefix, fmt) not in _ERROR_FORMATS:
+        _ERROR_FORMATS.append((path_prefix, fmt))
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -156,12 +176,12 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return bad_request(message, param).response()
+        return bad_request(message, param).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -172,7 +192,7 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             err = APIError(exc.status_code, str(exc.detail))
         err.headers = dict(exc.headers or {}) or None
-        return err.response()
+        return err.response(request.url.path)
 
     # No handler for Exception: Starlette runs that one in ServerErrorMiddleware,
     # which re-raises after answering, and uvicorn then drops the keep-alive

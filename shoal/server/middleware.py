@@ -72,13 +72,13 @@ class AccessMiddleware:
         headers = _headers(scope)
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            await _send_error(send, refusal)
+            await _send_error(send, refusal, scope["path"])
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             limit = self.state.request_byte_limit
             declared = headers.get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > limit:
-                await _send_error(send, _too_large(int(declared), limit))
+                await _send_error(send, _too_large(int(declared), limit), scope["path"])
                 return
             body = bytearray()
             while True:
@@ -87,14 +87,14 @@ class AccessMiddleware:
                     return
                 body += message.get("body", b"")
                 if len(body) > limit:
-                    await _send_error(send, _too_large(len(body), limit, at_least=True))
+                    await _send_error(send, _too_large(len(body), limit, at_least=True), scope["path"])
                     return
                 if not message.get("more_body", False):
                     break
             body = bytes(body)
             bad = _encoding_error(body)
             if bad is not None:
-                await _send_error(send, bad)
+                await _send_error(send, bad, scope["path"])
                 return
             receive = _replay(body, receive)
             # Bodies are JSON whatever the client labels them (curl -d says form data).
@@ -116,7 +116,7 @@ class AccessMiddleware:
                     raise
                 request_id = new_request_id()
                 log.error("request %s (%s %s) failed", request_id, scope["method"], scope["path"], exc_info=exc)
-                await _send_error(send, server_failure(request_id))
+                await _send_error(send, server_failure(request_id), scope["path"])
 
     def _refusal(self, scope, headers: dict[bytes, bytes]) -> APIError | None:
         """Why the request is refused before it runs (Host, Origin, API key), or None."""
@@ -263,8 +263,8 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _send_error(send, err: APIError) -> None:
-    payload = json.dumps(err.body()).encode()
+async def _send_error(send, err: APIError, path: str) -> None:
+    payload = json.dumps(err.body(path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

@@ -34,6 +34,7 @@ SAMPLING_DEFAULT_FIELDS = (
 )
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "mistral", "pythonic")
 
 # The automatic --max-request-bytes (see ServerSettings.request_byte_limit).
 AUTO_REQUEST_BYTES_PER_TOKEN = 16
@@ -60,6 +61,10 @@ class ServerSettings:
     served_model_name: str | None = None  # default: the --model value
     chat_template: Path | None = None  # a Jinja file that replaces the model's template
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think>...</think> out
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | pythonic; None: from the chat template
+    # Anthropic: keep a system block starting with x-anthropic-billing-header (Claude Code's per-request
+    # value at the front of the system prompt, dropped by default so turns hit the prefix cache).
+    keep_billing_header: bool = False
     log_requests: bool = True  # one INFO line per request
     # Server-level stopping defaults.
     ignore_eos: bool | None = None
@@ -96,6 +101,8 @@ class ServerSettings:
             errors.append(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_sequences_per_request < 1:
             errors.append(f"max_sequences_per_request must be at least 1, got {self.max_sequences_per_request}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            errors.append(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             errors.append(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.max_tokens is not None and self.max_tokens < 1:

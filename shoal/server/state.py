@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.config import EngineConfig
-from shoal.server.chat_template import ChatRenderer
+from shoal.server.chat.template import ChatRenderer
 from shoal.server.errors import APIError, unavailable
-from shoal.server.openai.common import TokenStrings
+from shoal.server.chat.render import TokenStrings
 from shoal.server.settings import ServerSettings
 
 log = logging.getLogger("shoal.server")

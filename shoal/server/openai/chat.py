@@ -16,25 +16,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from shoal.server.errors import APIError, bad_request
+from shoal.server.chat.params import check_prompt, compile_constraint, fit_max_tokens, resolve_params
 from shoal.server.openai.common import (
     chat_logprobs,
-    check_prompt,
-    check_prompt_chars,
     check_sequences,
     check_unsupported,
-    compile_constraint,
     clipped_headers,
     finish_reason,
-    fit_max_tokens,
     new_id,
     now,
     output_constraint,
-    resolve_params,
     usage,
     vllm_prompt_logprobs,
 )
 from shoal.server.openai.protocol import ChatCompletionRequest, ChatMessage
-from shoal.server.reasoning import ReasoningSplitter, Split, split_reasoning
+from shoal.server.chat.pipeline import DeltaPipeline
+from shoal.server.chat.render import ToolUse, render_messages
+from shoal.server.chat.tools import ToolCall
 from shoal.server.sse import DONE, DeltaEncoder, encode_event
 from shoal.server.streams import ClientDisconnected, RequestTracker, engine_error, merged, run_to_end
 from shoal.types import GenerationRequest
@@ -80,38 +78,48 @@ def _text(content, i: int) -> str:
 
 def render_chat(state, messages: list[ChatMessage], template_kwargs: dict | None, tools=None, add_generation_prompt=None) -> tuple[str, list[int]]:
     """The prompt text and its token ids. Blocking work: call it in a worker thread."""
-    dicts = message_dicts(messages)
-    # The rendered text holds every message's content: too much of it cannot fit.
-    check_prompt_chars(state, sum(len(d["content"]) for d in dicts), "messages")
-    kwargs = dict(template_kwargs or {})
-    if add_generation_prompt is not None:
-        kwargs["add_generation_prompt"] = add_generation_prompt
-    try:
-        text = state.renderer.render(dicts, tools=tools, template_kwargs=kwargs)
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
-    check_prompt_chars(state, len(text), "messages")
-    return text, state.renderer.encode(text)
+    return render_messages(state, message_dicts(messages), tools, template_kwargs, add_generation_prompt)
 
 
-def check_tool_choice(choice, tools: list[dict] | None) -> None:
-    """Accept "none" and "auto", which is what shoal does (the template sees the tools; its text is not parsed into calls)."""
-    if choice is None or choice in ("none", "auto"):
-        return
-    if choice == "required":
-        if not tools:
-            raise bad_request("tool_choice 'required' needs tools", "tool_choice")
-        raise bad_request("tool_choice 'required' is not supported yet: use 'auto' or 'none'", "tool_choice")
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(choice.get("function"), dict) else None
-    if not isinstance(name, str) or choice.get("type") != "function":
+def tool_use(tools: list[dict] | None, choice, parallel: bool | None) -> ToolUse | None:
+    """The request's tools and tool_choice, checked; None when the model sees no tools."""
+    named = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        named = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(named, str):
+            named = None
+    if choice not in (None, "none", "auto", "required") and named is None:
         raise bad_request(
             "invalid tool_choice: expected 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
             "tool_choice",
         )
-    names = {t.get("function", {}).get("name") for t in tools or () if isinstance(t.get("function"), dict)}
-    if name not in names:
-        raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
-    raise bad_request("tool_choice naming a function is not supported yet: use 'auto' or 'none'", "tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'!r} needs tools", "tool_choice")
+        return None
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema (an object)", f"tools[{i}].function.parameters")
+    if choice == "none":
+        return None  # the tools are hidden from the model
+    parallel = parallel is not False
+    if named is not None:
+        if named not in {t["function"]["name"] for t in tools}:
+            raise bad_request(f"tool_choice names the function {named!r}, which is not among the tools", "tool_choice")
+        return ToolUse(tuple(tools), "named", named, parallel=False)
+    return ToolUse(tuple(tools), "required" if choice == "required" else "auto", parallel=parallel)
+
+
+def openai_tool_calls(calls: list[ToolCall], start: int = 0) -> list[dict]:
+    return [{"index": start + k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for k, c in enumerate(calls)]
 
 
 async def create_chat_completion(body: ChatCompletionRequest, http: Request, state) -> JSONResponse | StreamingResponse:
@@ -120,11 +128,16 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     check_unsupported(body)
     structured, structured_param = output_constraint(body)
-    check_tool_choice(body.tool_choice, body.tools)
+    tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if tools is not None and tools.forced:
+        if structured is not None:
+            raise bad_request(f"tool_choice {body.tool_choice!r} forces a tool call, so {structured_param} cannot also be given", "tool_choice")
+        structured, structured_param = tools.constraint(), "tools"
     check_sequences(state, 1, body.n)
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is not supported with stream yet", "prompt_logprobs")
-    text, ids = await asyncio.to_thread(render_chat, state, body.messages, body.chat_template_kwargs, body.tools, body.add_generation_prompt)
+    shown = [dict(t) for t in tools.tools] if tools is not None else None
+    text, ids = await asyncio.to_thread(render_chat, state, body.messages, body.chat_template_kwargs, shown, body.add_generation_prompt)
     params = resolve_params(
         body,
         state,
@@ -140,7 +153,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
     req = GenerationRequest(rid, tuple(ids), params, priority=body.priority or 0, prompt=text, arrival_time=time.monotonic())
     check_prompt(state, req, "messages")
     req, clipped = fit_max_tokens(state, req)
-    chat = _Chat(state, rid, body, req)
+    chat = _Chat(state, rid, body, req, tools.parser_name(state) if tools is not None else None)
     headers = clipped_headers([clipped])
     if body.stream:
         return StreamingResponse(chat.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
@@ -148,8 +161,9 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
 
 
 class _Chat:
-    def __init__(self, state, rid: str, body: ChatCompletionRequest, req: GenerationRequest) -> None:
+    def __init__(self, state, rid: str, body: ChatCompletionRequest, req: GenerationRequest, tool_parser: str | None) -> None:
         self.state = state
+        self.tool_parser = tool_parser  # None: no tools, the text is all answer
         self.rid = rid
         self.body = body
         self.req = req
@@ -184,16 +198,21 @@ class _Chat:
             raise engine_error(e, self.rid) from None
         choices = []
         for c in out.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            whole = DeltaPipeline(self.parser, self.tool_parser).feed(c.text, final=True)
+            message: dict[str, Any] = {"role": "assistant", "content": whole.text}
             if self.parser:
-                split = split_reasoning(self.parser, c.text)
-                message = {"role": "assistant", "content": split.content, "reasoning_content": split.reasoning or None}
+                message["reasoning_content"] = whole.reasoning or None
+            reason = finish_reason(c.finish_reason)
+            if whole.calls:
+                message["content"] = whole.text or None
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in openai_tool_calls(whole.calls)]
+                reason = "tool_calls" if reason == "stop" else reason
             choices.append(
                 {
                     "index": c.index,
                     "message": message,
                     "logprobs": chat_logprobs(c.logprobs, self.text_of) if c.logprobs is not None and self.text_of else None,
-                    "finish_reason": finish_reason(c.finish_reason),
+                    "finish_reason": reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -217,7 +236,8 @@ class _Chat:
         fast = DeltaEncoder(
             lambda key, text: self._chunk([{"index": key[0], "delta": {key[1]: text}, "logprobs": None, "finish_reason": None}])
         )
-        splitters = [ReasoningSplitter(self.parser) for _ in range(n)] if self.parser else None
+        pipelines = [DeltaPipeline(self.parser, self.tool_parser) for _ in range(n)]
+        num_calls = [0] * n
         sent_logprobs = [0] * n
         finished = [False] * n
         last = None
@@ -233,20 +253,27 @@ class _Chat:
                         i = c.index
                         if finished[i]:
                             continue
-                        split = splitters[i].feed(c.delta_text, final=c.finished) if splitters else Split(content=c.delta_text)
+                        split = pipelines[i].feed(c.delta_text, final=c.finished)
+                        calls = split.calls
                         new_lps = c.logprobs[sent_logprobs[i] :] if c.logprobs is not None else []
                         sent_logprobs[i] += len(new_lps)
                         if new_lps and self.text_of is not None:
-                            delta = {k: v for k, v in (("reasoning_content", split.reasoning), ("content", split.content)) if v}
+                            delta = {k: v for k, v in (("reasoning_content", split.reasoning), ("content", split.text)) if v}
                             yield encode_event(self._chunk([{"index": i, "delta": delta, "logprobs": chat_logprobs(new_lps, self.text_of), "finish_reason": None}]))
                         else:
                             if split.reasoning:
                                 yield fast.encode((i, "reasoning_content"), split.reasoning)
-                            if split.content:
-                                yield fast.encode((i, "content"), split.content)
+                            if split.text:
+                                yield fast.encode((i, "content"), split.text)
+                        if calls:
+                            delta = {"tool_calls": openai_tool_calls(calls, num_calls[i])}
+                            num_calls[i] += len(calls)
+                            yield encode_event(self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
                         if c.finished:
                             finished[i] = True
-                            yield encode_event(self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}]))
+                            reason = finish_reason(c.finish_reason)
+                            reason = "tool_calls" if num_calls[i] and reason == "stop" else reason
+                            yield encode_event(self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason, "stop_reason": c.stop_reason}]))
             if self.body.stream_options is not None and self.body.stream_options.include_usage and last is not None:
                 yield encode_event(self._chunk([], usage=usage([last])))
             outcome = "ok"

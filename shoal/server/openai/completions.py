@@ -23,20 +23,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from shoal.server.errors import APIError, bad_request
+from shoal.server.chat.render import check_prompt_chars
+from shoal.server.chat.params import check_prompt, compile_constraint, fit_max_tokens, resolve_params
 from shoal.server.openai.common import (
-    check_prompt,
-    check_prompt_chars,
     check_sequences,
     check_unsupported,
-    compile_constraint,
     clipped_headers,
     completion_logprobs,
     finish_reason,
-    fit_max_tokens,
     new_id,
     now,
     output_constraint,
-    resolve_params,
     usage,
     vllm_prompt_logprobs,
 )

@@ -6,8 +6,7 @@ client did not say", so the server's and the model's defaults can apply
 names its field; values that need the model (token ids, context length) are
 checked by the adapter and the engine. Unknown fields are ignored, not
 rejected: clients send many. A known field shoal does not implement
-(`tool_choice` beyond none/auto) is refused by the adapter rather than silently
-ignored.
+is refused by the adapter rather than silently ignored.
 
 Numbers are strict: a JSON boolean is not an integer or a float (pydantic would
 read `true` as 1), and an integer field takes no `1.0` or `"1"`.
@@ -18,13 +17,11 @@ in the OpenAPI document, and the fuzzer in the tests checks answers against them
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field
 
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]  # takes 1 as 1.0, refuses true
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+from shoal.server.chat.params import INT64_MAX, INT64_MIN, Float, Int  # noqa: F401  (strict numbers, shared by the adapters)
 
 
 class _Request(BaseModel):
@@ -90,7 +87,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None  # "none" | "auto"; the rest is refused by the adapter
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}; checked by the adapter
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
 
 
@@ -110,6 +108,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # with messages: rendered as chat renders them
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -140,7 +139,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-FinishReasonName = Literal["stop", "length", "abort"]
+FinishReasonName = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class PromptTokensDetails(_Response):
@@ -180,10 +179,22 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallFunction(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"]
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(_Response):

@@ -57,6 +57,12 @@ class ChatRenderer:
             self.template = FALLBACK_TEMPLATE
             self.source = "the plain fallback"
         self.is_fallback = self.template is FALLBACK_TEMPLATE
+        self.template_source = self.template if self.template is not None else tokenizer.chat_template
+        if isinstance(self.template_source, dict):  # several named templates: the default one
+            self.template_source = self.template_source.get("default") or next(iter(self.template_source.values()), "")
+        # The template renders tool definitions itself ("template native"); otherwise they go
+        # into the system prompt in shoal's own format (chat/tools.py, "manual").
+        self.supports_tools = "tools" in (self.template_source or "")
 
     @property
     def default_stop(self) -> tuple[str, ...]:

@@ -1,0 +1,42 @@
+"""The Anthropic adapter: POST /v1/messages and /v1/messages/count_tokens, errors in Anthropic's format."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from shoal.server.anthropic.messages import count_tokens, create_message, error_body
+from shoal.server.anthropic.protocol import CountTokensRequest, CountTokensResponse, ErrorResponse, MessageResponse, MessagesRequest
+from shoal.server.errors import register_error_format
+from shoal.server.streams import ClientDisconnected
+
+router = APIRouter()
+register_error_format("/v1/messages", error_body)
+
+CLIENT_CLOSED = 499
+_ERRORS = {s: {"model": ErrorResponse, "description": d} for s, d in (
+    (400, "The request is invalid (invalid_request_error); the message names the field"),
+    (401, "A missing or wrong API key (authentication_error)"),
+    (403, "A refused Origin or Host (permission_error)"),
+    (404, "No such model (not_found_error)"),
+    (413, "The body is larger than --max-request-bytes (request_too_large)"),
+    (500, "The server failed (api_error); details are in its log"),
+    (503, "The model is loading or the server is overloaded (overloaded_error, Retry-After)"),
+)}
+
+
+# With stream: Anthropic's named events, each `event: <type>` and `data: <JSON>`.
+_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}}, "required": ["event", "data"]}
+
+
+@router.post("/v1/messages", responses={200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": _EVENT}}}, **_ERRORS})
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    try:
+        return await create_message(body, request, request.app.state.shoal)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+
+
+@router.post("/v1/messages/count_tokens", responses={200: {"model": CountTokensResponse}, **_ERRORS})
+async def messages_count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
+    return await count_tokens(body, request.app.state.shoal)
