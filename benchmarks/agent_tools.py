@@ -28,6 +28,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,7 +70,7 @@ class Server:
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(RESULTS / "agent_tools.server.log", "w")
+        self.log = tempfile.NamedTemporaryFile("w", prefix="shoal-agent-tools-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "serve", "--port", str(self.port)], cwd=ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 600
@@ -95,8 +96,8 @@ def listing() -> str:
     return "Tools:\n" + "\n".join(json.dumps(t, ensure_ascii=False) for t in TOOLS)
 
 
-def openai_loop(client: openai.OpenAI, model: str, tools: bool, turns: int, tag: str) -> list[float]:
-    """TTFT per turn (seconds) of one loop over the OpenAI API."""
+def openai_loop(client: openai.OpenAI, model: str, tools: bool, turns: int, tag: str) -> list[tuple[float, int]]:
+    """(TTFT in seconds, prompt tokens not from the cache) per turn of one loop over the OpenAI API."""
     system = f"{SYSTEM} (session {tag})" + ("" if tools else "\n\n" + listing())
     msgs: list[dict] = [{"role": "system", "content": system}]
     extra = dict(tools=[{"type": "function", "function": t} for t in TOOLS], tool_choice="required") if tools else {}
@@ -104,8 +105,8 @@ def openai_loop(client: openai.OpenAI, model: str, tools: bool, turns: int, tag:
     for turn in range(turns):
         msgs.append({"role": "user", "content": ASKS[turn % len(ASKS)]})
         t = time.perf_counter()
-        client.chat.completions.create(model=model, messages=msgs, max_tokens=1, temperature=0, **extra)
-        ttfts.append(time.perf_counter() - t)
+        probe = client.chat.completions.create(model=model, messages=msgs, max_tokens=1, temperature=0, **extra)
+        ttfts.append((time.perf_counter() - t, probe.usage.prompt_tokens - probe.usage.prompt_tokens_details.cached_tokens))
         r = client.chat.completions.create(model=model, messages=msgs, max_tokens=120, temperature=0, **extra)
         m = r.choices[0].message
         if tools and m.tool_calls:
@@ -117,7 +118,7 @@ def openai_loop(client: openai.OpenAI, model: str, tools: bool, turns: int, tag:
     return ttfts
 
 
-def anthropic_loop(client: anthropic.Anthropic, model: str, tools: bool, turns: int, tag: str) -> list[float]:
+def anthropic_loop(client: anthropic.Anthropic, model: str, tools: bool, turns: int, tag: str) -> list[tuple[float, int]]:
     system = f"{SYSTEM} (session {tag})" + ("" if tools else "\n\n" + listing())
     msgs: list[dict] = []
     extra = dict(tools=[{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOLS],
@@ -131,8 +132,8 @@ def anthropic_loop(client: anthropic.Anthropic, model: str, tools: bool, turns: 
             msgs.append({"role": "user", "content": user})
         kw = dict(model=model, system=system, messages=msgs, extra_body={"temperature": 0}, **extra)
         t = time.perf_counter()
-        client.messages.create(max_tokens=1, **kw)
-        ttfts.append(time.perf_counter() - t)
+        probe = client.messages.create(max_tokens=1, **kw)
+        ttfts.append((time.perf_counter() - t, probe.usage.input_tokens - probe.usage.cache_read_input_tokens))
         r = client.messages.create(max_tokens=120, **kw)
         msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]})
         calls = [b for b in r.content if b.type == "tool_use"]
@@ -156,7 +157,7 @@ def main() -> None:
         loops = {("openai", True): openai_loop, ("openai", False): openai_loop, ("anthropic", True): anthropic_loop, ("anthropic", False): anthropic_loop}
         clients = {"openai": oa, "anthropic": an}
         openai_loop(oa, server.model, True, 2, "warm-up")
-        samples: dict[tuple[str, bool], list[float]] = {k: [] for k in loops}
+        samples: dict[tuple[str, bool], list[tuple[float, int]]] = {k: [] for k in loops}
         with tqdm(total=args.rounds * len(loops), desc="agent-loop benchmark", file=sys.stderr) as bar:
             for r in range(args.rounds):
                 for (proto, tools), fn in loops.items():  # taking turns: a slow spell hits them all
@@ -167,14 +168,18 @@ def main() -> None:
         server.stop()
     rows = []
     for proto in ("openai", "anthropic"):
-        with_tools = statistics.median(samples[(proto, True)]) * 1e3
-        plain = statistics.median(samples[(proto, False)]) * 1e3
-        rows.append({"protocol": proto, "ttft_tools_ms": with_tools, "ttft_plain_ms": plain, "ratio": with_tools / plain})
+        with_tools = statistics.median(t for t, _ in samples[(proto, True)]) * 1e3
+        plain = statistics.median(t for t, _ in samples[(proto, False)]) * 1e3
+        rows.append({"protocol": proto, "ttft_tools_ms": with_tools, "ttft_plain_ms": plain, "ratio": with_tools / plain,
+                     "uncached_tools": statistics.median(n for _, n in samples[(proto, True)]),
+                     "uncached_plain": statistics.median(n for _, n in samples[(proto, False)])})
     (RESULTS / "agent_tools.json").write_text(json.dumps({"turns": args.turns, "rounds": args.rounds, "rows": rows,
                                                           "samples": {f"{p}-{'tools' if t else 'plain'}": v for (p, t), v in samples.items()}}, indent=2))
     lines = [f"# Agent loop with 6 tools, {args.turns} turns of call -> result, {args.rounds} rounds (`shoal serve`, default configuration)", "",
-             "| protocol | median TTFT from turn 2, with tools | same loop without tools | ratio |", "|---|---|---|---|"]
-    lines += [f"| {r['protocol']} | {r['ttft_tools_ms']:.0f} ms | {r['ttft_plain_ms']:.0f} ms | {r['ratio']:.2f} |" for r in rows]
+             "| protocol | median TTFT from turn 2, with tools | same loop without tools | ratio | prompt tokens computed per turn (median): tools / without |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['protocol']} | {r['ttft_tools_ms']:.0f} ms | {r['ttft_plain_ms']:.0f} ms | {r['ratio']:.2f} | {r['uncached_tools']:.0f} / {r['uncached_plain']:.0f} |"
+              for r in rows]
     (RESULTS / "agent_tools.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

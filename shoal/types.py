@@ -52,6 +52,23 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """Cap a reply's reasoning: after `max_tokens` tokens of it, the sequence is made to write
+    `end_ids` (the model's `</think>`), and the answer follows. `start_ids` empty: the reply
+    starts inside the reasoning (the template opened it); otherwise it starts when the model
+    writes them. The tags are matched as token ids, so they should be tokens of their own
+    (they are for the models that think this way: Qwen3, DeepSeek-R1)."""
+
+    max_tokens: int
+    end_ids: tuple[int, ...]
+    start_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0 or not self.end_ids:
+            raise ValueError("a thinking budget needs max_tokens >= 0 and the end tag's token ids")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction, never mutated.
 
@@ -88,6 +105,9 @@ class SamplingParams:
     # Grammar-constrained decoding: every sampled token keeps the output inside this
     # constraint, and the choice ends when the grammar is complete.
     structured: StructuredOutput | None = None
+    # Reasoning capped at a number of tokens (Anthropic's thinking.budget_tokens); a
+    # `structured` constraint, when both are given, takes precedence.
+    thinking_budget: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         # Normalize the list-ish fields so equal params compare and hash equal.

@@ -162,3 +162,19 @@ def test_the_sdk_raises_each_error_type(srv, client):
     with pytest.raises(anthropic.AuthenticationError) as e:
         wrong.messages.create(model=model(srv), max_tokens=8, messages=ASK)
     assert e.value.body["error"]["type"] == "authentication_error"
+
+
+def test_a_thinking_budget_caps_the_reasoning(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("thinking"), max_position_embeddings=2048)
+    settings = ServerSettings(log_requests=False, reasoning_parser="deepseek_r1")  # replies start inside the reasoning
+    with LiveServer(tiny_engine(path, max_model_len=512), settings) as s:
+        client = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0)
+        kw = dict(model=s.state.model_name, max_tokens=24, messages=ASK, extra_body={"temperature": 1.0, "seed": 1, "ignore_eos": True})
+        free = client.messages.create(thinking={"type": "enabled", "budget_tokens": 1024}, **kw)
+        assert [b.type for b in free.content] == ["thinking"]  # random weights never close the reasoning themselves
+        capped = client.messages.create(thinking={"type": "enabled", "budget_tokens": 4}, **kw)
+        assert [b.type for b in capped.content] == ["thinking", "text"]
+        assert free.content[0].thinking.startswith(capped.content[0].thinking)
+        with s.http() as h:
+            bad = h.post("/v1/messages", json={**kw, "extra_body": None, "thinking": {"type": "enabled", "budget_tokens": -1}})
+        assert bad.status_code == 400 and "budget_tokens" in bad.json()["error"]["message"]

@@ -391,3 +391,44 @@ def test_real_model_json_object_and_forced_tool_calls(real):
     spec = StructuredOutput(json_schema=json.dumps(schema))
     outs = real.chat([call] * 5, [SamplingParams(temperature=1.0, seed=s, max_tokens=128, structured=spec) for s in range(5)])
     assert_valid_json(outs, schema)
+
+
+# ---------------------------------------------------------------- thinking budgets
+
+
+def test_budget_matcher_forces_the_end_tag_after_the_budget():
+    from shoal.engine.structured import BudgetMatcher
+    from shoal.types import ThinkingBudget
+
+    def allowed(m):
+        return None if m.mask is None else unpack_token_masks([m.mask], 16)[0].nonzero().flatten().tolist()
+
+    m = BudgetMatcher(ThinkingBudget(3, end_ids=(3, 4), start_ids=(1, 2)), 16)
+    for t in (9, 1, 2):  # outside, then the start tag
+        m.accept(t)
+    fork = m.fork()
+    for t in (5, 6):  # two tokens of reasoning
+        m.accept(t)
+        assert allowed(m) is None
+    m.accept(7)  # the third: the budget is spent
+    assert allowed(m) == [3]
+    m.accept(3)
+    assert allowed(m) == [4]
+    m.accept(4)
+    assert allowed(m) is None and m.finished
+    fork.accept(3), fork.accept(4)  # the fork ended its reasoning itself, inside the budget
+    assert fork.finished and allowed(fork) is None
+    fork.accept(8)
+    assert allowed(fork) is None
+
+
+def test_a_thinking_budget_ends_the_reasoning_and_changes_nothing_before(llm):
+    from shoal.types import ThinkingBudget
+
+    end = tuple(llm.tokenizer.encode("</think>", add_special_tokens=False))
+    p = prompts(1)[0]
+    free = llm.generate([p], SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True))[0].outputs[0].token_ids
+    capped = llm.generate([p], SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True,
+                                              thinking_budget=ThinkingBudget(5, end)))[0].outputs[0].token_ids
+    assert capped[:5] == free[:5]
+    assert tuple(capped[5 : 5 + len(end)]) == end

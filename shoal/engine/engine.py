@@ -17,7 +17,7 @@ from shoal.engine.detokenizer import IncrementalDetokenizer
 from shoal.engine.prefix_cache import PrefixCache
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sequence import Sequence
-from shoal.engine.structured import GrammarCompiler, GrammarError
+from shoal.engine.structured import BudgetMatcher, GrammarCompiler, GrammarError
 from shoal.types import (
     CompletionOutput,
     FinishReason,
@@ -157,6 +157,9 @@ class Engine:
             raise ValueError(f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if p.structured is not None:
             self.grammars.compile(p.structured)  # GrammarError (a ValueError) names the problem
+        budget = p.thinking_budget
+        if budget is not None and not all(0 <= t < self.vocab_size for t in budget.end_ids + budget.start_ids):
+            raise ValueError(f"the thinking budget's tag token ids are outside the vocabulary [0, {self.vocab_size})")
 
     def add_request(self, request: GenerationRequest) -> None:
         if request.request_id in self._requests:
@@ -182,7 +185,7 @@ class Engine:
                 seed=None if p.seed is None else p.seed + i,
                 # Forks share the prompt: only the first choice computes its logprobs.
                 num_prompt_logprobs=0 if first is None else len(request.prompt_token_ids),
-                grammar=grammar.matcher() if grammar is not None else None,
+                grammar=self._constraint(p, grammar),
             )
             first = first or seq
             detok = IncrementalDetokenizer(
@@ -205,7 +208,7 @@ class Engine:
     def _add_beam_request(self, request: GenerationRequest, now: float, grammar) -> None:
         p = request.params
         seq = Sequence(request.request_id, list(request.prompt_token_ids), p, priority=request.priority, seed=p.seed)
-        seq.grammar = grammar.matcher() if grammar is not None else None
+        seq.grammar = self._constraint(p, grammar)
         state = _RequestState(request, [], RequestMetrics(arrival_time=request.arrival_time or now))
         state.beam = _BeamGroup(live=[seq], scores={seq.seq_id: 0.0})
         state.prompt_logprobs = [None] if p.prompt_logprobs is not None else None
@@ -213,6 +216,14 @@ class Engine:
         self.scheduler.add(seq)
         self.stats.requests_added += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
+
+    def _constraint(self, p, grammar):
+        """A new sequence's token constraint: its grammar's matcher, else its thinking budget, else none."""
+        if grammar is not None:
+            return grammar.matcher()
+        if p.thinking_budget is not None:
+            return BudgetMatcher(p.thinking_budget, self.vocab_size)
+        return None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its output (finish_reason abort) comes with the next step()."""

@@ -57,8 +57,8 @@ class Sequence:
     extra_keys: dict[int, int] | None = None
     # Prefix-cache trie nodes of this sequence's indexed full blocks, in order.
     cache_nodes: list = field(default_factory=list)
-    # Structured output: this sequence's GrammarMatcher (engine/structured.py), which has
-    # accepted exactly its output tokens; None when unconstrained.
+    # A token constraint that has accepted exactly its output tokens (engine/structured.py):
+    # a GrammarMatcher (structured output) or a BudgetMatcher (a thinking budget); None: free.
     grammar: object | None = None
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ from collections import OrderedDict
 
 import llguidance
 
-from shoal.types import StructuredOutput
+from shoal.types import StructuredOutput, ThinkingBudget
 
 log = logging.getLogger("shoal.structured")
 
@@ -84,6 +84,65 @@ class GrammarMatcher:
     def done(self) -> bool:
         """The grammar is complete and can take no more tokens."""
         return self._m.is_stopped()
+
+
+class BudgetMatcher:
+    """A thinking budget as a token constraint with the interface of GrammarMatcher: no mask
+    (any token) until the reasoning has run `max_tokens` tokens, then one-token masks that
+    make the sequence write the end tag. It never ends the choice itself."""
+
+    __slots__ = ("spec", "vocab_size", "inside", "count", "forcing", "finished", "recent", "mask")
+    done = False
+
+    def __init__(self, spec: ThinkingBudget, vocab_size: int) -> None:
+        self.spec = spec
+        self.vocab_size = vocab_size
+        self.inside = not spec.start_ids  # reasoning from the first token
+        self.count = 0
+        self.forcing = -1  # index into end_ids while writing the end tag
+        self.finished = False
+        self.recent: list[int] = []
+        self.mask: bytes | None = None
+        if self.inside and spec.max_tokens == 0:
+            self._force(0)
+
+    def _force(self, i: int) -> None:
+        self.forcing = i
+        mask = bytearray((self.vocab_size + 31) // 32 * 4)
+        token = self.spec.end_ids[i]
+        mask[token // 8] |= 1 << (token % 8)
+        self.mask = bytes(mask)
+
+    def accept(self, token_id: int) -> None:
+        spec = self.spec
+        if self.forcing >= 0:
+            if self.forcing + 1 < len(spec.end_ids):
+                self._force(self.forcing + 1)
+            else:
+                self.forcing, self.finished, self.mask = -1, True, None
+            return
+        if self.finished:
+            return
+        self.recent = (self.recent + [token_id])[-max(len(spec.start_ids), len(spec.end_ids)) :]
+        if not self.inside:
+            if self.recent[-len(spec.start_ids) :] == list(spec.start_ids):
+                self.inside = True
+                if spec.max_tokens == 0:
+                    self._force(0)
+            return
+        if self.recent[-len(spec.end_ids) :] == list(spec.end_ids):
+            self.finished = True  # the model ended its reasoning within the budget
+            return
+        self.count += 1
+        if self.count >= spec.max_tokens:
+            self._force(0)
+
+    def fork(self) -> BudgetMatcher:
+        other = BudgetMatcher.__new__(BudgetMatcher)
+        for name in self.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.recent = list(self.recent)
+        return other
 
 
 class CompiledGrammar:

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,12 +30,13 @@ from starlette.requests import Request
 from shoal.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from shoal.server.chat.params import check_prompt, compile_constraint, constraint, fit_max_tokens, resolve_params
 from shoal.server.chat.pipeline import DeltaPipeline
+from shoal.server.chat.reasoning import END, START
 from shoal.server.chat.render import ToolUse, render_messages
 from shoal.server.chat.tools import ToolCall
 from shoal.server.errors import APIError, bad_request
 from shoal.server.sse import dumps
 from shoal.server.streams import ClientDisconnected, RequestTracker, engine_error, merged, run_to_end
-from shoal.types import FinishReason, GenerationRequest, RequestOutput
+from shoal.types import FinishReason, GenerationRequest, RequestOutput, ThinkingBudget
 
 BILLING_HEADER = "x-anthropic-billing-header"
 _ERROR_TYPES = {
@@ -187,6 +189,23 @@ def template_kwargs(body: CountTokensRequest) -> dict:
     return kw
 
 
+def thinking_budget(state, body: MessagesRequest) -> ThinkingBudget | None:
+    """`thinking: {"type": "enabled", "budget_tokens": N}` caps the reasoning at N tokens, for a
+    model whose reasoning the server knows how to find (--reasoning-parser)."""
+    thinking = body.thinking or {}
+    if thinking.get("type") != "enabled" or "budget_tokens" not in thinking:
+        return None
+    n = thinking["budget_tokens"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise bad_request("thinking.budget_tokens must be a non-negative integer", "thinking.budget_tokens")
+    parser = state.settings.reasoning_parser
+    if parser is None:
+        return None  # no known reasoning tags: the switch alone applies
+    encode = state.engine.tokenizer.encode
+    start = () if parser == "deepseek_r1" else tuple(encode(START, add_special_tokens=False))
+    return ThinkingBudget(n, tuple(encode(END, add_special_tokens=False)), start)
+
+
 def render(state, body: CountTokensRequest, tools: ToolUse | None) -> tuple[str, list[int]]:
     messages = conversation(body, state.settings.keep_billing_header)
     shown = [dict(t) for t in tools.tools] if tools is not None else None
@@ -217,12 +236,15 @@ async def create_message(body: MessagesRequest, http: Request, state) -> JSONRes
     if tools is not None and tools.forced:
         if structured is not None:
             raise bad_request("a forced tool_choice and output_config.format cannot both constrain the reply", "tool_choice")
-        structured, param = tools.constraint(), "tools"
+        structured, param = tools.constraint(state), "tools"
     if body.stop_sequences is not None and any(s == "" for s in body.stop_sequences):
         raise bad_request("stop_sequences must not hold empty strings", "stop_sequences")
     text, ids = await asyncio.to_thread(render, state, body, tools)
     params = resolve_params(body, state, max_tokens=body.max_tokens, default_max_tokens=None, logprobs=None,
                             extra_stop=state.renderer.default_stop, structured=structured)
+    budget = thinking_budget(state, body)
+    if budget is not None:
+        params = replace(params, thinking_budget=budget)
     await compile_constraint(state, structured, param)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     req = GenerationRequest(rid, tuple(ids), params, prompt=text, arrival_time=time.monotonic())
@@ -286,7 +308,7 @@ class _Message:
         content: list[dict] = []
         if whole.reasoning:
             content.append({"type": "thinking", "thinking": whole.reasoning, "signature": ""})
-        if whole.text or not whole.calls:
+        if whole.text or not (whole.calls or whole.reasoning):  # never an empty content list
             content.append({"type": "text", "text": whole.text})
         content.extend(_tool_use_block(call) for call in whole.calls)
         stop_reason, stop_sequence = self._stop(out, bool(whole.calls))

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
+from shoal.engine.structured import JSON_OPTIONS, forced_tool_call_schema
 from shoal.server.chat.tools import forced_calls_schema, manual_tool_messages, parser_for_template, template_tool_calls
 from shoal.server.errors import bad_request
 from shoal.types import StructuredOutput
@@ -23,7 +24,11 @@ class ToolUse:
 
     mode: "auto" (the model decides; its text is parsed for calls), "required" (at least
     one call), "named" (a call to `name`). The forced modes constrain the reply with a
-    grammar to a JSON list of calls (structured output), so it is always well formed.
+    grammar (structured output), so it is always well formed: for a template that writes
+    calls as `<tool_call>` blocks (and for shoal's own format), the blocks exactly as the
+    template renders them, so the next turn's prompt starts with the very tokens the
+    model generated and the prefix cache covers them; for other families, a JSON list of
+    `{"name", "arguments"}`.
     """
 
     tools: tuple[dict, ...]  # OpenAI-style: {"type": "function", "function": {"name", "description", "parameters"}}
@@ -36,15 +41,24 @@ class ToolUse:
         return self.mode != "auto"
 
     def parser_name(self, state) -> str:
-        if self.forced:
+        family = state.settings.tool_call_parser or parser_for_template(state.renderer.template_source)
+        if self.forced and (family not in ("hermes", "qwen") or state.renderer.tool_call_layout is None):
             return "json"
-        return state.settings.tool_call_parser or parser_for_template(state.renderer.template_source)
+        return family
 
-    def constraint(self) -> StructuredOutput | None:
+    def constraint(self, state) -> StructuredOutput | None:
         if not self.forced:
             return None
-        defs = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")} for t in self.tools]
-        return StructuredOutput(json_schema=json.dumps(forced_calls_schema(defs, self.name, self.parallel)))
+        defs = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")} for t in self.tools
+                if self.name is None or t["function"]["name"] == self.name]
+        parallel = self.parallel and self.name is None
+        if self.parser_name(state) == "json":
+            return StructuredOutput(json_schema=json.dumps(forced_calls_schema(defs, self.name, self.parallel)))
+        before, after, between = state.renderer.tool_call_layout
+        schema = {**forced_tool_call_schema(defs), "x-guidance": JSON_OPTIONS}
+        more = f" ({json.dumps(between)} call)*" if parallel else ""
+        lark = f"start: call{more}\ncall: {json.dumps(before)} body {json.dumps(after)}\nbody: %json {json.dumps(schema)}\n"
+        return StructuredOutput(grammar=lark)
 
 
 # A token spans at most as many characters as the longest vocabulary entry

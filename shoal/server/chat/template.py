@@ -11,7 +11,9 @@ system messages go wherever the model's template puts them.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,31 @@ class ChatRenderer:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template ({self.source}) refused the messages: {e}") from e
         return text
+
+    @cached_property
+    def tool_call_layout(self) -> tuple[str, str, str] | None:
+        """How this template writes `<tool_call>` blocks: (the text before a call's JSON, after
+        it, between two blocks), found by rendering two probe calls; None when it writes them
+        otherwise than `{"name": ..., "arguments": ...}` with JSON's usual separators.
+        Forced tool calls are generated in exactly this layout (chat/render.py, ToolUse)."""
+        if not self.supports_tools:
+            return ("<tool_call>", "</tool_call>", "")  # shoal's own format (tools.manual_tool_messages)
+        calls = [{"id": f"probe{i}", "type": "function", "function": {"name": f"shoal_probe_{i}", "arguments": {"x": i}}} for i in (1, 2)]
+        probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+        tools = [{"type": "function", "function": {"name": f"shoal_probe_{i}", "parameters": {"type": "object"}}} for i in (1, 2)]
+        try:
+            text = self.render(probe, tools=tools, template_kwargs={"add_generation_prompt": False})
+        except ValueError:
+            return None
+        one, two = (json.dumps({"name": f"shoal_probe_{i}", "arguments": {"x": i}}) for i in (1, 2))
+        i, j = text.find(one), text.find(two)
+        open_, close = "<tool_call>", "</tool_call>"
+        if not 0 <= i < j:
+            return None
+        start, end, start2 = text.rfind(open_, 0, i), text.find(close, i), text.rfind(open_, 0, j)
+        if not 0 <= start < end < start2:
+            return None
+        return text[start:i], text[i + len(one) : end + len(close)], text[end + len(close) : start2]
 
     def encode(self, text: str) -> list[int]:
         # The rendered text already holds every special token the template wants (BOS included).

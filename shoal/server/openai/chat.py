@@ -132,7 +132,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
     if tools is not None and tools.forced:
         if structured is not None:
             raise bad_request(f"tool_choice {body.tool_choice!r} forces a tool call, so {structured_param} cannot also be given", "tool_choice")
-        structured, structured_param = tools.constraint(), "tools"
+        structured, structured_param = tools.constraint(state), "tools"
     check_sequences(state, 1, body.n)
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is not supported with stream yet", "prompt_logprobs")
