@@ -92,6 +92,8 @@ SERVER_OPTS = [
     Opt("--reasoning-parser", None, str, "split <think>...</think> into reasoning_content", choices=("deepseek_r1", "qwen3")),
     Opt("--tool-call-parser", None, str, "how the model writes tool calls (default: picked from the chat template)",
         choices=("hermes", "qwen", "llama3_json", "mistral", "pythonic")),
+    Opt("--metrics-public", False, None, "serve /metrics without the API key (for a scraper)", kind="flag"),
+    Opt("--log-format", "text", str, "log lines as text or as one JSON object each (for log shippers)", choices=("text", "json")),
     Opt("--keep-billing-header", False, None, "Anthropic API: keep x-anthropic-billing-header system blocks "
         "(dropped by default: they change every request and defeat the prefix cache)", kind="flag"),
     Opt("--ignore-eos", False, None, "server default: keep generating past EOS", kind="flag"),
@@ -283,6 +285,8 @@ def server_settings(v: dict):
         reasoning_parser=v["reasoning_parser"],
         tool_call_parser=v["tool_call_parser"],
         keep_billing_header=bool(v["keep_billing_header"]),
+        metrics_public=bool(v["metrics_public"]),
+        log_format=v["log_format"],
         log_requests=bool(v["log_requests"]),
         ignore_eos=bool(v["ignore_eos"]) if v["ignore_eos"] else None,
         stop=tuple(v["stop"]) if v["stop"] else None,
@@ -300,7 +304,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from shoal.server import create_app
 
     v = serve_values(a)
-    _setup_logging(v["log_level"])
+    _setup_logging(v["log_level"], v["log_format"])
+    if os.environ.get("SHOAL_SWITCH_INTERVAL"):  # experiment: the GIL's switch interval in seconds
+        sys.setswitchinterval(float(os.environ["SHOAL_SWITCH_INTERVAL"]))
     config = engine_config(v)
     settings = server_settings(v)
     resolve_model_path(config.model)  # a wrong name or path fails now, in one line, not after start-up
@@ -323,7 +329,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     logging.getLogger("shoal").info(
-        "serving %s on http://%s:%d (OpenAI API under /v1; /health answers 503 until the model is loaded)",
+        "serving %s on http://%s:%d (OpenAI API under /v1, Anthropic's at /v1/messages, Prometheus at /metrics; "
+        "/health answers 503 until the model is loaded)",
         config.model, shown, port, 
     )
     server.run(sockets=[sock])
@@ -612,10 +619,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: str, fmt: str = "text") -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True
     )
+    if fmt == "json":
+        from shoal.server.logs import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     # httpx logs every request at INFO: noise in the client commands' terminal.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 

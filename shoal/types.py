@@ -246,10 +246,74 @@ class RequestOutput:
 
 @dataclass
 class RequestMetrics:
+    """One request's timings and counts, filled by the engine as it goes (times in seconds on the
+    engine's clock, `time.monotonic` unless it was given another). Exporters only read them."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
+    # Gaps between the steps that gave this request tokens, after the first.
+    inter_token_latencies: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # from the prefix cache (or a fork's shared prompt)
+    cache_hit_kind: str | None = None  # miss | extension | supersequence | divergence; None: no prefix cache
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finish_reason: str | None = None  # stop | length | abort | error, once finished
+    client_disconnected: bool = False  # aborted because its consumer (the HTTP client) went away
+
+    @property
+    def queue_time(self) -> float | None:
+        return _gap(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return _gap(self.arrival_time, self.first_token_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _gap(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _gap(self.first_token_time, self.last_token_time)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return _gap(self.arrival_time, self.finished_time)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        d = self.decode_time
+        return d / (self.generated_tokens - 1) if d is not None and self.generated_tokens > 1 else None
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_prompt_tokens
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        t = self.prefill_time
+        return self.computed_prompt_tokens / t if t else None
+
+    @property
+    def cached_fraction(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        """The record as plain JSON-able data, derived figures included."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        for k in ("queue_time", "time_to_first_token", "prefill_time", "decode_time", "e2e_latency", "time_per_output_token",
+                  "computed_prompt_tokens", "prefill_tokens_per_s", "cached_fraction"):
+            d[k] = getattr(self, k)
+        d["inter_token_latencies"] = list(self.inter_token_latencies)
+        return d
+
+
+def _gap(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 # ---------------------------------------------------------------- step plan

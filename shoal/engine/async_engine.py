@@ -28,6 +28,7 @@ from shoal.engine.engine import Engine
 from shoal.types import GenerationRequest, RequestOutput
 
 log = logging.getLogger("shoal.engine")
+SUMMARY_INTERVAL_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -60,6 +61,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._queued_adds = 0  # submitted, not yet handed to the engine
         self._expected = 0  # requests that finished together in the step that left the engine idle
+        self._last_summary = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -90,11 +92,11 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            if not finished:
-                self.abort(request.request_id)
+            if not finished:  # the consumer went away (the client disconnected)
+                self._inbox.put(("abort", request.request_id, True))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id, None))
+        self._inbox.put(("abort", request_id, False))
 
     @property
     def num_waiting(self) -> int:
@@ -129,6 +131,7 @@ class AsyncEngine:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all()
                 continue
+            self._maybe_log_summary()
             finished = 0
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
@@ -138,6 +141,22 @@ class AsyncEngine:
                         del self._sinks[out.request_id]
                         finished += 1
             self._expected = finished if finished > 1 and not self.engine.has_unfinished() else 0
+
+    def _maybe_log_summary(self) -> None:
+        """While busy, one line every SUMMARY_INTERVAL_S seconds on what the engine is doing (like vLLM's)."""
+        now = time.monotonic()
+        if now - self._last_summary < SUMMARY_INTERVAL_S:
+            return
+        self._last_summary = now
+        s = self.engine.snapshot
+        window = f"{SUMMARY_INTERVAL_S:g}s"
+        line = (
+            f"engine: prompt {s.prompt_throughput.get(window, 0.0):.1f} tok/s, generation {s.generation_throughput.get(window, 0.0):.1f} tok/s, "
+            f"running {s.running}, waiting {s.waiting}, KV cache {s.kv_usage:.1%} of {s.kv_total_bytes / 2**20:.0f} MiB"
+        )
+        if s.prefix_cache is not None:
+            line += f", prefix cache served {s.prefix_cache['token_hit_rate']:.1%} of prompt tokens"
+        log.info(line)
 
     def _apply(self, block: bool) -> None:
         """Apply what the inbox holds; when `block` (the engine is idle), wait for the first command.
@@ -158,18 +177,18 @@ class AsyncEngine:
         deadline = time.monotonic() + self.engine.config.scheduler.follow_up_window
         added = 0
         while True:
-            kind, arg, sink = cmd
+            kind, arg, extra = cmd  # add: (request, its sink); abort: (request id, whether its client went away)
             if kind == "add":
                 added += 1
                 with self._lock:
                     self._queued_adds -= 1
                 try:
                     self.engine.add_request(arg)
-                    self._sinks[arg.request_id] = sink
+                    self._sinks[arg.request_id] = extra
                 except Exception as exc:
-                    sink.put(exc)
+                    extra.put(exc)
             elif kind == "abort":
-                self.engine.abort(arg)
+                self.engine.abort(arg, client_disconnected=extra)
             elif kind == "stop":
                 return
             try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shoal.config import EngineConfig, SchedulerConfig
 from shoal.engine.block_pool import KVBlockPool
@@ -17,6 +17,7 @@ from shoal.engine.detokenizer import IncrementalDetokenizer
 from shoal.engine.prefix_cache import PrefixCache
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sequence import Sequence
+from shoal.engine.stats import EngineStats, StatsMonitor
 from shoal.engine.structured import BudgetMatcher, GrammarCompiler, GrammarError
 from shoal.types import (
     CompletionOutput,
@@ -95,23 +96,12 @@ class _RequestState:
         return all(c.out.finished for c in self.choices)
 
 
-@dataclass
-class EngineStats:
-    """Plain counters the server exports; the engine only increments them."""
-
-    requests_added: int = 0
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    preemptions: int = 0
-
-
 class Engine:
-    def __init__(self, runner, tokenizer, eos_token_ids: tuple[int, ...], config: EngineConfig, max_model_len: int) -> None:
+    def __init__(
+        self, runner, tokenizer, eos_token_ids: tuple[int, ...], config: EngineConfig, max_model_len: int, clock=time.monotonic
+    ) -> None:
         self.config = config
+        self.clock = clock  # every timing in RequestMetrics and the snapshot; tests pass a fake one
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -128,6 +118,7 @@ class Engine:
         # worker thread (`validate`), so add_request finds them ready.
         self.grammars = GrammarCompiler(tokenizer, tuple(sorted(self.eos_token_ids)), self.vocab_size)
         self.stats = EngineStats()
+        self.monitor = StatsMonitor(self)  # publishes `snapshot` after every step (engine/stats.py)
         self._requests: dict[str, _RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
 
@@ -166,7 +157,7 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.validate(request)
         p = request.params
-        now = time.monotonic()
+        now = self.clock()
         grammar = self.grammars.compile(p.structured) if p.structured is not None else None
         if p.use_beam_search:
             self._add_beam_request(request, now, grammar)
@@ -197,7 +188,7 @@ class Engine:
             )
             out = CompletionOutput(index=i, logprobs=[] if p.logprobs is not None else None)
             choices.append(_Choice(seq, detok, out))
-        state = _RequestState(request, choices, RequestMetrics(arrival_time=request.arrival_time or now))
+        state = _RequestState(request, choices, self._new_metrics(request, now))
         state.prompt_logprobs = [None] if p.prompt_logprobs is not None else None
         self._requests[request.request_id] = state
         for c in choices:
@@ -209,13 +200,18 @@ class Engine:
         p = request.params
         seq = Sequence(request.request_id, list(request.prompt_token_ids), p, priority=request.priority, seed=p.seed)
         seq.grammar = self._constraint(p, grammar)
-        state = _RequestState(request, [], RequestMetrics(arrival_time=request.arrival_time or now))
+        state = _RequestState(request, [], self._new_metrics(request, now))
         state.beam = _BeamGroup(live=[seq], scores={seq.seq_id: 0.0})
         state.prompt_logprobs = [None] if p.prompt_logprobs is not None else None
         self._requests[request.request_id] = state
         self.scheduler.add(seq)
         self.stats.requests_added += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
+
+    @staticmethod
+    def _new_metrics(request: GenerationRequest, now: float) -> RequestMetrics:
+        arrival = request.arrival_time if request.arrival_time is not None else now
+        return RequestMetrics(arrival_time=arrival, prompt_tokens=len(request.prompt_token_ids))
 
     def _constraint(self, p, grammar):
         """A new sequence's token constraint: its grammar's matcher, else its thinking budget, else none."""
@@ -225,11 +221,13 @@ class Engine:
             return BudgetMatcher(p.thinking_budget, self.vocab_size)
         return None
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now; its output (finish_reason abort) comes with the next step()."""
+    def abort(self, request_id: str, client_disconnected: bool = False) -> bool:
+        """Stop a request now; its output (finish_reason abort) comes with the next step().
+        `client_disconnected`: its consumer went away (recorded in its RequestMetrics)."""
         state = self._requests.get(request_id)
         if state is None:
             return False
+        state.metrics.client_disconnected = client_disconnected
         self._end(state, FinishReason.ABORT)
         self.stats.requests_aborted += 1
         self._pending.append(self._output(state))
@@ -241,6 +239,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def snapshot(self):
+        """The numbers as of the last step (`engine/stats.py`): safe to read from any thread."""
+        return self.monitor.snapshot
 
     @property
     def num_running(self) -> int:
@@ -257,8 +260,9 @@ class Engine:
         if sched.empty:
             if sched.plan.block_copies:  # copies promised to sequences that run later
                 self.runner.execute(sched.plan)
+            self.monitor.publish(outputs)
             return outputs
-        now = time.monotonic()
+        now = self.clock()
         for seq, _ in sched.scheduled:
             m = self._requests[seq.request_id].metrics
             if m.first_scheduled_time is None:
@@ -272,13 +276,16 @@ class Engine:
         outputs.extend(self._postprocess(result.sampled))
         if self.config.check_integrity:
             self.check_integrity()
+        self.monitor.step_done(sched, now)
+        self.monitor.publish(outputs)
         return outputs
 
     def _postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
         """Apply the step's tokens. A failure that belongs to one request (its sampling
         row, detokenizer, stop strings) ends that request alone, with an error."""
         touched: dict[str, _RequestState] = {}
-        now = time.monotonic()
+        got_tokens: dict[str, _RequestState] = {}
+        now = self.clock()
         for s in sampled:
             seq = self.scheduler.get(s.seq_id)
             if seq is None:
@@ -302,8 +309,14 @@ class Engine:
                 log.exception("request %s: applying its sampled token failed", seq.request_id)
                 self._fail(state, OUTPUT_FAILED)
                 continue
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
+            got_tokens[seq.request_id] = state
+        for state in got_tokens.values():
+            m = state.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            elif state.error is None:
+                m.inter_token_latencies.append(now - m.last_token_time)
+            m.last_token_time = now
         outputs = []
         for state in touched.values():
             try:
@@ -463,18 +476,33 @@ class Engine:
             )
             c.delta_token_ids = []
         finished = state.finished
-        if finished and state.metrics.finished_time is None:
-            state.metrics.finished_time = time.monotonic()
+        metrics = state.metrics
+        if finished:
+            metrics = self._final_metrics(state, outs)
         return RequestOutput(
             request_id=state.request.request_id,
             prompt_token_ids=list(state.request.prompt_token_ids),
             outputs=outs,
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics,
+            metrics=metrics,
             prompt_logprobs=state.complete_prompt_logprobs,
             error=state.error,
         )
+
+    def _final_metrics(self, state: _RequestState, outs: list[CompletionOutput]) -> RequestMetrics:
+        """The finished request's record, completed: a copy the caller may keep (live until then)."""
+        m = state.metrics
+        if m.finished_time is None:
+            m.finished_time = self.clock()
+            seqs = [c.seq for c in state.choices] or (state.beam.live if state.beam else [])
+            m.cached_prompt_tokens = state.num_cached_tokens
+            m.cache_hit_kind = seqs[0].cache_hit_kind if seqs else None
+            m.preemptions = max((s.num_preemptions for s in seqs), default=0)
+            m.generated_tokens = sum(len(o.token_ids) for o in outs)
+            reasons = [o.finish_reason for o in outs if o.finish_reason is not None]
+            m.finish_reason = FinishReason.ERROR.value if state.error is not None else (reasons[0].value if reasons else None)
+        return replace(m, inter_token_latencies=list(m.inter_token_latencies))
 
     def _retire(self, state: _RequestState) -> None:
         self._requests.pop(state.request.request_id, None)

@@ -82,6 +82,8 @@ class PrefixCacheStats:
     copies: int = 0  # partial blocks copied (copy-on-write)
     last_match_tokens: int = 0
     last_match_fraction: float = 0.0  # of the last request's prompt
+    recorded_requests: int = 0  # requests whose prompt was accounted (record)
+    match_fraction_sum: float = 0.0  # their matched fractions, summed: / recorded_requests is the average
     block_bytes: int = 0  # KV bytes one block holds
     pool_blocks: int = 0
 
@@ -180,6 +182,8 @@ class PrefixCache:
         self.stats.computed_prompt_tokens += prompt_len - matched
         self.stats.last_match_tokens = matched
         self.stats.last_match_fraction = matched / prompt_len if prompt_len else 0.0
+        self.stats.recorded_requests += 1
+        self.stats.match_fraction_sum += self.stats.last_match_fraction
 
     # ------------------------------------------------------------ insert
     def insert_full(self, parent: _Node | None, key: Key, block_id: int) -> _Node:

@@ -205,6 +205,7 @@ class Scheduler:
                 return None
             seq.cache_nodes = list(match.nodes)
             if seq.num_preemptions == 0:
+                seq.cache_hit_kind = match.kind
                 seq.num_cached_tokens = min(match.num_tokens, seq.prompt_len)
                 self.cache.record(seq.prompt_len, seq.num_cached_tokens)
         return num_new if fits else None

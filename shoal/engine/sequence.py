@@ -57,6 +57,8 @@ class Sequence:
     extra_keys: dict[int, int] | None = None
     # Prefix-cache trie nodes of this sequence's indexed full blocks, in order.
     cache_nodes: list = field(default_factory=list)
+    # The prefix cache's answer when the sequence was admitted: miss | extension | supersequence | divergence.
+    cache_hit_kind: str | None = None
     # A token constraint that has accepted exactly its output tokens (engine/structured.py):
     # a GrammarMatcher (structured output) or a BudgetMatcher (a thinking budget); None: free.
     grammar: object | None = None

@@ -11,16 +11,19 @@ ready `Engine` it serves at once. Routes:
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import logging
+from functools import lru_cache
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from shoal.config import EngineConfig
-from shoal.server.errors import bad_request, install_error_handlers
+from shoal.server.errors import APIError, bad_request, install_error_handlers
+from shoal.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from shoal.server.middleware import LOOPBACK_ORIGIN_REGEX, AccessMiddleware, is_loopback_host
 from shoal.server.anthropic import router as anthropic_router
 from shoal.server.openai import router as openai_router
@@ -77,6 +80,9 @@ def create_app(
     app.include_router(anthropic_router)
     _add_service_routes(app)
     _drop_default_422(app)
+    # The routes' paths label /metrics' HTTP counter; anything else is "other" (bounded cardinality).
+    routes = [*app.routes, *openai_router.routes, *anthropic_router.routes]
+    state.routes = frozenset(r.path for r in routes if isinstance(getattr(r, "path", None), str))
     # Added first = innermost: CORS sits outside the key check, so preflights
     # pass and refusals still carry CORS headers.
     app.add_middleware(AccessMiddleware, state=state)
@@ -91,6 +97,16 @@ def create_app(
             allow_headers=["*"],
         )
     return app
+
+
+# The dashboard's files, in the package (no CDN: the page works offline). No data is in them:
+# the page asks /stats, with the API key when the server has one.
+DASHBOARD_ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
+
+
+@lru_cache(maxsize=None)
+def _asset(name: str) -> bytes:
+    return importlib.resources.files("shoal.server.dashboard").joinpath(name).read_bytes()
 
 
 def _version() -> str:
@@ -130,6 +146,28 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/stats", responses={200: {"model": StatsResponse}, **error_responses(401, 403, 500)})
     async def stats(request: Request) -> JSONResponse:
         return JSONResponse(request.app.state.shoal.stats())
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard")
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard(request: Request) -> Response:
+        page = _asset("index.html")
+        if request.app.state.shoal.settings.api_key:  # the page asks for the key before it asks /stats
+            page = page.replace(b"<body>", b'<body data-auth="required">', 1)
+        return Response(page, media_type="text/html; charset=utf-8")
+
+    @app.get("/dashboard/{name}", include_in_schema=False)
+    async def dashboard_asset(name: str) -> Response:
+        if name not in DASHBOARD_ASSETS:
+            raise APIError(404, f"no such dashboard file: {name}")
+        return Response(_asset(name), media_type=DASHBOARD_ASSETS[name])
+
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
+                                    **error_responses(401, 403, 500)})
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.shoal.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 403, 404, 413, 500, 503)})
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:

@@ -44,7 +44,8 @@ from shoal.server.errors import APIError, new_request_id, server_failure
 
 log = logging.getLogger("shoal.server")
 
-OPEN_PATHS = frozenset({"/health"})
+# No key needed: liveness, and the dashboard's page and files (they hold no data; the page asks /stats with the key).
+OPEN_PATHS = frozenset({"/health", "/", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css"})
 
 # http(s)://localhost, 127.x.x.x or [::1], any port (CORS in app.py uses it too).
 LOOPBACK_ORIGIN_REGEX = r"https?://(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?"
@@ -64,11 +65,28 @@ class AccessMiddleware:
         self._key = settings.api_key.encode() if settings.api_key else None
         self._loopback = is_loopback_host(settings.host)
         self._origins = frozenset(settings.allowed_origins)
+        self._open = OPEN_PATHS | ({"/metrics"} if settings.metrics_public else frozenset())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        status = 0
+
+        async def send_counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, send_counted)
+        finally:
+            if status:  # HTTP requests by route and status, 4xx and 5xx included (/metrics)
+                path = scope["path"]
+                self.state.metrics.count_http(path if path in self.state.routes else "other", status)
+
+    async def _serve(self, scope, receive, send) -> None:
         headers = _headers(scope)
         refusal = self._refusal(scope, headers)
         if refusal is not None:
@@ -136,7 +154,7 @@ class AccessMiddleware:
                 f"requests from origin {shown} are not allowed; start the server with --allowed-origins {shown} to allow them",
                 code="origin_not_allowed",
             )
-        if self._key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+        if self._key is not None and scope["path"] not in self._open and scope["method"] != "OPTIONS":
             if not self._authorized(headers):
                 return APIError(401, "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)", headers={"WWW-Authenticate": "Bearer"})
         return None

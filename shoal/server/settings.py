@@ -65,6 +65,8 @@ class ServerSettings:
     # Anthropic: keep a system block starting with x-anthropic-billing-header (Claude Code's per-request
     # value at the front of the system prompt, dropped by default so turns hit the prefix cache).
     keep_billing_header: bool = False
+    metrics_public: bool = False  # serve /metrics without the API key
+    log_format: str = "text"  # text | json (one JSON object per line, for log shippers)
     log_requests: bool = True  # one INFO line per request
     # Server-level stopping defaults.
     ignore_eos: bool | None = None

@@ -26,6 +26,7 @@ from shoal.config import EngineConfig
 from shoal.server.chat.template import ChatRenderer
 from shoal.server.errors import APIError, unavailable
 from shoal.server.chat.render import TokenStrings
+from shoal.server.metrics import ServerMetrics
 from shoal.server.settings import ServerSettings
 
 log = logging.getLogger("shoal.server")
@@ -90,6 +91,8 @@ class ServerState:
         self.generation_defaults: dict = {}
         self.created = int(time.time())
         self.counters = ServerCounters()
+        self.metrics = ServerMetrics(self)  # Prometheus: /metrics (server/metrics.py)
+        self.routes: frozenset[str] = frozenset()  # set by create_app
         # Requests admitted (passed --max-waiting) and not yet handed to the
         # engine: between the two a handler awaits (rendering in a thread), and
         # requests arriving together would all see the same engine queue.
@@ -143,6 +146,17 @@ class ServerState:
     def shutdown(self) -> None:
         if self.aengine is not None:
             self.aengine.shutdown()
+
+    def build_info(self) -> tuple[str, str, str, str, str]:
+        """(version, model, dtype, quantization, device) of what is served."""
+        from shoal.server.app import _version
+
+        e = self.engine
+        if e is None:
+            return (_version(), self.model_name, "", "", "")
+        runner = e.runner
+        return (_version(), self.model_name, str(getattr(runner, "dtype", "")).removeprefix("torch."),
+                str(e.config.quantization or "none"), str(getattr(runner, "device", "")))
 
     # ------------------------------------------------------------ checks for handlers
     def require_engine(self) -> None:
@@ -217,27 +231,30 @@ class ServerState:
         e = self.engine
         if e is None:
             return out
-        s = e.stats
+        snap = e.snapshot  # frozen after the engine's last step: nothing here reads live engine objects
         out.update(
-            active_requests=e.num_running,
-            waiting_requests=self.aengine.num_waiting if self.aengine is not None else e.num_waiting,
-            aborted_requests=s.requests_aborted,
-            cache_usage=round(e.pool.usage, 4),
-            free_blocks=e.pool.num_free,
-            total_blocks=e.pool.num_blocks,
-            tokens_generated=s.generated_tokens,
-            prompt_tokens=s.prompt_tokens,
-            cached_prompt_tokens=s.cached_prompt_tokens,
+            active_requests=snap.running,
+            waiting_requests=self.aengine.num_waiting if self.aengine is not None else snap.waiting,
+            aborted_requests=snap.counters.requests_aborted,
+            cache_usage=round(snap.kv_usage, 4),
+            free_blocks=snap.kv_free_blocks,
+            total_blocks=snap.kv_blocks,
+            kv_used_bytes=snap.kv_used_bytes,
+            kv_total_bytes=snap.kv_total_bytes,
+            tokens_generated=snap.counters.generated_tokens,
+            prompt_tokens=snap.counters.prompt_tokens,
+            cached_prompt_tokens=snap.counters.cached_prompt_tokens,
             max_model_len=e.max_model_len,
-            engine=dataclasses.asdict(s) if dataclasses.is_dataclass(s) else {},
+            throughput={"prompt_tokens_per_s": dict(snap.prompt_throughput), "generation_tokens_per_s": dict(snap.generation_throughput)},
+            last_step=dataclasses.asdict(snap.last_step) if snap.last_step else None,
+            finished_by_reason=dict(snap.finished_by_reason),
+            recent_requests=list(snap.recent_requests),
+            engine={**dataclasses.asdict(snap.counters), "computed_prompt_tokens": snap.computed_prompt_tokens},
         )
-        if e.prefix_cache is not None:
-            pc = e.prefix_cache.stats
-            out["prefix_cache"] = dict(
-                dataclasses.asdict(pc),
-                hits=pc.hits,
-                token_hit_rate=round(pc.token_hit_rate, 4),
-                cached_bytes=pc.cached_bytes,
-                pool_bytes=pc.pool_bytes,
-            )
+        if snap.prefix_cache is not None:
+            pc = dict(snap.prefix_cache)
+            pc["token_hit_rate"] = round(pc["token_hit_rate"], 4)
+            pc["hit_rate"] = round(pc["hits"] / pc["lookups"], 4) if pc["lookups"] else 0.0
+            pc["average_match_fraction"] = round(pc["match_fraction_sum"] / pc["recorded_requests"], 4) if pc["recorded_requests"] else 0.0
+            out["prefix_cache"] = pc
         return out

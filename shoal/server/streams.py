@@ -160,6 +160,9 @@ class RequestTracker:
         if self.done:
             return
         self.done = True
+        for out in self.last:
+            if out is not None and out.finished and out.metrics is not None:
+                self.state.metrics.observe(out.metrics)
         c = self.state.counters
         c.in_flight -= 1
         if outcome == "ok":

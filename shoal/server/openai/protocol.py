@@ -292,6 +292,12 @@ class StatsResponse(_Response):
     prompt_tokens: int | None = None
     cached_prompt_tokens: int | None = None
     max_model_len: int | None = None
+    kv_used_bytes: int | None = None
+    kv_total_bytes: int | None = None
+    throughput: dict[str, dict[str, float]] | None = None  # tokens/s over the last 10 s and 60 s
+    last_step: dict[str, Any] | None = None  # batch size, prefill and decode tokens, duration
+    finished_by_reason: dict[str, int] | None = None
+    recent_requests: list[dict[str, Any]] | None = None  # the last 100 finished, newest first: their timing records
     engine: dict[str, Any] | None = None
     prefix_cache: dict[str, Any] | None = None
 

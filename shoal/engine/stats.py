@@ -1,0 +1,166 @@
+"""The engine's published numbers: a frozen snapshot after every step. No torch.
+
+The HTTP side never reads the block pool, the prefix cache or the queues while the
+engine thread changes them. After each step the engine builds one `EngineSnapshot`
+(plain, frozen data) and swaps it in with a single reference assignment; every
+exporter (`/stats`, `/metrics`, the dashboard, the log summary) reads that.
+
+Besides the running counters a snapshot holds the last step's shape (batch size,
+tokens, time), throughput over the last 10 and 60 seconds, and the records of the
+last 100 finished requests, newest first (`RequestMetrics.to_dict()` plus the id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+RECENT_REQUESTS = 100
+WINDOWS = (10.0, 60.0)
+
+
+@dataclass
+class EngineStats:
+    """Plain running counters; the engine only increments them (a snapshot holds a copy)."""
+
+    requests_added: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class StepStats:
+    batch_size: int  # sequences in the step
+    prefill_tokens: int  # prompt tokens computed (chunks)
+    decode_tokens: int  # one per decoding sequence
+    duration: float  # seconds: the forward, sampling and bookkeeping
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    time: float
+    counters: EngineStats = field(default_factory=EngineStats)  # a copy, never the engine's own
+    computed_prompt_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    finished_by_reason: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    kv_blocks: int = 0
+    kv_free_blocks: int = 0
+    kv_block_bytes: int = 0
+    cached_blocks: int = 0
+    prefix_cache: MappingProxyType | None = None  # PrefixCacheStats' fields and its derived figures
+    last_step: StepStats | None = None
+    prompt_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> computed prompt tok/s
+    generation_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> tok/s
+    recent_requests: tuple[dict, ...] = ()
+
+    @property
+    def kv_used_blocks(self) -> int:
+        return self.kv_blocks - self.kv_free_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        """Blocks held by running and waiting sequences, as a fraction of the pool (cached, unreferenced ones count as free)."""
+        return self.kv_used_blocks / self.kv_blocks if self.kv_blocks else 0.0
+
+    @property
+    def kv_used_bytes(self) -> int:
+        return self.kv_used_blocks * self.kv_block_bytes
+
+    @property
+    def kv_total_bytes(self) -> int:
+        return self.kv_blocks * self.kv_block_bytes
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["counters"] = dataclasses.asdict(self.counters)
+        for k in ("finished_by_reason", "prefix_cache", "prompt_throughput", "generation_throughput"):
+            d[k] = dict(d[k]) if d[k] is not None else None
+        d["last_step"] = dataclasses.asdict(self.last_step) if self.last_step else None
+        d["recent_requests"] = list(self.recent_requests)
+        d.update(kv_usage=self.kv_usage, kv_used_bytes=self.kv_used_bytes, kv_total_bytes=self.kv_total_bytes)
+        return d
+
+
+class StatsMonitor:
+    """Kept by the engine; only the engine thread calls it."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.snapshot = EngineSnapshot(time=engine.clock(), kv_blocks=engine.pool.num_blocks, kv_free_blocks=engine.pool.num_free,
+                                       kv_block_bytes=engine.runner.bytes_per_block)
+        self._last_step: StepStats | None = None
+        self._computed_prompt_tokens = 0
+        self._samples: deque[tuple[float, int, int]] = deque()  # (time, computed prompt tokens, generated tokens)
+        self._recent: deque[dict] = deque(maxlen=RECENT_REQUESTS)
+        self._recent_view: tuple[dict, ...] = ()
+        self._reasons: Counter[str] = Counter()
+
+    def step_done(self, sched, started: float) -> None:
+        prefill = decode = 0
+        for seq, n in sched.scheduled:
+            # a step's tokens are prompt tokens while they are inside the prompt
+            in_prompt = max(0, min(seq.prompt_len, seq.num_computed_tokens) - (seq.num_computed_tokens - n))
+            prefill += in_prompt
+            decode += n - in_prompt
+        self._computed_prompt_tokens += prefill
+        self._last_step = StepStats(len(sched.scheduled), prefill, decode, self.engine.clock() - started)
+
+    def publish(self, outputs) -> None:
+        e = self.engine
+        now = e.clock()
+        for out in outputs:
+            if out.finished and out.metrics is not None:
+                self._reasons[out.metrics.finish_reason or "unknown"] += 1
+                self._recent.appendleft({"request_id": out.request_id, **out.metrics.to_dict()})
+                self._recent_view = ()
+        if not self._recent_view and self._recent:
+            self._recent_view = tuple(self._recent)
+        s = e.stats
+        self._samples.append((now, self._computed_prompt_tokens, s.generated_tokens))
+        while len(self._samples) > 2 and now - self._samples[1][0] > WINDOWS[-1]:
+            self._samples.popleft()
+        cache = e.prefix_cache
+        cache_view = None
+        if cache is not None:
+            pc = cache.stats
+            cache_view = MappingProxyType({**dataclasses.asdict(pc), "hits": pc.hits, "token_hit_rate": pc.token_hit_rate,
+                                           "cached_bytes": pc.cached_bytes, "pool_bytes": pc.pool_bytes})
+        self.snapshot = EngineSnapshot(
+            time=now,
+            counters=dataclasses.replace(s),
+            computed_prompt_tokens=self._computed_prompt_tokens,
+            running=e.num_running,
+            waiting=e.num_waiting,
+            finished_by_reason=MappingProxyType(dict(self._reasons)),
+            kv_blocks=e.pool.num_blocks,
+            kv_free_blocks=e.pool.num_free,
+            kv_block_bytes=e.runner.bytes_per_block,
+            cached_blocks=cache.stats.cached_blocks if cache is not None else 0,
+            prefix_cache=cache_view,
+            last_step=self._last_step,
+            prompt_throughput=self._rates(now, 1),
+            generation_throughput=self._rates(now, 2),
+            recent_requests=self._recent_view,
+        )
+
+    def _rates(self, now: float, column: int) -> MappingProxyType:
+        """Tokens per second over each window: from the oldest sample inside it to now."""
+        out = {}
+        latest = self._samples[-1]
+        for w in WINDOWS:
+            base = next((x for x in self._samples if now - x[0] <= w), latest)
+            span = now - base[0]
+            out[f"{w:g}s"] = (latest[column] - base[column]) / span if span > 0 else 0.0
+        return MappingProxyType(out)

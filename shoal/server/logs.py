@@ -1,0 +1,24 @@
+"""Log lines for machines: `--log-format json` writes one JSON object per record.
+
+Fields: time (ISO 8601, UTC), level, logger, message (formatted), and the exception
+text when there is one. The human format stays the default.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)

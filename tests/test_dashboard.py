@@ -1,0 +1,102 @@
+"""The dashboard in a real headless browser: Debian's Chromium (installed by `make setup` when
+missing) driven by Playwright. The page loads without console errors; its tiles, charts and table
+hold what /stats reports; a row opens its timing record; the KV warning appears when the pool is
+nearly full; it fits a phone's width and follows dark mode. Under CI=true a missing browser fails
+the test instead of skipping it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from server_utils import Gate, LiveServer, tiny_engine
+from shoal.server import ServerSettings
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# What the machine's closed network needs: no background connections, no first-run work.
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("Chromium is missing: `make setup` installs Debian's chromium package")
+        pytest.skip("Chromium is not installed (`make setup` installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def open_page(browser, url, errors, **context):
+    page = browser.new_context(**context).new_page()
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url + "/")  # the root links (redirects) to the dashboard
+    assert page.url.endswith("/dashboard")
+    return page
+
+
+def test_the_page_shows_what_stats_reports(browser, tiny_llama_path, tmp_path):
+    with LiveServer(tiny_engine(tiny_llama_path, max_model_len=256), ServerSettings(log_requests=False, api_key="k")) as srv:
+        client = srv.openai(api_key="k")
+        ask = [{"role": "user", "content": "A question asked twice, so the second comes from the cache."}]
+        for max_tokens in (3, 5, 4):
+            client.chat.completions.create(model=srv.state.model_name, messages=ask, max_tokens=max_tokens, temperature=0.0,
+                                           extra_body={"ignore_eos": True})
+        with srv.http() as h:
+            stats = h.get("/stats", headers={"x-api-key": "k"}).json()
+        errors: list[str] = []
+        page = open_page(browser, srv.url, errors)
+        page.fill("#key", "k")
+        page.dispatch_event("#key", "change")
+        page.wait_for_function("document.querySelectorAll('#requests tbody tr').length === 3", timeout=15000)
+        recent = stats["recent_requests"]
+        assert page.inner_text("#tile-requests") == str(stats["total_requests"])
+        assert page.inner_text("#tile-generated") == str(stats["tokens_generated"])
+        assert page.inner_text("#tile-cached") == str(stats["cached_prompt_tokens"])
+        rows = page.eval_on_selector_all("#requests tbody tr", "rs => rs.map(r => r.dataset.id)")
+        assert rows == [r["request_id"] for r in recent]  # newest first
+        ttft = page.eval_on_selector_all("#chart-ttft rect.bar", "rs => rs.map(r => [r.dataset.label, Number(r.dataset.value)])")
+        assert ttft == [[r["request_id"], pytest.approx(r["time_to_first_token"])] for r in reversed(recent)]
+        cached = page.eval_on_selector_all("#chart-cache rect.bar", "rs => rs.map(r => Number(r.dataset.value))")
+        assert cached == [v for r in reversed(recent) for v in (r["cached_prompt_tokens"], r["computed_prompt_tokens"])]
+        assert sum(r["cached_prompt_tokens"] for r in recent) > 0  # the repeated prompt hit the cache
+        assert page.is_hidden("#warning")
+        page.click(f"#requests tbody tr[data-id='{recent[-1]['request_id']}']")
+        detail = page.inner_text("#detail")
+        assert recent[-1]["request_id"] in detail and "time_to_first_token" in detail
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        assert (tmp_path / "dashboard.png").stat().st_size > 0
+        assert errors == []
+
+
+def test_kv_warning_phone_width_and_dark_mode(browser, tiny_llama_path, tmp_path):
+    # 10 blocks of 8 tokens: one 70-token prompt holds 9 of them (90%) while it runs
+    engine = tiny_engine(tiny_llama_path, max_model_len=80, num_blocks=10, block_size=8, enable_prefix_cache=False)
+    with LiveServer(engine, ServerSettings(log_requests=False)) as srv, Gate(engine, after_steps=1) as gate:
+        import threading
+
+        prompt = list(range(5, 75))
+        t = threading.Thread(target=lambda: srv.openai().completions.create(model=srv.state.model_name, prompt=prompt, max_tokens=5,
+                                                                           extra_body={"ignore_eos": True}))
+        t.start()
+        assert gate.blocked.wait(30)
+        errors: list[str] = []
+        page = open_page(browser, srv.url, errors, viewport={"width": 375, "height": 800}, color_scheme="dark")
+        page.wait_for_selector("#warning:not([hidden])", timeout=15000)
+        assert "KV cache 90% full" in page.inner_text("#warning")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 375  # no sideways scrolling on a phone
+        background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        assert sum(int(c) for c in background[background.index("(") + 1 : -1].split(",")[:3]) < 150  # dark
+        page.screenshot(path=str(tmp_path / "dashboard-phone-dark.png"), full_page=True)
+        gate.open()
+        t.join(30)
+        page.wait_for_selector("#warning[hidden]", state="attached", timeout=15000)
+        assert errors == []

@@ -1,0 +1,156 @@
+"""Observability: per-request timing records under a fake clock, the engine's frozen snapshot,
+`/metrics` (parsed with prometheus_client's own parser) against a scripted set of requests,
+`/stats`, the API key on /metrics, and JSON log lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_utils import LiveServer, tiny_engine
+from shoal.server import ServerSettings
+from shoal.server.logs import JsonFormatter
+from shoal.types import GenerationRequest, SamplingParams
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_timing_records_are_exact_under_a_fake_clock(tiny_llama_path):
+    engine = tiny_engine(tiny_llama_path, max_num_batched_tokens=8)
+    clock = engine.clock = FakeClock()
+    prompt = tuple(range(5, 15))  # 10 tokens: two prefill steps of 8 and 2
+    engine.add_request(GenerationRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))
+    outs = []
+    for t in (1.0, 2.0, 3.5, 5.0):
+        clock.t = t
+        outs += engine.step()
+    final = outs[-1]
+    assert final.finished
+    m = final.metrics
+    assert (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time) == (0.0, 1.0, 2.0, 5.0, 5.0)
+    assert (m.queue_time, m.time_to_first_token, m.prefill_time, m.decode_time, m.e2e_latency) == (1.0, 2.0, 1.0, 3.0, 5.0)
+    assert m.inter_token_latencies == [1.5, 1.5] and m.time_per_output_token == 1.5
+    assert (m.prompt_tokens, m.cached_prompt_tokens, m.generated_tokens, m.preemptions, m.finish_reason) == (10, 0, 3, 0, "length")
+    assert m.cache_hit_kind == "miss" and m.prefill_tokens_per_s == 10.0
+    snap = engine.snapshot
+    assert snap.time == 5.0 and snap.counters.requests_finished == 1 and dict(snap.finished_by_reason) == {"length": 1}
+    assert snap.recent_requests[0]["request_id"] == "r" and snap.recent_requests[0]["time_to_first_token"] == 2.0
+    assert snap.last_step.batch_size == 1 and snap.last_step.decode_tokens == 1 and snap.last_step.prefill_tokens == 0
+    assert snap.computed_prompt_tokens == 10 and snap.counters.generated_tokens == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.running = 5  # exporters cannot change what the engine published
+
+
+def test_a_cache_hit_is_recorded_with_its_kind(tiny_llama_path):
+    engine = tiny_engine(tiny_llama_path)
+    prompt = tuple(range(5, 45))
+    outs = []
+    for rid in ("a", "b"):
+        engine.add_request(GenerationRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
+        while engine.has_unfinished():
+            outs += engine.step()
+    b = next(o for o in outs if o.request_id == "b" and o.finished).metrics
+    assert b.cache_hit_kind == "supersequence" and b.cached_prompt_tokens == 39 and b.cached_fraction == 39 / 40
+    assert [r["request_id"] for r in engine.snapshot.recent_requests] == ["b", "a"]  # newest first
+
+
+def metrics(h, **kw) -> dict:
+    """{(name, labels as a sorted tuple): value} from a /metrics scrape."""
+    r = h.get("/metrics", **kw)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_llama_path):
+    with LiveServer(tiny_engine(tiny_llama_path, max_model_len=256), ServerSettings(log_requests=False, api_key="k", metrics_public=True)) as s:
+        yield s
+
+
+def test_metrics_count_exactly_what_a_script_of_requests_did(srv):
+    auth = {"Authorization": "Bearer k"}
+    client = srv.openai(api_key="k")
+    name = srv.state.model_name
+    convo = [{"role": "user", "content": "The same question asked twice, to hit the prefix cache."}]
+    done = [client.chat.completions.create(model=name, messages=convo, max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True})
+            for _ in range(2)]
+    # a reply ended by a stop string: the regex makes the model write it
+    stopped = client.chat.completions.create(model=name, messages=convo, max_tokens=20, stop=["world"],
+                                             extra_body={"structured_outputs": {"regex": "hello world and more"}})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].message.content == "hello "
+    done.append(stopped)
+    with srv.http() as h:
+        assert h.post("/v1/chat/completions", headers=auth, json={"messages": convo, "temperature": -1}).status_code == 400
+        # a stream the client walks away from
+        with h.stream("POST", "/v1/chat/completions", headers=auth,
+                      json={"messages": convo, "max_tokens": 200, "stream": True, "extra_body": None, "ignore_eos": True}) as r:
+            next(r.iter_lines())
+        srv.wait_until(lambda: srv.state.counters.client_disconnects == 1 and srv.engine.snapshot.counters.requests_aborted == 1,
+                       what="the abort to reach the engine")
+        m = metrics(h)  # --metrics-public: no key needed
+    snap = srv.engine.snapshot
+    gone = [r for r in snap.recent_requests if r["finish_reason"] == "abort"]
+    assert len(gone) == 1 and gone[0]["client_disconnected"] is True
+    assert not any(r["client_disconnected"] for r in snap.recent_requests if r["finish_reason"] != "abort")
+    assert m[("shoal:prompt_tokens_total", ())] == snap.counters.prompt_tokens == sum(r.usage.prompt_tokens for r in done) + done[0].usage.prompt_tokens
+    assert m[("shoal:prompt_tokens_cached_total", ())] == snap.counters.cached_prompt_tokens
+    assert snap.counters.cached_prompt_tokens >= sum(r.usage.prompt_tokens_details.cached_tokens for r in done) > 0
+    assert m[("shoal:generation_tokens_total", ())] == snap.counters.generated_tokens
+    reasons = {k[1][0][1]: v for k, v in m.items() if k[0] == "shoal:request_success_total"}
+    assert reasons == {"stop": 1, "length": 2, "abort": 1, "error": 0}
+    assert m[("shoal:request_aborts_total", ())] == 1 and m[("shoal:client_disconnects_total", ())] == 1
+    assert m[("shoal:http_requests_total", (("route", "/v1/chat/completions"), ("status", "400")))] == 1
+    assert m[("shoal:http_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] == 4
+    # histograms: one observation per finished request, sums equal to what the responses said
+    assert m[("shoal:time_to_first_token_seconds_count", ())] == 3
+    assert m[("shoal:request_generation_tokens_sum", ())] == sum(r.usage.completion_tokens for r in done)
+    assert m[("shoal:request_prompt_tokens_sum", ())] == sum(r.usage.prompt_tokens for r in done)
+    assert m[("shoal:inter_token_latency_seconds_count", ())] == sum(r.usage.completion_tokens - 1 for r in done)
+    assert m[("shoal:prefix_cache_queries_total", ())] >= 4
+    assert m[("shoal:model_loaded", ())] == 1 and m[("shoal:num_requests_running", ())] == 0
+    info = next(k for k in m if k[0] == "shoal:build_info")
+    assert dict(info[1])["dtype"] == "float32" and dict(info[1])["device"] == "cpu"
+    assert ("process_cpu_seconds_total", ()) in m  # the default collectors stay on
+
+
+def test_stats_reports_the_snapshot_and_recent_requests(srv):
+    client = srv.openai(api_key="k")
+    client.chat.completions.create(model=srv.state.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    with srv.http() as h:
+        stats = h.get("/stats", headers={"x-api-key": "k"}).json()
+    assert set(stats["throughput"]) == {"prompt_tokens_per_s", "generation_tokens_per_s"}
+    assert set(stats["throughput"]["generation_tokens_per_s"]) == {"10s", "60s"}
+    newest = stats["recent_requests"][0]
+    assert newest["generated_tokens"] == 3 and newest["time_to_first_token"] > 0 and len(newest["inter_token_latencies"]) == 2
+    pc = stats["prefix_cache"]
+    assert 0 <= pc["hit_rate"] <= 1 and 0 <= pc["average_match_fraction"] <= 1 and "hits_extension" in pc
+    assert stats["kv_total_bytes"] > 0 and stats["last_step"]["batch_size"] >= 1
+
+
+def test_metrics_need_the_key_unless_public(tiny_llama_path):
+    with LiveServer(tiny_engine(tiny_llama_path, max_model_len=64), ServerSettings(log_requests=False, api_key="k")) as s:
+        assert httpx.get(s.url + "/metrics").status_code == 401
+        assert httpx.get(s.url + "/metrics", headers={"x-api-key": "k"}).status_code == 200
+
+
+def test_json_log_lines():
+    record = logging.LogRecord("shoal.engine", logging.INFO, __file__, 1, "prompt %d tok/s", (12,), None)
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["message"] == "prompt 12 tok/s" and entry["level"] == "info" and entry["logger"] == "shoal.engine"
+    assert entry["time"].endswith("+00:00")
