@@ -305,8 +305,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     v = serve_values(a)
     _setup_logging(v["log_level"], v["log_format"])
-    if os.environ.get("SHOAL_SWITCH_INTERVAL"):  # experiment: the GIL's switch interval in seconds
-        sys.setswitchinterval(float(os.environ["SHOAL_SWITCH_INTERVAL"]))
     config = engine_config(v)
     settings = server_settings(v)
     resolve_model_path(config.model)  # a wrong name or path fails now, in one line, not after start-up
