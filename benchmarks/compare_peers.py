@@ -85,6 +85,9 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("random-c32", "32 streams, 128-token prompts, 128 output tokens",
                  dict(workload="random", concurrency=[32], num_requests=32 * n, input_len=(128, 128), output_len=(128, 128)),
                  exact_length=128),
+        *(Scenario(f"chat-c{c}", f"{c} stream{'s' * (c > 1)}, one-question chat prompts (~30 tokens), 64 output tokens",
+                   dict(workload="chat", concurrency=[c], num_requests=max(4 * n, 2 * c * n), max_tokens=64), exact_length=64)
+          for c in (1, 16, 32)),
         Scenario("agentic", f"4 interleaved agent conversations x {2 * n} turns, ~520-token shared system prompt with 6 tools, "
                  "up to 64 output tokens",
                  dict(workload="agentic", concurrency=[4], num_requests=8 * n, turns=2 * n, max_tokens=64)),
@@ -108,7 +111,8 @@ class Peer:
         raise NotImplementedError
 
     def extra_body(self, s: Scenario) -> dict | None:
-        return None
+        """Fields for this server's requests: by default `ignore_eos` where the scenario wants exact lengths."""
+        return {"ignore_eos": True} if s.exact_length else None
 
 
 class Shoal(Peer):
@@ -188,8 +192,8 @@ class LlamaServer(Peer):
 
 def all_peers() -> list[Peer]:
     return [Shoal("shoal"), Shoal("shoal-no-prefix-cache", ("--no-prefix-cache",)),
-            Shoal("shoal-int8", ("--quantization", "int8", "--dtype", "bfloat16")),
-            Shoal("shoal-int4", ("--quantization", "int4", "--dtype", "bfloat16")), TransformersServe(True), TransformersServe(False), LlamaServer(), LlamaCppPython()]
+            Shoal("shoal-bf16", ("--quantization", "none")), Shoal("shoal-int8", ("--quantization", "int8", "--dtype", "bfloat16")),
+            TransformersServe(True), TransformersServe(False), LlamaServer(), LlamaCppPython()]
 
 
 def _has_module(python: Path, module: str) -> bool:
@@ -337,8 +341,15 @@ def targets(results: dict) -> list[dict]:
     r = _ratio(shoal32, get("llama-server", "random-c32", "output_throughput"), True)
     rows.append({"target": "random, 32 streams: output tok/s ahead of llama-server", "ratio": r,
                  "met": None if r is None else r > 1.0})
+    for scenario, streams, want in (("chat-c1", 1, 1.0), ("chat-c32", 32, 2.5), ("random-c1", 1, 1.0), ("random-c32", 32, 2.5)):
+        r = _ratio(get("shoal", scenario, "output_throughput"), get("llama-server", scenario, "output_throughput"), True)
+        rows.append({"target": f"{scenario}: default shoal's output tok/s >= {want}x llama-server's", "ratio": r,
+                     "met": None if r is None else r >= want})
+    r = _ratio(get("shoal", "chat-c1", "ttft_ms", "p50"), get("llama-server", "chat-c1", "ttft_ms", "p50"), False)
+    rows.append({"target": "chat-c1: default shoal's median TTFT no worse than llama-server's (ratio = llama-server / shoal)",
+                 "ratio": r, "met": None if r is None else r >= 1.0})
     llama_tpot = get("llama-server", "random-c1", "tpot_ms", "p50")
-    for name, label in (("shoal", "shoal"), ("shoal-int8", "shoal --quantization int8"), ("shoal-int4", "shoal --quantization int4")):
+    for name, label in (("shoal", "shoal"), ("shoal-bf16", "shoal --quantization none"), ("shoal-int8", "shoal --quantization int8")):
         shoal_tpot = get(name, "random-c1", "tpot_ms", "p50")
         r = None if not (shoal_tpot and llama_tpot) else shoal_tpot / llama_tpot
         rows.append({"target": f"1 stream: TPOT <= 1.5x llama-server's (ratio = {label} TPOT / llama-server TPOT)",

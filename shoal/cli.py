@@ -58,8 +58,9 @@ ENGINE_OPTS = [
     Opt("--model", "smollm2", str, "'smollm2' (default), a .gguf file, or a Hugging Face model folder"),
     Opt("--dtype", "auto", str, "weights and KV cache dtype (auto: bfloat16 where the device has native bf16 math, else float32)",
         choices=("auto", "float32", "bfloat16", "float16")),
-    Opt("--quantization", None, str, "weight-only int8 or int4 on CPU (int4 keeps a GGUF's own 4-bit weights): "
-        "faster at a few streams, slower at many", choices=("int8", "int4")),
+    Opt("--quantization", "auto", str, "the projections' weight format: auto (default) serves a GGUF's own 4-bit or "
+        "8-bit weights as they are (CPU, bf16 activations), none dequantizes them; int8/int4 round any weights",
+        choices=("auto", "none", "int8", "int4")),
     Opt("--device", "auto", str, "cpu, cuda or auto (default)"),
     Opt("--max-model-len", None, int, "context length (default: the model's)"),
     Opt("--kv-cache-memory", "1GiB", str, "KV cache budget on CPU, e.g. 2GiB or 512MiB"),
@@ -71,8 +72,11 @@ ENGINE_OPTS = [
     Opt("--threads", None, int, "torch threads (default: torch's choice)"),
     Opt("--prefix-cache", True, None, "reuse the KV of earlier prompts (default: on)", kind="bool"),
     Opt("--prefix-cache-ttl", None, float, "drop cached prefixes idle this many seconds (default: only when space is needed)"),
-    Opt("--deterministic", False, None, "batch-invariant decoding: a greedy or seeded answer does not change with the "
-        "load, chunking or prefix-cache hits, for 8-20%% of the speed (README, Determinism)", kind="flag"),
+    Opt("--deterministic", False, None, "batch-invariant decoding with any weights: a greedy or seeded answer does not "
+        "change with the load, chunking or prefix-cache hits (the default already is, with a GGUF's 4-bit weights; "
+        "with float weights it costs 8-20%% of the speed; README, Determinism)", kind="flag"),
+    Opt("--attention", "auto", str, "attention backend: auto (batch-invariant with int8/int4 weights, sdpa with float "
+        "ones), invariant, or sdpa (fastest; answers may change with the load)", choices=("auto", "invariant", "sdpa")),
 ]
 
 SERVER_OPTS = [
@@ -204,7 +208,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
         max_model_len=v["max_model_len"],
         num_threads=v["threads"],
         quantization=v.get("quantization"),
-        attention="invariant" if v.get("deterministic") else "sdpa",
+        attention="invariant" if v.get("deterministic") else v.get("attention", "auto"),
         scheduler=SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"],
                                   follow_up_window=v["follow_up_window_ms"] / 1000),
         cache=CacheConfig(**cache),

@@ -73,6 +73,9 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
@@ -83,23 +86,28 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
-    # None: weights in `dtype`; "int8" / "int4": weight-only on CPU (faster at a few sequences, slower at many;
-    # int4 keeps a GGUF's own Q4_0/Q4_1 weights)
-    quantization: str | None = None
+    # the decoder projections' weight format. "auto": a GGUF's own (int4 from Q4_0/Q4_1, int8 from Q8_0) where the
+    # low-bit kernels run (CPU, bf16/fp16 activations), else float; "none": weights in `dtype`; "int8" / "int4":
+    # weight-only, rounded from float where the file has no such codes (None means "none")
+    quantization: str | None = "auto"
     check_integrity: bool = False  # run the pool's integrity check after every step (tests)
     # "sdpa": attention kernels picked by the step's shape (fast; a greedy answer may change with the load);
-    # "invariant": --deterministic, a token is computed the same way whatever else is in the step (README, Determinism)
-    attention: str = "sdpa"
+    # "invariant": --deterministic, a token is computed the same way whatever else is in the step (README, Determinism);
+    # "auto": invariant with int8/int4 weights (their kernels are row-invariant as they are, so only attention
+    # costs anything: ~10% at one stream), sdpa with float weights (where the linears would need splitting too)
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be int8, int4 or none, got {self.quantization!r}")
-        if self.quantization and self.dtype == "float32":
+        if self.quantization is None:
+            object.__setattr__(self, "quantization", "none")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.quantization in ("int8", "int4") and self.dtype == "float32":
             raise ValueError(f"{self.quantization} weights run with bfloat16 or float16 activations (--dtype bfloat16): "
                              "torch's low-bit kernels are slower than plain float32 with float32 ones")
-        if self.attention not in ("invariant", "sdpa"):
-            raise ValueError(f"attention must be invariant or sdpa, got {self.attention!r}")
+        if self.attention not in ("auto", "invariant", "sdpa"):
+            raise ValueError(f"attention must be auto, invariant or sdpa, got {self.attention!r}")
         if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")

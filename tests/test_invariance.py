@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from shoal import LLM, SamplingParams  # first: shoal sets MKL's strict mode before torch computes anything
 from shoal.model.attention import make_attention_backend
 from shoal.model.attention.common import SeqSpan, slot_mapping, write_kv
-from shoal.model.layers import INVARIANT_K, InvariantLinear
+from shoal.model.layers import INVARIANT_K, InvariantLinear, float32_gemm_is_row_invariant
 from shoal.model.quant import Int4Linear, Int8Linear
 from shoal.runner.model_runner import seeded_generator
 from shoal.runner.sampler import SamplerRow, SamplingBatch, sample
@@ -197,13 +197,14 @@ def _linear_inputs(k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[t
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_linear_rows_do_not_depend_on_the_batch(k, n, dtype):
     """A row's output is the same alone as among up to 70 rows: InvariantLinear as the engine builds it for
-    bfloat16 and float16 (split past INVARIANT_K; float16 pads a single row), plain F.linear in float32
-    (MKL in the strict mode shoal sets; with MKL_CBWR=AUTO in the environment instead, float32 fails here)."""
+    bfloat16 and float16 (split past INVARIANT_K; float16 pads a single row), in float32 plain F.linear where
+    MKL's strict mode is row-invariant on this host (with MKL_CBWR=AUTO instead, it fails here) and the
+    float64 path where it is not (AMD EPYC hosts)."""
     w, x = _linear_inputs(k, n, dtype)
-    if dtype == torch.float32:
+    if dtype == torch.float32 and float32_gemm_is_row_invariant():
         forward = lambda rows: F.linear(rows, w)  # noqa: E731
     else:
-        forward = InvariantLinear(w, None, pad_single_row=dtype == torch.float16)
+        forward = InvariantLinear(w, None, pad_single_row=dtype == torch.float16, wide=dtype == torch.float32)
     assert _rows_alone_vs_in_batches(forward, x, BATCH_SIZES) == []
 
 

@@ -509,30 +509,52 @@ def test_missing_path_and_unknown_alias(tmp_path):
 
 
 def test_gguf_q4_codes_are_the_stored_blocks_and_feed_int4_projections(tmp_path):
-    """keep_q4: every Q4_0/Q4_1 tensor comes back as its codes and group scales, dequantizing exactly to the
-    loaded weights (q/k un-permuted like them); int4 builds a projection from them when all its parts have codes."""
-    from shoal.model.quant import quantize_int4
+    """quantization="int4": every Q4_0/Q4_1 projection comes back as its codes and group scales, never
+    dequantized, and they dequantize exactly to what "none" loads (q/k un-permuted like them); a model built
+    with the int4 format packs them as they are, and rounds a projection whose parts are not all 4-bit codes."""
+    from shoal.model.quant import Int4Linear, Q4Codes, WeightFormat
     from shoal.model.registry import model_class
 
     folder = make_tiny_model("llama", tmp_path / "hf")
     types = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_1,
              "ffn_gate": Q.Q4_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
     write_gguf(folder, tmp_path / "q4.gguf", "llama", types)
-    ckpt = load_checkpoint(tmp_path / "q4.gguf", progress=False, keep_q4=True)
+    ckpt = load_checkpoint(tmp_path / "q4.gguf", progress=False, quantization="int4")
+    plain = load_checkpoint(tmp_path / "q4.gguf", progress=False)
+    assert ckpt.weight_format == "int4" and plain.weight_format == "none"
     kinds = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
     layers = ckpt.hf_config.num_hidden_layers
-    assert sorted(ckpt.q4_codes) == sorted(f"model.layers.{i}.{'mlp' if k in ('gate_proj', 'down_proj') else 'self_attn'}.{k}.weight"
-                                           for i in range(layers) for k in kinds)
-    for name, codes in ckpt.q4_codes.items():
+    coded = {n for n, v in ckpt.state_dict.items() if isinstance(v, Q4Codes)}
+    assert sorted(coded) == sorted(f"model.layers.{i}.{'mlp' if k in ('gate_proj', 'down_proj') else 'self_attn'}.{k}.weight"
+                                   for i in range(layers) for k in kinds)
+    for name in coded:
+        codes = ckpt.state_dict[name]
         assert codes.codes.dtype == torch.uint8 and int(codes.codes.max()) <= 15
-        assert torch.equal(codes.dequantized(), ckpt.state_dict[name]), name
-    assert load_checkpoint(tmp_path / "q4.gguf", progress=False).q4_codes == {}  # only when asked for
+        assert torch.equal(codes.dequantized(), plain.state_dict[name]), name
+    assert not any(isinstance(v, Q4Codes) for v in plain.state_dict.values())  # only when asked for
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert ckpt.state_dict[up].dtype == torch.float32  # rounded by its layer later, from float32
 
-    model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, 64)
+    weights = WeightFormat("int4", torch.bfloat16)
+    model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, 64, weights.linear)
     model.load_weights(ckpt.state_dict)
     model = model.to(torch.bfloat16)
-    # qkv, o and down from codes; gate_up is rounded from bf16 (its up half is Q8_0)
-    assert quantize_int4(model, ckpt.q4_codes) == (3 * layers, 4 * layers)
+    projections = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    # qkv, o and down from codes; gate_up is rounded (its up half is Q8_0)
+    assert len(projections) == 4 * layers and sum(m.from_codes for m in projections) == 3 * layers
     o = model.model.layers[0].self_attn.o_proj.dequantized()
-    want = ckpt.state_dict["model.layers.0.self_attn.o_proj.weight"]
+    want = plain.state_dict["model.layers.0.self_attn.o_proj.weight"]
     assert (o - want).abs().max() <= 0.01 * want.abs().max()
+    assert load_checkpoint(tmp_path / "q4.gguf", progress=False, quantization="auto").weight_format == "none"  # mixed Q4/Q8
+
+
+def test_auto_quantization_picks_the_files_own_format(tmp_path):
+    """"auto": int4 when every projection is Q4_0/Q4_1, int8 when every one is Q8_0, float otherwise."""
+    folder = make_tiny_model("llama", tmp_path / "hf")
+    cases = {"q4": ({k: Q.Q4_1 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}, "int4"),
+             "q8": ({k: Q.Q8_0 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}, "int8"),
+             "f16": ({}, "none")}
+    for name, (types, want) in cases.items():
+        write_gguf(folder, tmp_path / f"{name}.gguf", "llama", {"token_embd": Q.Q8_0, **types})
+        assert load_checkpoint(tmp_path / f"{name}.gguf", progress=False, quantization="auto").weight_format == want, name
+    assert load_checkpoint(folder, progress=False, quantization="auto").weight_format == "none"  # safetensors

@@ -181,6 +181,26 @@ def test_eviction_is_lru_leaves_first_and_never_takes_referenced_blocks():
     assert cache.node_of(b_blocks[0]) is not None and cache.node_of(b_blocks[1]) is not None
 
 
+def test_a_hit_makes_a_prefix_recent_again_and_stale_heap_entries_stay_bounded():
+    clock = Clock()
+    s, pool, cache = make(num_blocks=10, clock=clock)
+    a = run(s, list(range(1, 9)), n_out=1, rid="a")  # blocks a0 <- a1, cached, unreferenced
+    b = run(s, list(range(50, 58)), n_out=1, rid="b")  # b0 <- b1, more recent
+    a_blocks, b_blocks = a._released_table[:2], b._released_table[:2]
+    for i in range(200):  # a's prompt again and again: each hit leaves a stale heap entry behind
+        run(s, list(range(1, 9)), n_out=1, rid=f"again{i}")
+    assert cache.stats.cached_blocks == 4 and cache.stats.hits_supersequence + cache.stats.hits_extension == 200
+    assert len(cache._lru) <= 2 * cache.stats.cached_blocks + 64
+    # a is the recent one now: a request that needs every truly free block and two more evicts b's branch, leaf first.
+    truly_free = pool.num_free - pool.num_cached_free
+    c = Sequence(request_id="c", prompt_token_ids=list(range(600, 600 + BS * (truly_free + 2) - 1)), params=P)
+    s.add(c)
+    step(s)
+    assert cache.stats.evictions == 2 and c.block_table[-2:] == [b_blocks[1], b_blocks[0]]
+    assert cache.node_of(a_blocks[0]) is not None and cache.node_of(a_blocks[1]) is not None
+    cache.check_integrity()
+
+
 def test_referenced_blocks_are_never_evicted():
     s, pool, cache = make(num_blocks=6)
     a = Sequence(request_id="a", prompt_token_ids=list(range(1, 17)), params=P)

@@ -134,5 +134,20 @@ def test_quantization_refuses_float32_activations_and_unknown_formats(tiny_llama
     for q in ("int8", "int4"):
         with pytest.raises(ValueError, match=f"{q} weights run with bfloat16 or float16 activations"):
             EngineConfig(model=str(tiny_llama_path), dtype="float32", quantization=q)
-    with pytest.raises(ValueError, match="quantization must be int8, int4 or none"):
+    with pytest.raises(ValueError, match="quantization must be auto, none, int8 or int4, got 'fp8'"):
         EngineConfig(model=str(tiny_llama_path), quantization="fp8")
+
+
+def test_auto_serves_float_weights_where_the_low_bit_kernels_do_not_run(tmp_path):
+    """The default "auto" on a Q4 GGUF: int4 with bfloat16 activations, float weights with float32 ones
+    (the CPU without native bf16 gets that dtype by default), and "none" turns it off."""
+    from test_loader import Q, write_gguf
+
+    folder = make_tiny_model("llama", tmp_path / "hf")
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    write_gguf(folder, tmp_path / "q4.gguf", "llama", {"token_embd": Q.Q8_0, **dict.fromkeys(kinds, Q.Q4_1)})
+    for dtype, quantization, want in (("bfloat16", "auto", "int4"), ("float32", "auto", "none"), ("bfloat16", "none", "none")):
+        llm = LLM(str(tmp_path / "q4.gguf"), dtype=dtype, quantization=quantization, num_blocks=16, block_size=4, max_model_len=64)
+        model = llm.engine.runner.model
+        assert llm.engine.weight_format == want, (dtype, quantization)
+        assert sum(isinstance(m, Int4Linear) for m in model.modules()) == (4 * model.config.num_layers if want == "int4" else 0)

@@ -79,24 +79,30 @@ def test_greedy_matches_transformers_on_real_weights(llm, hf_default_model):
 
 
 def test_bfloat16_greedy_matches_transformers_in_bfloat16(default_gguf_path, hf_default_model):
-    """`dtype="auto"` serves in bfloat16 on CPUs with native bf16: check that path on real weights against
-    transformers in bfloat16 (same weights, rounded the same way)."""
+    """`--quantization none` with `dtype="auto"` serves in bfloat16 on CPUs with native bf16: check that path on
+    real weights against transformers in bfloat16 (same weights, rounded the same way)."""
     import copy
 
-    llm = LLM(str(default_gguf_path), dtype="bfloat16", max_model_len=1024, check_integrity=True)
+    llm = LLM(str(default_gguf_path), dtype="bfloat16", quantization="none", max_model_len=1024, check_integrity=True)
     hf16 = copy.deepcopy(hf_default_model).to(torch.bfloat16)
     # bf16 keeps ~3 significant digits: near ties are commoner than in float32, so fewer need to match to the end.
     _assert_greedy_matches(llm, hf16, PROMPTS[:8], min_exact=3)
 
 
-def test_int4_serves_the_gguf_own_4bit_weights(default_gguf_path, hf_default_model):
-    """`quantization="int4"` on a Q4_1 GGUF: every projection multiplies by the file's weights (codes as stored,
-    group scales rounded to bf16), and greedy continuations track transformers in bf16 like plain bf16 does."""
+def test_default_serves_the_gguf_own_4bit_weights(default_gguf_path, hf_default_model):
+    """The default configuration (quantization "auto", bfloat16 activations: dtype "auto" on this kind of CPU)
+    on the Q4_1 GGUF: every projection is an int4 layer built from the file's codes and multiplies by the file's
+    weights (group scales rounded to bf16), and greedy continuations track transformers in bf16."""
     import copy
 
     from shoal.model.loader import load_checkpoint
+    from shoal.model.quant import Int4Linear
 
-    llm = LLM(str(default_gguf_path), dtype="bfloat16", quantization="int4", max_model_len=1024, check_integrity=True)
+    llm = LLM(str(default_gguf_path), dtype="bfloat16", max_model_len=1024, check_integrity=True)
+    model = llm.engine.runner.model
+    assert llm.engine.weight_format == "int4"
+    projections = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len(projections) == 4 * model.config.num_layers and all(m.from_codes for m in projections)
     file_weights = load_checkpoint(str(default_gguf_path), progress=False).state_dict  # float32, dequantized by gguf
     for i, layer in enumerate(llm.engine.runner.model.model.layers):
         pre = f"model.layers.{i}"
@@ -114,7 +120,8 @@ def test_int4_serves_the_gguf_own_4bit_weights(default_gguf_path, hf_default_mod
     # The first differences must be near ties (each side's token in the other's top 5). "What is the capital of
     # France?" is one: its first token is "The" or "L'" at ~0.16 each, and int4's rounding can pick either.
     hf16 = copy.deepcopy(hf_default_model).to(torch.bfloat16)
-    _assert_greedy_matches(llm, hf16, PROMPTS[:8], min_exact=3)
+    # the issue's criterion is the top-5 rule at every first difference; 4-bit rounding makes near ties common
+    _assert_greedy_matches(llm, hf16, PROMPTS[:8], min_exact=2)
 
 
 def test_capital_of_france(llm):

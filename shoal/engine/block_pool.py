@@ -51,6 +51,8 @@ class KVBlockPool:
         self._num_cached_free = 0
         # The prefix cache's evictor: uncache one unreferenced block, return its id.
         self.evict_one: Callable[[], int] | None = None
+        # Told when a cached block loses its last reference (it may be evicted from now on).
+        self.on_unreferenced: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------ queries
     @property
@@ -115,6 +117,8 @@ class KVBlockPool:
             if self.ref_counts[b] == 0:
                 if self.cached[b]:
                     self._num_cached_free += 1
+                    if self.on_unreferenced is not None:
+                        self.on_unreferenced(b)
                 else:
                     self._free[b] = None
 

@@ -12,7 +12,7 @@ from shoal.config import STRICT_MKL, EngineConfig
 from shoal.engine.engine import Engine
 from shoal.model.loader import load_checkpoint
 from shoal.model.layers import Rotary, bind_attributes, make_row_invariant
-from shoal.model.quant import quantize_int4, quantize_int8
+from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
 from shoal.runner.host import keep_freed_memory
 from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
@@ -28,31 +28,29 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cpu":
         keep_freed_memory()
-    ckpt = load_checkpoint(config.model, dtype=dtype, keep_q4=config.quantization == "int4")
+    quantization = resolve_quantization(config.quantization, device, dtype)
+    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization)
     hf = ckpt.hf_config
     max_model_len = config.max_model_len or hf.max_position_embeddings
     if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {hf.max_position_embeddings} positions")
 
+    weights = WeightFormat(ckpt.weight_format, dtype)
     with torch.device("meta"):
-        model = model_class(hf.architectures)(hf, max_model_len)
+        model = model_class(hf.architectures)(hf, max_model_len, weights.linear)
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
     model.model.rotary = Rotary(model.config, max_model_len).to(device)
     model.load_weights(ckpt.state_dict)
     model = model.to(dtype).eval()
-    if config.quantization:
-        if device.type != "cpu" or dtype == torch.float32:
-            raise ValueError(f"{config.quantization} weights need the CPU and bfloat16 or float16 activations, not {dtype} on {device} "
-                             "(--dtype auto picks float32 on a CPU without native bf16: pass --dtype bfloat16)")
-        if config.quantization == "int8":
-            quantize_int8(model)
-        else:
-            exact, total = quantize_int4(model, ckpt.q4_codes)
-            log.info("int4 weights: %d of %d projections are the checkpoint's own 4-bit codes, %d rounded from %s",
-                     exact, total, total - exact, str(dtype).removeprefix("torch."))
-            ckpt.q4_codes = {}
-    if config.attention == "invariant":
+    weights.finish_head(model)
+    if weights.name != "none":
+        linears = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+        exact = sum(getattr(m, "from_codes", False) for m in linears)
+        log.info("%s weights (--quantization %s): %d projections, %d of them the checkpoint's own 4-bit codes; "
+                 "int8 logits head", weights.name, config.quantization, len(linears) - 1, exact)
+    attention = config.attention if config.attention != "auto" else ("sdpa" if weights.name == "none" else "invariant")
+    if attention == "invariant":
         if device.type == "cpu" and dtype == torch.float32 and os.environ.get("MKL_CBWR") != STRICT_MKL:
             log.warning("deterministic float32 on the CPU needs MKL_CBWR=%s in the environment before torch's first "
                         "float32 matmul (shoal serve --deterministic sets it at start-up); without it rows may differ "
@@ -62,13 +60,29 @@ def build_engine(config: EngineConfig) -> Engine:
             log.info("batch-invariant matmuls: %d linear layers split or padded for %s on %s", swapped, str(dtype).removeprefix("torch."), device)
     bind_attributes(model)  # last: the model is final now
     spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)
-    runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, config.attention)
+    runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, attention)
     engine = Engine(runner, ckpt.tokenizer, ckpt.eos_token_ids, config, max_model_len)
+    engine.weight_format = weights.name
     engine.checkpoint_info = ckpt  # tokenizer, chat template, generation defaults for the layers above
     ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
     log.info(
         "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks",
         time.perf_counter() - t0, model.config.architecture, str(dtype).removeprefix("torch."),
-        f" ({config.quantization} weights)" if config.quantization else "", device, max_model_len, spec.num_blocks,
+        f" ({weights.name} weights)" if weights.name != "none" else "", device, max_model_len, spec.num_blocks,
     )
     return engine
+
+
+def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The --quantization value the loader gets: "auto" (the default) becomes "none" where
+    torch's weight-only kernels do not run (they are CPU kernels for bfloat16/float16
+    activations); an explicit int8/int4 there is an error."""
+    lowbit_ok = device.type == "cpu" and dtype != torch.float32
+    if requested == "auto" and not lowbit_ok:
+        log.info("--quantization auto: float weights, because the int8/int4 kernels run on the CPU with bfloat16 or "
+                 "float16 activations and this is %s on %s", str(dtype).removeprefix("torch."), device)
+        return "none"
+    if requested in ("int8", "int4") and not lowbit_ok:
+        raise ValueError(f"{requested} weights need the CPU and bfloat16 or float16 activations, not {dtype} on {device} "
+                         "(--dtype auto picks float32 on a CPU without native bf16: pass --dtype bfloat16)")
+    return requested

@@ -101,6 +101,7 @@ class Engine:
         self, runner, tokenizer, eos_token_ids: tuple[int, ...], config: EngineConfig, max_model_len: int, clock=time.monotonic
     ) -> None:
         self.config = config
+        self.weight_format = "none"  # the projections' format as built (quant.WeightFormat): the builder sets it
         self.clock = clock  # every timing in RequestMetrics and the snapshot; tests pass a fake one
         self.runner = runner
         self.tokenizer = tokenizer

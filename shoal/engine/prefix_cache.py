@@ -31,6 +31,7 @@ the seed document fall out of the one walk; `stats` keeps them apart.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -116,8 +117,11 @@ class PrefixCache:
         self.root = _Node(key=(), block_id=-1, parent=None)
         self._nodes: dict[int, _Node] = {}  # block id -> node
         self._tick = itertools.count(1)
+        # (last_access, block id) of nodes that were evictable when pushed; checked when popped.
+        self._lru: list[tuple[int, int]] = []
         self.stats = PrefixCacheStats(block_bytes=block_bytes, pool_blocks=pool.num_blocks)
         pool.evict_one = self._evict_one
+        pool.on_unreferenced = self._maybe_evictable
 
     # ------------------------------------------------------------ lookup
     def match(self, key_tokens: Sequence) -> PrefixMatch:
@@ -221,19 +225,43 @@ class PrefixCache:
         while node is not None and node is not self.root:
             node.last_access = next(self._tick)
             node.touched_at = now
+            self._maybe_evictable(node.block_id)
             node = node.parent
 
     # ------------------------------------------------------------ eviction
-    def _evictable(self) -> list[_Node]:
-        refs = self.pool.ref_counts
-        return [n for n in self._nodes.values() if not n.children and refs[n.block_id] == 0]
+    # Evictable: an unreferenced leaf. Every time a node becomes one, or is touched
+    # while it is one, (last_access, block) goes on a heap; an entry is acted on
+    # only if it is still true when it comes off (the node is there, evictable and
+    # untouched since). So an eviction costs O(log n), not a scan of every node.
+    # last_access and touched_at grow together, so the heap is also oldest-first
+    # for the TTL.
+
+    def _evictable(self, node: _Node | None) -> bool:
+        return node is not None and not node.children and self.pool.ref_counts[node.block_id] == 0
+
+    def _maybe_evictable(self, block_id: int) -> None:
+        node = self._nodes.get(block_id)
+        if self._evictable(node):
+            heapq.heappush(self._lru, (node.last_access, block_id))
+            if len(self._lru) > 2 * len(self._nodes) + 64:  # stale entries dominate: rebuild
+                self._lru = [(n.last_access, b) for b, n in self._nodes.items() if self._evictable(n)]
+                heapq.heapify(self._lru)
+
+    def _oldest_evictable(self) -> _Node | None:
+        """The least recently used evictable node (stale heap entries dropped on the way), or None."""
+        while self._lru:
+            access, block_id = self._lru[0]
+            node = self._nodes.get(block_id)
+            if self._evictable(node) and node.last_access == access:
+                return node
+            heapq.heappop(self._lru)
+        return None
 
     def _evict_one(self) -> int:
         """Called by the pool when it needs a block: drop the LRU unreferenced leaf."""
-        victims = self._evictable()
-        if not victims:
+        node = self._oldest_evictable()
+        if node is None:
             raise RuntimeError("the pool asked for an eviction but no cached block is unreferenced")
-        node = min(victims, key=lambda n: n.last_access)
         self._remove(node)
         self.stats.evictions += 1
         return node.block_id
@@ -242,22 +270,21 @@ class PrefixCache:
         del node.parent.children[node.key]
         del self._nodes[node.block_id]
         self.stats.cached_blocks -= 1
+        if node.parent is not self.root:
+            self._maybe_evictable(node.parent.block_id)  # it may be a leaf now
 
     def expire(self) -> int:
-        """Drop unreferenced leaves idle for longer than the TTL (repeatedly, so
-        whole idle branches go). Returns how many blocks were freed."""
+        """Drop unreferenced leaves idle for longer than the TTL (their parents
+        follow once they are leaves and old too). Returns how many blocks were freed."""
         if self.ttl is None:
             return 0
         cutoff = self.clock() - self.ttl
         freed = 0
-        while True:
-            old = [n for n in self._evictable() if n.touched_at < cutoff]
-            if not old:
-                return freed
-            for n in old:
-                self._remove(n)
-                self.pool.uncache(n.block_id)
-                freed += 1
+        while (node := self._oldest_evictable()) is not None and node.touched_at < cutoff:
+            self._remove(node)
+            self.pool.uncache(node.block_id)
+            freed += 1
+        return freed
 
     def clear(self) -> int:
         """Forget everything (e.g. the model changed). Referenced blocks stay with
@@ -266,6 +293,7 @@ class PrefixCache:
         for node in list(self._nodes.values()):
             self.pool.uncache(node.block_id)
         self._nodes.clear()
+        self._lru.clear()
         self.root.children.clear()
         self.stats.cached_blocks = 0
         return n

@@ -82,10 +82,7 @@ class Scheduler:
         """Take a sequence out of the queues and release its blocks."""
         if seq.finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        _take(self.running if seq.status is SequenceStatus.RUNNING else self.waiting, seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -297,7 +294,7 @@ class Scheduler:
     # ------------------------------------------------------------ preemption
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free the blocks, keep the known tokens."""
-        self.running.remove(seq)
+        _take(self.running, seq)
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -392,3 +389,13 @@ def _key_tokens(seq: Sequence) -> list:
     if not seq.extra_keys:
         return seq.token_ids
     return [(t, seq.extra_keys[i]) if i in seq.extra_keys else t for i, t in enumerate(seq.token_ids)]
+
+
+def _take(queue: list[Sequence], seq: Sequence) -> None:
+    """Remove `seq` from a queue sorted by Sequence.sort_key: a binary search instead
+    of list.remove's scan from the front (a finished request is usually the oldest
+    of many, so the scan was the common case's worst)."""
+    i = bisect.bisect_left(queue, seq.sort_key(), key=Sequence.sort_key)
+    while queue[i] is not seq:  # equal keys (none today) sit side by side
+        i += 1
+    del queue[i]

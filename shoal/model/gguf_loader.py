@@ -22,7 +22,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,8 @@ import torch
 import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
+
+from shoal.model.quant import Q4Codes
 
 log = logging.getLogger("shoal.loader")
 
@@ -106,7 +108,7 @@ class GGUFCheckpoint:
     tokenizer: transformers.PreTrainedTokenizerFast
     generation_eos_ids: tuple[int, ...]  # end-of-generation ids besides the tokenizer's eos (eot, eom)
     generation_defaults: dict[str, float]
-    q4_codes: dict[str, Q4Codes] = field(default_factory=dict)  # with keep_q4: the 4-bit tensors as stored
+    weight_format: str = "none"  # the projections' format: "int4" leaves Q4 tensors in state_dict as Q4Codes
     names: tuple[str, ...] = ()  # what the file calls its model: general.basename, general.name
 
 
@@ -137,11 +139,14 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, keep_q4: bool = False) -> GGUFCheckpoint:
-    """Read a GGUF file into HF-named `dtype` tensors, a config and a tokenizer.
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none") -> GGUFCheckpoint:
+    """Read a GGUF file into HF-named tensors, a config and a tokenizer.
 
-    keep_q4: also return the Q4_0/Q4_1 tensors' own codes and group scales
-    (`Q4Codes`), for int4 weights that are the file's weights, not a re-rounding.
+    quantization: the format the decoder's projections will have ("none",
+    "int8", "int4", or "auto": the file's own, see `projection_format`). With
+    int4, a Q4_0/Q4_1 projection comes back as its codes and group scales
+    (`Q4Codes`) and is never dequantized; with int8 or int4, projections that
+    are rounded later stay float32 until then. Everything else is `dtype`.
     """
     t0 = time.perf_counter()
     reader = GGUFFileReader(path)
@@ -155,17 +160,40 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     t2 = time.perf_counter()
     tensors = {t.name: t for t in reader.tensors}
     config = build_config(meta, tensors, tokenizer)
-    q4: dict[str, Q4Codes] | None = {} if keep_q4 else None
-    state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress, q4)
+    fmt = projection_format(tensors.values()) if quantization == "auto" else quantization
+    state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress, fmt)
     t3 = time.perf_counter()
+    codes = sum(isinstance(v, Q4Codes) for v in state_dict.values())
     log.info(
-        "GGUF %s: read metadata %.2f s, tokenizer %.2f s, dequantized %d tensors %.2f s",
-        Path(path).name, t1 - t0, t2 - t1, len(state_dict), t3 - t2,
+        "GGUF %s: read metadata %.2f s, tokenizer %.2f s, %d tensors %.2f s (%d kept as 4-bit codes, not dequantized)",
+        Path(path).name, t1 - t0, t2 - t1, len(state_dict), t3 - t2, codes,
     )
     eos_extra = tuple(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta)
     defaults = {name: meta[key] for key, name in SAMPLING_KEYS.items() if key in meta}
     names = tuple(str(meta[k]) for k in ("general.basename", "general.name") if k in meta)
-    return GGUFCheckpoint(config, state_dict, tokenizer, eos_extra, defaults, q4 or {}, names)
+    return GGUFCheckpoint(config, state_dict, tokenizer, eos_extra, defaults, fmt, names)
+
+
+Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def projection_format(tensors: Iterable[gguf.ReaderTensor]) -> str:
+    """The weight format that serves a file's decoder projections as stored:
+    "int4" when every one is Q4_0/Q4_1 (torch's int4 layout), "int8" when every
+    one is Q8_0 (re-scaled per output row: torch's int8 kernel has one scale per
+    row, Q8_0 one per 32 weights), else "none" (float, as today for F16/BF16/F32
+    and the K-quants, which no torch kernel reads)."""
+    kinds = {t.tensor_type for t in tensors if _is_projection(hf_tensor_name(t.name))}
+    if kinds and kinds <= set(Q4_TYPES):
+        return "int4"
+    if kinds == {gguf.GGMLQuantizationType.Q8_0}:
+        return "int8"
+    return "none"
+
+
+def _is_projection(hf_name: str | None) -> bool:
+    return bool(hf_name) and hf_name.endswith(".weight") and hf_name.split(".")[-2] in PROJECTIONS
 
 
 # ---------------------------------------------------------------- weights
@@ -210,27 +238,6 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-@dataclass
-class Q4Codes:
-    """A 4-bit GGUF tensor as stored: weight[r, c] = codes[r, c] * scale[r, c // 32] + low[r, c // 32].
-
-    Q4_1 blocks hold 32 weights as 4-bit codes with a float16 scale `d` and
-    minimum `m`; Q4_0 blocks hold a scale only, around code 8 (low = -8 d).
-    """
-
-    codes: torch.Tensor  # [out, in] uint8, 0..15
-    scale: torch.Tensor  # [out, in // 32] float32
-    low: torch.Tensor  # [out, in // 32] float32
-
-    def dequantized(self) -> torch.Tensor:
-        g = self.scale.shape[1]
-        w = self.codes.view(self.codes.shape[0], g, -1).float() * self.scale[..., None] + self.low[..., None]
-        return w.view(self.codes.shape)
-
-    def permute_rows(self, fn) -> Q4Codes:
-        return Q4Codes(fn(self.codes), fn(self.scale), fn(self.low))
-
-
 Q4_BLOCK = 32
 
 
@@ -241,7 +248,7 @@ def q4_codes(tensor: gguf.ReaderTensor) -> Q4Codes | None:
     low nibbles are codes 0-15 of the block and high nibbles codes 16-31.
     """
     kind = tensor.tensor_type
-    if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+    if kind not in Q4_TYPES:
         return None
     rows, cols = (int(n) for n in reversed(tensor.shape))
     head = 4 if kind == gguf.GGMLQuantizationType.Q4_1 else 2
@@ -260,26 +267,31 @@ def load_state_dict(
     config: transformers.PretrainedConfig,
     dtype: torch.dtype,
     progress: bool,
-    q4: dict[str, Q4Codes] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Dequantize, rename and (for llama) un-permute every tensor of the file; with `q4`, collect 4-bit codes too."""
+    weight_format: str = "none",
+) -> dict[str, torch.Tensor | Q4Codes]:
+    """Rename and (for llama) un-permute every tensor of the file: dequantized to `dtype`,
+    or for the projections of a low-bit `weight_format` as the layers take them (see load_gguf)."""
     tensors = [t for t in tensors if t.name not in CONFIG_ONLY_TENSORS]
     unknown = [t.name for t in tensors if hf_tensor_name(t.name) is None]
     if unknown:
         raise ValueError(f"GGUF tensors with no known Hugging Face name: {unknown[:8]}")
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     state_dict = {}
-    for tensor in tqdm(tensors, desc="Dequantizing GGUF", unit="tensor", disable=not progress, file=sys.stderr):
+    for tensor in tqdm(tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress, file=sys.stderr):
         name = hf_tensor_name(tensor.name)
-        weight = dequantize(tensor)
         proj = name.split(".")[-2]  # "q_proj" in model.layers.0.self_attn.q_proj.weight
-        codes = q4_codes(tensor) if q4 is not None else None
-        if arch.qk_permuted and proj in heads:
-            weight = unpermute_qk(weight, heads[proj])
-            codes = codes and codes.permute_rows(partial(unpermute_qk, n_head=heads[proj]))
-        state_dict[name] = weight.to(dtype)
-        if codes is not None:
-            q4[name] = codes
+        lowbit = weight_format != "none" and _is_projection(name)
+        if lowbit and weight_format == "int4" and tensor.tensor_type in Q4_TYPES:
+            value = q4_codes(tensor)
+            if arch.qk_permuted and proj in heads:
+                value = value.permute_rows(partial(unpermute_qk, n_head=heads[proj]))
+        else:
+            value = dequantize(tensor)
+            if arch.qk_permuted and proj in heads:
+                value = unpermute_qk(value, heads[proj])
+            if not lowbit:  # a projection to be rounded stays float32 until its layer rounds it
+                value = value.to(dtype)
+        state_dict[name] = value
     return state_dict
 
 

@@ -10,6 +10,8 @@ step is measurable. The checkpoint names stay HF's; `STACKED_PARAMS` maps them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,11 +47,43 @@ class Linear(Layer, nn.Linear):
     pass
 
 
+def float_linear(in_features: int, out_features: int, bias: bool, parts: tuple[int, ...] | None = None) -> Linear:
+    """The default linear factory (quant.WeightFormat.linear is the general one); fused parts load by row ranges."""
+    return Linear(in_features, out_features, bias=bias)
+
+
 # oneDNN's bfloat16/float16 GEMMs on the CPU give a row the same bits whatever the
 # number of rows only while the reduction is at most this long: past it, rows in a
 # full M block and rows in a tail block add their partial sums differently
 # (tests/test_invariance.py measures it at SmolLM2's 1536-wide down projection).
 INVARIANT_K = 1024
+
+
+@functools.cache
+def float32_gemm_is_row_invariant() -> bool:
+    """Whether this host's float32 GEMMs (MKL, in the strict mode `--deterministic` sets)
+    give a row the same bits whatever the number of rows, for linears and batched matmuls.
+
+    On the Intel Xeon hosts they did. On an AMD EPYC host of the same kind
+    (2026-11-23) MKL's strict mode still changed a row with the batch, so there
+    float32 takes the wide path (`InvariantLinear(wide=True)`, products summed in
+    float64 and rounded once). Probed once per process, on random data.
+    """
+    g = torch.Generator().manual_seed(0)
+    for k, n in ((576, 960), (1536, 576)):
+        w, x = torch.randn(n, k, generator=g), torch.randn(70, k, generator=g)
+        full = F.linear(x, w)
+        if any(not torch.equal(F.linear(x[:b], w), full[:b]) for b in (2, 3, 5, 8, 17, 33)):
+            return False
+    a, b = torch.randn(3, 4, 70, 64, generator=g), torch.randn(3, 4, 64, 256, generator=g)
+    full = torch.matmul(a, b)
+    return all(torch.equal(torch.matmul(a[:, :, :m], b), full[:, :, :m]) for m in (2, 3, 17, 33))
+
+
+def wide_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float64, rounded once to a's dtype: a float32 row's bits then depend on its own
+    products only (the float64 sum's order changes nothing a float32 rounding can see, in practice)."""
+    return torch.matmul(a.double(), b.double()).to(a.dtype)
 
 
 class InvariantLinear(Layer):
@@ -61,11 +95,19 @@ class InvariantLinear(Layer):
     - `pad_single_row`: the float16 GEMM takes a different kernel for a single
       row than for several, so a one-row call runs on the row twice.
 
+    - `wide` (float32 where the host's GEMM is not row-invariant): one float64
+      GEMM, rounded back once.
+
     Chosen once per layer by `make_row_invariant` when the device and dtype need it.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pad_single_row: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pad_single_row: bool, wide: bool = False) -> None:
         super().__init__()
+        self.wide = wide
+        if wide:
+            self.register_buffer("weight_t", weight.double().T.contiguous(), persistent=False)
+            self.bias, self.in_features, self.out_features = bias, weight.shape[1], weight.shape[0]
+            return
         k = weight.shape[1]
         pieces = -(-k // INVARIANT_K)
         size = -(-k // pieces)
@@ -78,6 +120,9 @@ class InvariantLinear(Layer):
         self.in_features, self.out_features = k, weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wide:
+            y = wide_matmul(x, self.weight_t)
+            return y if self.bias is None else y + self.bias
         single = self.pad_single_row and x.shape[0] == 1
         if single:
             x = torch.cat((x, x))
@@ -97,23 +142,27 @@ def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtyp
     device and dtype for InvariantLinear; returns how many were swapped.
 
     bfloat16/float16 on the CPU: reductions longer than INVARIANT_K are split;
-    float16 also pads single rows. float32 on the CPU needs nothing here, given
-    MKL's strict reproducible mode (config.STRICT_MKL). Weight-only int8/int4
+    float16 also pads single rows. float32 on the CPU needs nothing here where
+    MKL's strict reproducible mode (config.STRICT_MKL) is row-invariant, and goes
+    wide where it is not (`float32_gemm_is_row_invariant`). Weight-only int8/int4
     kernels are row-invariant as they are.
     """
-    if device.type != "cpu" or dtype == torch.float32:
+    if device.type != "cpu":
+        return 0
+    wide = dtype == torch.float32
+    if wide and float32_gemm_is_row_invariant():
         return 0
     pad = dtype == torch.float16
     swapped = 0
     if model.logits_head is None:  # the head is F.linear over the embedding table or lm_head's weight
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
-        if pad or head.shape[1] > INVARIANT_K:
-            model.logits_head = InvariantLinear(head.detach(), None, pad)
+        if wide or pad or head.shape[1] > INVARIANT_K:
+            model.logits_head = InvariantLinear(head.detach(), None, pad, wide)
             swapped += 1
     for owner in list(model.model.modules()):  # the decoder's projections; the head is done
         for name, child in list(owner.named_children()):
-            if type(child) is Linear and (pad or child.in_features > INVARIANT_K):
-                setattr(owner, name, InvariantLinear(child.weight.detach(), child.bias, pad))
+            if type(child) is Linear and (wide or pad or child.in_features > INVARIANT_K):
+                setattr(owner, name, InvariantLinear(child.weight.detach(), child.bias, pad, wide))
                 swapped += 1
     return swapped
 
@@ -194,11 +243,12 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class Attention(Layer):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
         super().__init__()
         self.c = config
-        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
+        parts = (config.q_size, config.kv_size, config.kv_size)
+        self.qkv_proj = linear(config.hidden_size, sum(parts), config.attention_bias, parts)
+        self.o_proj = linear(config.q_size, config.hidden_size, False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -221,10 +271,10 @@ class Attention(Layer):
 
 
 class MLP(Layer):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size, False, (config.intermediate_size,) * 2)
+        self.down_proj = linear(config.intermediate_size, config.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -232,12 +282,12 @@ class MLP(Layer):
 
 
 class DecoderLayer(Layer):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, linear)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, linear)
 
     def forward(self, x, rope, kv, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
@@ -247,11 +297,11 @@ class DecoderLayer(Layer):
 class DecoderModel(Layer):
     """Embeddings, N pre-norm decoder layers, final norm: the HF `model.` prefix."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = Rotary(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, linear) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -268,13 +318,15 @@ class DecoderForCausalLM(nn.Module):
     qk_norm = False
     attention_bias: bool | None = None  # None: as the config says
 
-    def __init__(self, hf_config, max_positions: int) -> None:
+    def __init__(self, hf_config, max_positions: int, linear=float_linear) -> None:
+        """linear(in, out, bias, parts) builds the decoder's projections: `quant.WeightFormat.linear`
+        chooses their weight format here, before any weight is loaded."""
         super().__init__()
         self.config = ModelConfig.from_hf(hf_config, qk_norm=self.qk_norm, attention_bias=self.attention_bias)
-        self.model = DecoderModel(self.config, max_positions)
+        self.model = DecoderModel(self.config, max_positions, linear)
         if not self.config.tie_word_embeddings:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        self.logits_head: nn.Module | None = None  # set by quant.quantize_int8: replaces the (tied) head
+        self.logits_head: nn.Module | None = None  # set by WeightFormat.finish_head: replaces the (tied) head
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
@@ -288,31 +340,50 @@ class DecoderForCausalLM(nn.Module):
         return F.linear(hidden, w).float()
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing the stacked projections; every parameter must be set."""
+    def load_weights(self, state_dict: dict) -> None:
+        """Copy HF-named tensors in, fusing the stacked projections; every parameter must be set.
+
+        A projection whose layer loads by parts (a low-bit format, see quant.PartLoader)
+        takes its weight through `load_part` (a float tensor or a GGUF's Q4 codes) and
+        packs it in `finish_loading`; everything else is copied into its parameter.
+        """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in state_dict.items():
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if "rotary_emb" in name:
                 continue
-            for fused, part, shard in STACKED_PARAMS:
+            target, shard = name, None
+            for fused, part, index in STACKED_PARAMS:
                 if f".{part}." in name:
-                    target = name.replace(f".{part}.", f".{fused}.")
-                    _copy_shard(params[target], tensor, shard, self.config, fused)
-                    loaded.add(f"{target}#{shard}")
+                    target, shard = name.replace(f".{part}.", f".{fused}."), index
                     break
-            else:
-                if name not in params:
-                    raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                if params[name].shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-                params[name].copy_(tensor)
-                loaded.add(name)
+            owner_name, _, leaf = target.rpartition(".")
+            owner = modules.get(owner_name)
+            if leaf == "weight" and hasattr(owner, "load_part"):
+                owner.load_part(shard or 0, tensor)
+                continue
+            if not isinstance(tensor, torch.Tensor):  # 4-bit codes for a float layer
+                tensor = tensor.dequantized()
+            if shard is not None:
+                _copy_shard(params[target], tensor, shard, self.config, target.split(".")[-2])
+                loaded.add(f"{target}#{shard}")
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+            loaded.add(name)
         missing = [n for n in params if not _is_loaded(n, loaded)]
+        missing += [f"{n}.weight (parts {m.missing_parts()})" for n, m in modules.items() if hasattr(m, "load_part") and m.missing_parts()]
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        for m in modules.values():
+            if hasattr(m, "finish_loading"):
+                m.finish_loading()
 
 
 def _shard_sizes(config: ModelConfig, fused: str) -> list[int]:

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,7 +66,7 @@ class LoadedCheckpoint:
     generation_defaults: dict  # sampling defaults the model ships ({} when none)
     path: Path
     format: str  # "gguf" or "hf"
-    q4_codes: dict = field(default_factory=dict)  # HF name -> gguf_loader.Q4Codes, when asked for and the file has them
+    weight_format: str = "none"  # the decoder projections' format (quant.WeightFormat); int4 from a GGUF: Q4Codes values
     defaults_source: str = "none"  # where generation_defaults come from: "the model's files", "the SmolLM2 model card", "none"
 
 
@@ -118,14 +118,20 @@ def _alias_path(alias: str) -> Path:
 
 
 def load_checkpoint(
-    name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True, keep_q4: bool = False
+    name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none"
 ) -> LoadedCheckpoint:
-    """Load a model's weights (as `dtype`), config, tokenizer and stop tokens (and a GGUF's 4-bit codes: keep_q4)."""
+    """Load a model's weights, config, tokenizer and stop tokens.
+
+    quantization: the projections' format, "none", "int8", "int4" or "auto"
+    (a GGUF's own: int4 from Q4_0/Q4_1, int8 from Q8_0; float otherwise). The
+    weights are `dtype`, but for low-bit projections: float32 until their layer
+    rounds them, or a GGUF's 4-bit codes as stored (see gguf_loader.load_gguf).
+    """
     path = resolve_model_path(str(name_or_path))
     start = time.perf_counter()
     if path.suffix == ".gguf":
-        gg = load_gguf(path, dtype=dtype, progress=progress, keep_q4=keep_q4)
-        q4 = gg.q4_codes
+        gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization)
+        weight_format = gg.weight_format
         config, state_dict, tokenizer = gg.config, gg.state_dict, gg.tokenizer
         generation_eos, defaults, fmt = gg.generation_eos_ids, gg.generation_defaults, "gguf"
         names = (*gg.names, path.stem)
@@ -135,7 +141,7 @@ def load_checkpoint(
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         generation_eos, defaults = read_generation_config(path, config)
         fmt = "hf"
-        q4 = {}
+        weight_format = "none" if quantization == "auto" else quantization
         names = (path.name,)
     source = "the model's files"
     if not defaults:  # card defaults stand in for the model's own, never mix with them
@@ -148,7 +154,7 @@ def load_checkpoint(
         path.name, fmt, config.model_type, len(state_dict), n_params / 1e6, list(eos), time.perf_counter() - start,
     )
     log.info("sampling defaults from %s: %s", source, defaults or "none (the built-in ones apply)")
-    return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt, q4, source)
+    return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt, weight_format, source)
 
 
 def card_defaults(names) -> tuple[str, dict] | None:

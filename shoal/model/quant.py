@@ -26,24 +26,100 @@ not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from shoal.model.layers import STACKED_PARAMS, Layer
+from shoal.model.layers import Layer, Linear
 
 GROUP_SIZE = 32  # ggml's Q4 block: codes and scales map across unchanged
 
 
-class Int8Linear(Layer):
+@dataclass
+class Q4Codes:
+    """A 4-bit GGUF tensor as stored: weight[r, c] = codes[r, c] * scale[r, c // 32] + low[r, c // 32].
+
+    Q4_1 blocks hold 32 weights as 4-bit codes with a float16 scale `d` and
+    minimum `m`; Q4_0 blocks hold a scale only, around code 8 (low = -8 d).
+    """
+
+    codes: torch.Tensor  # [out, in] uint8, 0..15
+    scale: torch.Tensor  # [out, in // 32] float32
+    low: torch.Tensor  # [out, in // 32] float32
+
+    def dequantized(self) -> torch.Tensor:
+        g = self.scale.shape[1]
+        w = self.codes.view(self.codes.shape[0], g, -1).float() * self.scale[..., None] + self.low[..., None]
+        return w.view(self.codes.shape)
+
+    def numel(self) -> int:
+        return self.codes.numel()
+
+    def permute_rows(self, fn) -> Q4Codes:
+        return Q4Codes(fn(self.codes), fn(self.scale), fn(self.low))
+
+
+class PartLoader:
+    """What a weight-only layer does while a checkpoint loads, so the weight format is chosen
+    when the layer is built (`WeightFormat.linear`), not swapped in after a float load.
+
+    A fused projection's parts (q, k, v; gate, up) arrive one by one through
+    `load_part`, as float tensors or a GGUF's own 4-bit codes; `finish_loading`
+    packs them once all are in. The bias is an ordinary parameter and loads as one.
+    """
+
+    def _start_loading(self, in_features: int, out_features: int, bias: bool, parts: tuple[int, ...], dtype: torch.dtype) -> None:
+        Layer.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.parts, self.dtype = parts, dtype
+        self.pending: dict[int, object] = {}
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, parts: tuple[int, ...], dtype: torch.dtype):
+        layer = cls.__new__(cls)
+        layer._start_loading(in_features, out_features, bias, parts, dtype)
+        return layer
+
+    def load_part(self, index: int, value) -> None:
+        rows = self.parts[index]
+        shape = tuple(value.codes.shape if isinstance(value, Q4Codes) else value.shape)
+        if shape != (rows, self.in_features):
+            raise ValueError(f"part {index} of a [{self.out_features}, {self.in_features}] projection: checkpoint shape {shape} != {(rows, self.in_features)}")
+        self.pending[index] = value
+
+    def missing_parts(self) -> list[int]:
+        return [i for i in range(len(self.parts)) if i not in self.pending]
+
+    def _take_parts(self) -> list:
+        missing = self.missing_parts()
+        if missing:
+            raise KeyError(f"checkpoint lacks part(s) {missing} of a fused projection")
+        parts, self.pending = [self.pending[i] for i in range(len(self.parts))], {}
+        return parts
+
+    @staticmethod
+    def _float(part) -> torch.Tensor:
+        return part.dequantized() if isinstance(part, Q4Codes) else part.float()
+
+
+class Int8Linear(PartLoader, Layer):
     """y = x @ (q * scale).T + bias, with q int8 [out, in] and one scale per output channel (symmetric)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
+        self._start_loading(weight.shape[1], weight.shape[0], False, (weight.shape[0],), weight.dtype)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._pack(weight)
+
+    def finish_loading(self) -> None:
+        self._pack(torch.cat([self._float(p) for p in self._take_parts()]))
+
+    def _pack(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
         self.register_buffer("weight", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(weight.dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.register_buffer("scale", scale.to(self.dtype))
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by (for references and tests)."""
@@ -56,37 +132,46 @@ class Int8Linear(Layer):
         return y if self.bias is None else y + self.bias
 
 
-class Int4Linear(Layer):
+class Int4Linear(PartLoader, Layer):
     """y = x @ w.T + bias, w[r, c] = codes[r, c] * scale[r, g] + low[r, g] for group g = c // 32.
 
     torch's kernel takes the codes packed, and per group (scale, zero) with
-    w = (code - 8) * scale + zero, so zero = low + 8 * scale.
+    w = (code - 8) * scale + zero, so zero = low + 8 * scale. Parts that arrive
+    as a GGUF's Q4 codes are packed as they are (`from_codes` counts them);
+    float parts are rounded like ggml's Q4_1.
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        super().__init__()
+        self._start_loading(codes.shape[1], codes.shape[0], False, (codes.shape[0],), dtype)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self._pack(Q4Codes(codes, scale, low))
+        self.from_codes = True
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        """Round each group of 32 to the nearest of 16 levels between its minimum and maximum (ggml's Q4_1)."""
+        layer = cls(*round_q4(weight), bias, weight.dtype)
+        layer.from_codes = False
+        return layer
+
+    def finish_loading(self) -> None:
+        parts = self._take_parts()
+        self.from_codes = all(isinstance(p, Q4Codes) for p in parts)
+        q = [p if isinstance(p, Q4Codes) else Q4Codes(*round_q4(p)) for p in parts]
+        self._pack(Q4Codes(*(torch.cat([getattr(p, f) for p in q]) for f in ("codes", "scale", "low"))))
+
+    def _pack(self, q: Q4Codes) -> None:
+        codes, scale, low = q.codes, q.scale, q.low
         out_features, in_features = codes.shape
         if in_features % GROUP_SIZE or scale.shape != (out_features, in_features // GROUP_SIZE) or low.shape != scale.shape:
             raise ValueError(f"int4 needs groups of {GROUP_SIZE} along the input: codes {tuple(codes.shape)}, scales {tuple(scale.shape)}")
-        self.in_features, self.out_features = in_features, out_features
         pad = -out_features % 16  # the kernel packs 16 output rows at a time: padded rows compute zeros, sliced off
         if pad:
             codes, scale, low = (torch.cat((t, t.new_zeros(pad, t.shape[1]))) for t in (codes, scale, low))
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1))
         zero = low.float() + 8 * scale.float()
         # [groups, out, 2] in the activation dtype, the kernel's layout
-        self.register_buffer("scales_and_zeros", torch.stack((scale.float(), zero), dim=-1).transpose(0, 1).contiguous().to(dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
-        """Round each group of 32 to the nearest of 16 levels between its minimum and maximum (ggml's Q4_1)."""
-        w = weight.detach().float()
-        groups = w.view(w.shape[0], -1, GROUP_SIZE)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(w.shape)
-        return cls(codes, scale, low, bias, weight.dtype)
+        self.register_buffer("scales_and_zeros", torch.stack((scale.float(), zero), dim=-1).transpose(0, 1).contiguous().to(self.dtype))
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by (for references and tests): the identity's product."""
@@ -103,59 +188,51 @@ class Int4Linear(Layer):
         return y if self.bias is None else y + self.bias
 
 
-PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-# fused projection -> the checkpoint tensors stacked in it, in shard order
-PARTS = {fused: tuple(part for f, part, _ in sorted(STACKED_PARAMS, key=lambda p: p[2]) if f == fused) for fused, _, _ in STACKED_PARAMS}
+def round_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scale, low) of ggml's Q4_1 rounding: each group of 32 to the nearest of 16 levels between its min and max."""
+    w = weight.detach().float()
+    groups = w.view(w.shape[0], -1, GROUP_SIZE)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(w.shape)
+    return codes, scale, low
 
 
-def quantize_int8(model: nn.Module) -> None:
-    """Swap every decoder layer's projections and the logits head for Int8Linear, in place.
+FORMATS = ("none", "int8", "int4")
 
-    The embedding table stays as it is: a lookup reads only the rows it needs.
-    With tied embeddings the head gets its own int8 copy of the table.
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the decoder's projections hold their weights, chosen before the model is built.
+
+    "none": `layers.Linear` in the model's dtype; "int8"/"int4": weight-only
+    layers that take their parts while loading. The logits head follows with
+    `finish_head` (int8 for either low-bit format).
     """
-    for _, owner, attr, lin in _projections(model):
-        setattr(owner, attr, Int8Linear(lin.weight, lin.bias))
-    _int8_head(model)
 
+    name: str = "none"
+    dtype: torch.dtype = torch.float32  # the activations'
 
-def quantize_int4(model: nn.Module, codes: dict | None = None) -> tuple[int, int]:
-    """Swap every decoder layer's projections for Int4Linear, in place; the logits head becomes Int8Linear.
+    def __post_init__(self) -> None:
+        if self.name not in FORMATS:
+            raise ValueError(f"unknown weight format {self.name!r}: choose one of {', '.join(FORMATS)}")
 
-    codes: HF tensor name -> gguf_loader.Q4Codes (a GGUF's own 4-bit tensors);
-    a projection whose parts all have codes is built from them, any other is
-    rounded from its float weight. Returns (projections from codes, total).
-    The head stays at 8 bits: it is the one matrix whose rounding every
-    logit sees directly.
-    """
-    codes = codes or {}
-    exact = total = 0
-    for i, owner, attr, lin in _projections(model):
-        prefix = f"model.layers.{i}.{'self_attn' if attr in ('qkv_proj', 'o_proj') else 'mlp'}"
-        names = [f"{prefix}.{part}.weight" for part in PARTS.get(attr, (attr,))]
-        total += 1
-        if all(n in codes for n in names):
-            parts = [codes[n] for n in names]
-            new = Int4Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                             torch.cat([p.low for p in parts]), lin.bias, lin.weight.dtype)
-            exact += 1
-        else:
-            new = Int4Linear.from_float(lin.weight, lin.bias)
-        setattr(owner, attr, new)
-    _int8_head(model)
-    return exact, total
+    def linear(self, in_features: int, out_features: int, bias: bool, parts: tuple[int, ...] | None = None) -> Layer:
+        if self.name == "none":
+            return Linear(in_features, out_features, bias=bias)
+        cls = Int8Linear if self.name == "int8" else Int4Linear
+        return cls.empty(in_features, out_features, bias, parts or (out_features,), self.dtype)
 
+    def finish_head(self, model: nn.Module) -> None:
+        """With low-bit projections, the logits head gets its own int8 copy of its (tied) weight.
 
-def _projections(model: nn.Module):
-    for i, layer in enumerate(model.model.layers):
-        for path in PROJECTIONS:
-            owner_name, attr = path.split(".")
-            owner = getattr(layer, owner_name)
-            yield i, owner, attr, getattr(owner, attr)
-
-
-def _int8_head(model: nn.Module) -> None:
-    head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
-    model.logits_head = Int8Linear(head)
-    if not model.config.tie_word_embeddings:
-        del model.lm_head
+        The head stays at 8 bits even with int4: it is the one matrix whose
+        rounding every logit sees directly. The embedding table stays as it
+        is: a lookup reads only the rows it needs.
+        """
+        if self.name == "none":
+            return
+        head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+        model.logits_head = Int8Linear(head)
+        if not model.config.tie_word_embeddings:
+            del model.lm_head

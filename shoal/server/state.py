@@ -156,7 +156,7 @@ class ServerState:
             return (_version(), self.model_name, "", "", "")
         runner = e.runner
         return (_version(), self.model_name, str(getattr(runner, "dtype", "")).removeprefix("torch."),
-                str(e.config.quantization or "none"), str(getattr(runner, "device", "")))
+                str(e.weight_format), str(getattr(runner, "device", "")))
 
     # ------------------------------------------------------------ checks for handlers
     def require_engine(self) -> None:
