@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.config import STRICT_MKL, CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from shoal.config import STRICT_MKL, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_bytes
 from shoal.types import GenerationRequest, SamplingParams
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -77,6 +77,16 @@ ENGINE_OPTS = [
         "with float weights it costs 8-20%% of the speed; README, Determinism)", kind="flag"),
     Opt("--attention", "auto", str, "attention backend: auto (batch-invariant with int8/int4 weights, sdpa with float "
         "ones), invariant, or sdpa (fastest; answers may change with the load)", choices=("auto", "invariant", "sdpa")),
+]
+
+# Scale-out (README): the model over several processes. `shoal worker` takes these too.
+PARALLEL_OPTS = [
+    Opt("--tensor-parallel-size", 1, int, "split every layer's heads and MLP columns over this many processes "
+        "(on one machine shoal starts them itself; with --nnodes they are spread over machines)"),
+    Opt("--nnodes", 1, int, "machines taking part; the others run `shoal worker`"),
+    Opt("--node-rank", 0, int, "this machine's place among them (serve: 0)"),
+    Opt("--master-addr", "127.0.0.1", str, "where rank 0 (the serving machine) is reached by the others"),
+    Opt("--master-port", 0, int, "rank 0's rendezvous port (default: a free one; needed with --nnodes > 1)"),
 ]
 
 SERVER_OPTS = [
@@ -212,6 +222,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"],
                                   follow_up_window=v["follow_up_window_ms"] / 1000),
         cache=CacheConfig(**cache),
+        parallel=ParallelConfig(**{o.key: v.get(o.key, o.default) for o in PARALLEL_OPTS}),
     )
 
 
@@ -228,7 +239,7 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
     )
 
 
-SERVE_OPTS = ENGINE_OPTS + SERVER_OPTS + SERVER_SAMPLING_OPTS
+SERVE_OPTS = ENGINE_OPTS + PARALLEL_OPTS + SERVER_OPTS + SERVER_SAMPLING_OPTS
 CONFIG_ONLY_KEYS = ("log_level",)
 
 
@@ -309,6 +320,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     v = serve_values(a)
     _setup_logging(v["log_level"], v["log_format"])
+    if _torchrun_rank() is not None:
+        v.update(_torchrun_parallel())
+        if _torchrun_rank() != 0:  # every torchrun process runs `shoal serve`: the others compute only
+            return _run_worker_rank(None, v)
     config = engine_config(v)
     settings = server_settings(v)
     resolve_model_path(config.model)  # a wrong name or path fails now, in one line, not after start-up
@@ -340,6 +355,54 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"shoal: the model failed to load: {failed[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def _torchrun_rank() -> int | None:
+    """This process's RANK where torchrun (or a launcher like it) started several."""
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return int(os.environ["RANK"])
+    return None
+
+
+def _torchrun_parallel() -> dict:
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return {"tensor_parallel_size": world, "nnodes": max(1, world // local), "node_rank": int(os.environ.get("GROUP_RANK", 0)),
+            "master_addr": os.environ.get("MASTER_ADDR", "127.0.0.1"), "master_port": int(os.environ.get("MASTER_PORT", 0))}
+
+
+def _run_worker_rank(rank: int | None, v: dict) -> int:
+    """Run one tensor-parallel rank other than 0 in this process until rank 0 stops it (rank None: torchrun's)."""
+    from shoal.executor.distributed import TensorParallelGroup
+    from shoal.executor.worker import serve_forwards
+
+    par = engine_config(v).parallel
+    if rank is None:
+        group = TensorParallelGroup.from_environment(par.timeout)
+    else:
+        group = TensorParallelGroup.join(rank, par.world_size, par.master_addr, par.master_port, par.timeout)
+    serve_forwards(group)
+    return 0
+
+
+def cmd_worker(a: argparse.Namespace) -> int:
+    """`shoal worker`: this machine's tensor-parallel ranks, for a `shoal serve --nnodes N` elsewhere."""
+    from shoal.executor.distributed import spawn_worker
+
+    v = {**_defaults(ENGINE_OPTS), **vars(a)}
+    par = engine_config(v).parallel
+    if par.node_rank == 0:
+        raise ValueError("--node-rank 0 is the machine that serves (shoal serve); workers are 1 and up")
+    first = par.node_rank * par.ranks_per_node
+    others = [spawn_worker(r, par.world_size, par.master_addr, par.master_port, par.timeout)
+              for r in range(first + 1, first + par.ranks_per_node)]
+    logging.getLogger("shoal").info("worker node %d: ranks %d-%d of %d, meeting rank 0 at %s:%d", par.node_rank, first,
+                                    first + par.ranks_per_node - 1, par.world_size, par.master_addr, par.master_port)
+    try:
+        return _run_worker_rank(first, v)
+    finally:
+        for p in others:
+            p.wait()
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -567,6 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="YAML file with the same keys as these flags")
     log_level(s)
     _add_opts(s.add_argument_group("model and engine"), ENGINE_OPTS, suppress=True)
+    _add_opts(s.add_argument_group("scale-out"), PARALLEL_OPTS, suppress=True)
     _add_opts(s.add_argument_group("server"), SERVER_OPTS, suppress=True)
     _add_opts(s.add_argument_group("default sampling (a request's own values win)"), SERVER_SAMPLING_OPTS, suppress=True)
     s.set_defaults(func=cmd_serve)
@@ -576,6 +640,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--api-key", default=os.environ.get("SHOAL_API_KEY"), help="API key (default $SHOAL_API_KEY)")
         p.add_argument("--model", default=None, help="model name (default: the server's first)")
         log_level(p)
+
+    w = sub.add_parser("worker", help="hold tensor-parallel ranks for a `shoal serve --nnodes N` on another machine",
+                       description="Join a shoal server running on another machine: this machine's ranks load their shard "
+                       "of the model, then run each step's forward as rank 0 sends it. The model, dtype and every other "
+                       "engine setting come from rank 0; the model file must exist here too.")
+    log_level(w)
+    _add_opts(w, PARALLEL_OPTS, suppress=False)
+    w.set_defaults(func=cmd_worker)
 
     c = sub.add_parser("chat", help="chat with a running server (streaming, multi-turn)", description="Interactive multi-turn chat with a running shoal (or any OpenAI-compatible) server. Commands: /reset, /system TEXT, /quit.")
     client_args(c)

@@ -77,6 +77,39 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes hold the model (README, Scale-out). Rank 0 serves; the others only compute."""
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1  # machines; each runs tensor_parallel_size // nnodes ranks
+    node_rank: int = 0  # this machine's place; 0 is the one that serves
+    master_addr: str = "127.0.0.1"  # rank 0's address, where the others meet it
+    master_port: int = 0  # 0: a free port (one machine only)
+    timeout: float = 300.0  # seconds a collective may wait for a rank (loading included)
+    shared_memory: bool = True  # ranks on one machine sum and broadcast through /dev/shm, not gloo (executor/shm.py)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must split evenly over nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("several machines need an explicit --master-port that rank 0 listens on")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
     # auto: bfloat16 where the device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX), else float32
@@ -96,6 +129,7 @@ class EngineConfig:
     # "auto": invariant with int8/int4 weights (their kernels are row-invariant as they are, so only attention
     # costs anything: ~10% at one stream), sdpa with float weights (where the linears would need splitting too)
     attention: str = "auto"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -14,6 +14,7 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
+from shoal.runner import model_runner
 from shoal.runner import sampler as sampler_mod
 from shoal.types import FinishReason, GenerationRequest
 from server_utils import LiveServer
@@ -58,12 +59,12 @@ def assert_failed(out, message):
 def poison_row_logits(llm, monkeypatch, value):
     """Make compute_logits give `value` in every entry of the poison's sampled row."""
     runner = llm.engine.runner
-    prepare, compute_logits = runner._prepare, runner.model.compute_logits
+    prepare, compute_logits = model_runner.forward_batch, runner.model.compute_logits
     order = []
 
     def remember(plan):
         out = prepare(plan)
-        order[:] = [s.seq_id for s in out[0] if s.sample]  # the sampled rows' order
+        order[:] = [s.seq_id for s in out[1] if s.sample]  # the sampled rows' order
         return out
 
     def logits(hidden):
@@ -75,7 +76,7 @@ def poison_row_logits(llm, monkeypatch, value):
                 out[order.index(seq_id)] = value
         return out
 
-    monkeypatch.setattr(runner, "_prepare", remember)
+    monkeypatch.setattr(model_runner, "forward_batch", remember)
     monkeypatch.setattr(runner.model, "compute_logits", logits)
 
 

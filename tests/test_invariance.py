@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from shoal import LLM, SamplingParams  # first: shoal sets MKL's strict mode before torch computes anything
 from shoal.model.attention import make_attention_backend
 from shoal.model.attention.common import SeqSpan, slot_mapping, write_kv
-from shoal.model.layers import INVARIANT_K, InvariantLinear, float32_gemm_is_row_invariant
+from shoal.model.layers import INVARIANT_K, InvariantLinear, wide_dtype
 from shoal.model.quant import Int4Linear, Int8Linear
 from shoal.runner.model_runner import seeded_generator
 from shoal.runner.sampler import SamplerRow, SamplingBatch, sample
@@ -201,10 +201,11 @@ def test_linear_rows_do_not_depend_on_the_batch(k, n, dtype):
     MKL's strict mode is row-invariant on this host (with MKL_CBWR=AUTO instead, it fails here) and the
     float64 path where it is not (AMD EPYC hosts)."""
     w, x = _linear_inputs(k, n, dtype)
-    if dtype == torch.float32 and float32_gemm_is_row_invariant():
+    wide = wide_dtype(dtype)
+    if dtype == torch.float32 and wide is None:
         forward = lambda rows: F.linear(rows, w)  # noqa: E731
     else:
-        forward = InvariantLinear(w, None, pad_single_row=dtype == torch.float16, wide=dtype == torch.float32)
+        forward = InvariantLinear(w, None, pad_single_row=dtype == torch.float16 and wide is None, wide=wide)
     assert _rows_alone_vs_in_batches(forward, x, BATCH_SIZES) == []
 
 
@@ -215,7 +216,7 @@ def test_plain_bfloat16_linear_past_invariant_k_depends_on_the_batch():
     k, n = 1536, 576
     assert k > INVARIANT_K
     w, x = _linear_inputs(k, n, torch.bfloat16)
-    assert _rows_alone_vs_in_batches(InvariantLinear(w, None, pad_single_row=False), x, BATCH_SIZES) == []
+    assert _rows_alone_vs_in_batches(InvariantLinear(w, None, pad_single_row=False, wide=wide_dtype(torch.bfloat16)), x, BATCH_SIZES) == []
     if not _rows_alone_vs_in_batches(lambda rows: F.linear(rows, w), x, BATCH_SIZES):
         pytest.skip("this CPU's bfloat16 GEMM is row-invariant at K = 1536: nothing to show")
 

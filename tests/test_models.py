@@ -12,7 +12,7 @@ import transformers
 from shoal import LLM, SamplingParams
 from shoal.model.loader import load_checkpoint
 from shoal.model.registry import model_class
-from shoal.runner.model_runner import KVCacheSpec, ModelRunner
+from shoal.runner.model_runner import KVCacheSpec, ModelRunner, forward_batch
 from shoal.types import ScheduledSeq, StepPlan
 from tiny_models import ARCHS, make_tiny_model
 
@@ -37,8 +37,8 @@ def build_runner(path, num_blocks=64, block_size=4):
 @torch.inference_mode()
 def step_logits(runner, seqs: list[ScheduledSeq]) -> torch.Tensor:
     """Hidden states -> logits for every token of the step, in plan order (decodes first)."""
-    _, input_ids, positions, meta, *_ = runner._prepare(StepPlan(tuple(seqs)))
-    return runner.model.compute_logits(runner.model(input_ids, positions, runner.kv_caches, meta))
+    batch, _ = forward_batch(StepPlan(tuple(seqs)))
+    return runner.model.compute_logits(runner.forward(batch))
 
 
 @torch.inference_mode()

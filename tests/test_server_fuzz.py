@@ -39,7 +39,7 @@ def test_the_served_document_is_the_one_fuzzed(srv):
     ops = {(path, method) for path, item in served["paths"].items() for method in item}
     assert ops == {("/v1/chat/completions", "post"), ("/v1/completions", "post"), ("/v1/models", "get"),
                    ("/v1/messages", "post"), ("/v1/messages/count_tokens", "post"),
-                   ("/health", "get"), ("/stats", "get"), ("/metrics", "get"), ("/tokenize", "post"), ("/detokenize", "post")}
+                   ("/health", "get"), ("/stats", "get"), ("/v1/cluster", "get"), ("/metrics", "get"), ("/tokenize", "post"), ("/detokenize", "post")}
     for path, item in served["paths"].items():
         for op in item.values():
             assert "422" not in op["responses"], path  # validation errors are 400s here

@@ -117,7 +117,10 @@ class AsyncEngine:
                 self.ready.set_exception(exc)
                 return
         self.ready.set_result(self.engine)
-        self._loop()
+        try:
+            self._loop()
+        finally:
+            self.engine.close()  # stop the other tensor-parallel ranks, if any (this thread ran their collectives)
 
     def _loop(self) -> None:
         while not self._stopped.is_set():

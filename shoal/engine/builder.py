@@ -1,16 +1,20 @@
-"""Wire an Engine from an EngineConfig: load the checkpoint, build the model, size the KV cache."""
+"""Wire an Engine from an EngineConfig: load the checkpoint, build the model (or this rank's shard), size the KV cache."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
 from shoal.config import STRICT_MKL, EngineConfig
 from shoal.engine.engine import Engine
-from shoal.model.loader import load_checkpoint
+from shoal.engine.shard_plan import plan_tensor_parallel
+from shoal.executor import LocalExecutor
+from shoal.model.config import ModelConfig
+from shoal.model.loader import LoadedCheckpoint, load_checkpoint
 from shoal.model.layers import Rotary, bind_attributes, make_row_invariant
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
@@ -20,35 +24,76 @@ from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device
 log = logging.getLogger("shoal.engine")
 
 
+@dataclass
+class ModelPart:
+    """What one process holds of the model: its runner (weights, KV slice) and what the engine needs."""
+
+    runner: ModelRunner
+    checkpoint: LoadedCheckpoint
+    weight_format: str
+    max_model_len: int
+
+
 def build_engine(config: EngineConfig) -> Engine:
     t0 = time.perf_counter()
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    if config.parallel.world_size > 1:
+        from shoal.executor.distributed import start_rank0
+
+        executor, part = start_rank0(config)
+    else:
+        part = build_part(config)
+        executor = LocalExecutor(part.runner)
+    runner, ckpt = part.runner, part.checkpoint
+    engine = Engine(executor, ckpt.tokenizer, ckpt.eos_token_ids, config, part.max_model_len)
+    engine.weight_format = part.weight_format
+    engine.checkpoint_info = ckpt  # tokenizer, chat template, generation defaults for the layers above
+    log.info(
+        "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks%s",
+        time.perf_counter() - t0, runner.config.architecture, str(runner.dtype).removeprefix("torch."),
+        f" ({part.weight_format} weights)" if part.weight_format != "none" else "", runner.device, part.max_model_len,
+        runner.num_blocks, f", tensor parallel over {config.parallel.world_size} ranks" if config.parallel.world_size > 1 else "",
+    )
+    return engine
+
+
+def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
+    """Load the checkpoint and build this process's part of the model: all of it, or tensor-parallel
+    rank `rank`'s shard (group: executor.distributed.TensorParallelGroup, which sums the row-parallel
+    outputs and agrees on the KV pool's size, the smallest over the ranks)."""
+    size = group.size if group is not None else 1
+    threads = config.num_threads or (_threads_per_rank(config.parallel.ranks_per_node) if size > 1 else None)
+    if threads:
+        torch.set_num_threads(threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cpu":
         keep_freed_memory()
     quantization = resolve_quantization(config.quantization, device, dtype)
-    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization)
+    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0)
     hf = ckpt.hf_config
     max_model_len = config.max_model_len or hf.max_position_embeddings
     if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {hf.max_position_embeddings} positions")
 
+    shard = None
+    if size > 1:
+        whole = ModelConfig.from_hf(hf)
+        shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, size)[rank]
     weights = WeightFormat(ckpt.weight_format, dtype)
     with torch.device("meta"):
-        model = model_class(hf.architectures)(hf, max_model_len, weights.linear)
+        model = model_class(hf.architectures)(hf, max_model_len, weights.linear, shard, group.reduce if group is not None else None)
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
     model.model.rotary = Rotary(model.config, max_model_len).to(device)
     model.load_weights(ckpt.state_dict)
     model = model.to(dtype).eval()
-    weights.finish_head(model)
-    if weights.name != "none":
-        linears = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    if rank == 0:  # only rank 0 computes logits
+        weights.finish_head(model)
+    if weights.name != "none" and rank == 0:
+        linears = [m for m in model.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
         exact = sum(getattr(m, "from_codes", False) for m in linears)
         log.info("%s weights (--quantization %s): %d projections, %d of them the checkpoint's own 4-bit codes; "
-                 "int8 logits head", weights.name, config.quantization, len(linears) - 1, exact)
+                 "int8 logits head", weights.name, config.quantization, len(linears), exact)
     attention = config.attention if config.attention != "auto" else ("sdpa" if weights.name == "none" else "invariant")
     if attention == "invariant":
         if device.type == "cpu" and dtype == torch.float32 and os.environ.get("MKL_CBWR") != STRICT_MKL:
@@ -56,21 +101,21 @@ def build_engine(config: EngineConfig) -> Engine:
                         "float32 matmul (shoal serve --deterministic sets it at start-up); without it rows may differ "
                         "with the batch", STRICT_MKL)
         swapped = make_row_invariant(model, device, dtype)
-        if swapped:
+        if swapped and rank == 0:
             log.info("batch-invariant matmuls: %d linear layers split or padded for %s on %s", swapped, str(dtype).removeprefix("torch."), device)
     bind_attributes(model)  # last: the model is final now
     spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)
+    if group is not None:
+        spec = replace(spec, num_blocks=group.agree_min(spec.num_blocks))
     runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, attention)
-    engine = Engine(runner, ckpt.tokenizer, ckpt.eos_token_ids, config, max_model_len)
-    engine.weight_format = weights.name
-    engine.checkpoint_info = ckpt  # tokenizer, chat template, generation defaults for the layers above
     ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
-    log.info(
-        "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks",
-        time.perf_counter() - t0, model.config.architecture, str(dtype).removeprefix("torch."),
-        f" ({weights.name} weights)" if weights.name != "none" else "", device, max_model_len, spec.num_blocks,
-    )
-    return engine
+    return ModelPart(runner, ckpt, weights.name, max_model_len)
+
+
+def _threads_per_rank(ranks_here: int) -> int:
+    """Tensor-parallel ranks on one machine share its cores: each gets an equal part (at least one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks_here)
 
 
 def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -98,12 +98,19 @@ class _RequestState:
 
 class Engine:
     def __init__(
-        self, runner, tokenizer, eos_token_ids: tuple[int, ...], config: EngineConfig, max_model_len: int, clock=time.monotonic
+        self, executor, tokenizer, eos_token_ids: tuple[int, ...], config: EngineConfig, max_model_len: int, clock=time.monotonic
     ) -> None:
+        """executor: how the engine reaches the model (shoal/executor): `execute(plan)`, `runner`
+        (this process's ModelRunner), `cluster()`, `close()`. A bare ModelRunner is taken as a local one."""
+        from shoal.executor import LocalExecutor  # noqa: PLC0415 (the executor imports torch; the engine's bookkeeping does not)
+
+        if not hasattr(executor, "runner"):
+            executor = LocalExecutor(executor)
         self.config = config
         self.weight_format = "none"  # the projections' format as built (quant.WeightFormat): the builder sets it
         self.clock = clock  # every timing in RequestMetrics and the snapshot; tests pass a fake one
-        self.runner = runner
+        self.executor = executor
+        runner = self.runner = executor.runner
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
@@ -238,6 +245,10 @@ class Engine:
     def discard_pending_outputs(self) -> None:
         self._pending.clear()
 
+    def close(self) -> None:
+        """Release what the executor holds beyond this process (tensor-parallel ranks)."""
+        self.executor.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
@@ -260,7 +271,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.empty:
             if sched.plan.block_copies:  # copies promised to sequences that run later
-                self.runner.execute(sched.plan)
+                self.executor.execute(sched.plan)
             self.monitor.publish(outputs)
             return outputs
         now = self.clock()
@@ -268,7 +279,7 @@ class Engine:
             m = self._requests[seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        result: StepOutput = self.runner.execute(sched.plan)
+        result: StepOutput = self.executor.execute(sched.plan)
         self.scheduler.on_step_done(sched, result.sampled)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions

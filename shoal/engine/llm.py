@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from shoal.config import CacheConfig, EngineConfig, SchedulerConfig
+from shoal.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from shoal.engine.engine import Engine
 from shoal.server.chat.template import ChatRenderer
 from shoal.types import GenerationRequest, RequestOutput, SamplingParams
@@ -28,6 +28,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._renderer = ChatRenderer(self.tokenizer)  # the server's rendering: the model's template, or the fallback
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's other ranks, if it has any (tensor parallelism); a no-op otherwise."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,
@@ -117,6 +127,8 @@ def _engine_config(model: str, kwargs: dict[str, Any]) -> EngineConfig:
     top = {k: kwargs.pop(k) for k in list(kwargs) if k in EngineConfig.__dataclass_fields__}
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
     cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
+    parallel = {k: kwargs.pop(k) for k in list(kwargs) if k in ParallelConfig.__dataclass_fields__}
     if kwargs:
         raise TypeError(f"unknown LLM arguments: {', '.join(sorted(kwargs))}")
-    return EngineConfig(model=model, **top, scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache))
+    return EngineConfig(model=model, **top, scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache),
+                        parallel=ParallelConfig(**parallel))

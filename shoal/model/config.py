@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -39,6 +39,10 @@ class ModelConfig:
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def sharded(self, shard) -> ModelConfig:
+        """The shape one tensor-parallel rank computes (shard: engine.shard_plan.TensorShard)."""
+        return replace(self, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads, intermediate_size=shard.intermediate_size)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_size * dtype_bytes

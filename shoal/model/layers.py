@@ -27,6 +27,18 @@ STACKED_PARAMS = (
     ("gate_up_proj", "up_proj", 1),
 )
 
+# Tensor parallelism (engine/shard_plan.py): checkpoint projection -> (dimension split, the shard's range).
+# Column-parallel ones split their output rows, row-parallel ones (o, down) their input columns.
+SHARDED_PARAMS = (
+    ("q_proj", 0, "heads"),
+    ("k_proj", 0, "kv_heads"),
+    ("v_proj", 0, "kv_heads"),
+    ("o_proj", 1, "heads"),
+    ("gate_proj", 0, "intermediate"),
+    ("up_proj", 0, "intermediate"),
+    ("down_proj", 1, "intermediate"),
+)
+
 
 class Layer(nn.Module):
     """An nn.Module whose call is its forward.
@@ -60,30 +72,48 @@ INVARIANT_K = 1024
 
 
 @functools.cache
-def float32_gemm_is_row_invariant() -> bool:
-    """Whether this host's float32 GEMMs (MKL, in the strict mode `--deterministic` sets)
-    give a row the same bits whatever the number of rows, for linears and batched matmuls.
+def gemm_is_row_invariant(dtype: torch.dtype) -> bool:
+    """Whether this host's GEMMs in `dtype`, called the way the invariant paths call them, give a row
+    the same bits whatever the number of rows, for linears and batched matmuls. Probed once per
+    process and dtype, on random data.
 
-    On the Intel Xeon hosts they did. On an AMD EPYC host of the same kind
-    (2026-11-23) MKL's strict mode still changed a row with the batch, so there
-    float32 takes the wide path (`InvariantLinear(wide=True)`, products summed in
-    float64 and rounded once). Probed once per process, on random data.
+    - float32 (MKL, in the strict mode `--deterministic` sets): yes on the Intel Xeon hosts; no on
+      an AMD EPYC host of the same kind (2026-11-23), where MKL's strict mode still changed a row
+      with the batch.
+    - bfloat16/float16 with reductions of at most INVARIANT_K (InvariantLinear splits longer ones):
+      yes where the CPU multiplies bf16 natively (oneDNN's AVX512-BF16/AMX kernels); no on an Intel
+      Xeon without avx512_bf16 (2026-11-23), where oneDNN's emulated bf16 GEMM blocks rows its own way.
+
+    Where the answer is no, the invariant paths compute in a wider dtype (`wide_dtype`).
     """
     g = torch.Generator().manual_seed(0)
-    for k, n in ((576, 960), (1536, 576)):
-        w, x = torch.randn(n, k, generator=g), torch.randn(70, k, generator=g)
+    shapes = ((576, 960), (1536, 576)) if dtype == torch.float32 else ((576, 960), (INVARIANT_K, 576))
+    sizes = (2, 3, 5, 8, 17, 33)
+    for k, n in shapes:
+        w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(70, k, generator=g).to(dtype)
         full = F.linear(x, w)
-        if any(not torch.equal(F.linear(x[:b], w), full[:b]) for b in (2, 3, 5, 8, 17, 33)):
+        if any(not torch.equal(F.linear(x[:b], w), full[:b]) for b in sizes):
             return False
-    a, b = torch.randn(3, 4, 70, 64, generator=g), torch.randn(3, 4, 64, 256, generator=g)
+    a, b = torch.randn(3, 4, 70, 64, generator=g).to(dtype), torch.randn(3, 4, 64, 256, generator=g).to(dtype)
     full = torch.matmul(a, b)
-    return all(torch.equal(torch.matmul(a[:, :, :m], b), full[:, :, :m]) for m in (2, 3, 17, 33))
+    return all(torch.equal(torch.matmul(a[:, :, :m], b), full[:, :, :m]) for m in sizes)
 
 
-def wide_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in float64, rounded once to a's dtype: a float32 row's bits then depend on its own
-    products only (the float64 sum's order changes nothing a float32 rounding can see, in practice)."""
-    return torch.matmul(a.double(), b.double()).to(a.dtype)
+def wide_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype the invariant paths multiply `dtype` tensors in on this CPU: None (as they are) where its
+    GEMMs are row-invariant, else float32 for a half dtype where float32's are, else float64."""
+    if gemm_is_row_invariant(dtype):
+        return None
+    if dtype != torch.float32 and gemm_is_row_invariant(torch.float32):
+        return torch.float32
+    return torch.float64
+
+
+def wide_matmul(a: torch.Tensor, b: torch.Tensor, via: torch.dtype = torch.float64) -> torch.Tensor:
+    """a @ b computed in `via`, rounded once to a's dtype: a row's bits then depend on its own products
+    only (float64's sum order changes nothing a float32 rounding can see, in practice; float32's GEMM
+    is row-invariant where `via` is float32)."""
+    return torch.matmul(a.to(via), b.to(via)).to(a.dtype)
 
 
 class InvariantLinear(Layer):
@@ -95,17 +125,18 @@ class InvariantLinear(Layer):
     - `pad_single_row`: the float16 GEMM takes a different kernel for a single
       row than for several, so a one-row call runs on the row twice.
 
-    - `wide` (float32 where the host's GEMM is not row-invariant): one float64
-      GEMM, rounded back once.
+    - `wide` (a dtype, where the host's GEMM in the activation dtype is not
+      row-invariant: `wide_dtype`): one GEMM in that dtype, rounded back once.
+      True means float64.
 
     Chosen once per layer by `make_row_invariant` when the device and dtype need it.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pad_single_row: bool, wide: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pad_single_row: bool, wide: torch.dtype | bool | None = None) -> None:
         super().__init__()
-        self.wide = wide
-        if wide:
-            self.register_buffer("weight_t", weight.double().T.contiguous(), persistent=False)
+        self.wide = torch.float64 if wide is True else (wide or None)
+        if self.wide is not None:
+            self.register_buffer("weight_t", weight.to(self.wide).T.contiguous(), persistent=False)
             self.bias, self.in_features, self.out_features = bias, weight.shape[1], weight.shape[0]
             return
         k = weight.shape[1]
@@ -120,8 +151,8 @@ class InvariantLinear(Layer):
         self.in_features, self.out_features = k, weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wide:
-            y = wide_matmul(x, self.weight_t)
+        if self.wide is not None:
+            y = wide_matmul(x, self.weight_t, self.wide)
             return y if self.bias is None else y + self.bias
         single = self.pad_single_row and x.shape[0] == 1
         if single:
@@ -143,25 +174,26 @@ def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtyp
 
     bfloat16/float16 on the CPU: reductions longer than INVARIANT_K are split;
     float16 also pads single rows. float32 on the CPU needs nothing here where
-    MKL's strict reproducible mode (config.STRICT_MKL) is row-invariant, and goes
-    wide where it is not (`float32_gemm_is_row_invariant`). Weight-only int8/int4
-    kernels are row-invariant as they are.
+    MKL's strict reproducible mode (config.STRICT_MKL) is row-invariant. Where
+    the host's GEMMs in `dtype` are not row-invariant even so (`gemm_is_row_invariant`),
+    every linear goes wide (`wide_dtype`). Weight-only int8/int4 kernels are
+    row-invariant as they are.
     """
     if device.type != "cpu":
         return 0
-    wide = dtype == torch.float32
-    if wide and float32_gemm_is_row_invariant():
+    wide = wide_dtype(dtype)
+    if dtype == torch.float32 and wide is None:
         return 0
-    pad = dtype == torch.float16
+    pad = dtype == torch.float16 and wide is None
     swapped = 0
     if model.logits_head is None:  # the head is F.linear over the embedding table or lm_head's weight
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
-        if wide or pad or head.shape[1] > INVARIANT_K:
+        if wide is not None or pad or head.shape[1] > INVARIANT_K:
             model.logits_head = InvariantLinear(head.detach(), None, pad, wide)
             swapped += 1
     for owner in list(model.model.modules()):  # the decoder's projections; the head is done
         for name, child in list(owner.named_children()):
-            if type(child) is Linear and (wide or pad or child.in_features > INVARIANT_K):
+            if type(child) is Linear and (wide is not None or pad or child.in_features > INVARIANT_K):
                 setattr(owner, name, InvariantLinear(child.weight.detach(), child.bias, pad, wide))
                 swapped += 1
     return swapped
@@ -243,9 +275,11 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class Attention(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear, reduce=None) -> None:
+        """reduce: the sum across tensor-parallel ranks of o_proj's partial outputs (None: one rank)."""
         super().__init__()
         self.c = config
+        self.reduce = reduce
         parts = (config.q_size, config.kv_size, config.kv_size)
         self.qkv_proj = linear(config.hidden_size, sum(parts), config.attention_bias, parts)
         self.o_proj = linear(config.q_size, config.hidden_size, False)
@@ -267,27 +301,30 @@ class Attention(Layer):
         qk = apply_rope(qk, rope)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         o = meta.forward(q, k, v, kv, self.scale)
-        return self.o_proj(o.reshape(T, c.q_size))
+        out = self.o_proj(o.reshape(T, c.q_size))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear, reduce=None) -> None:
         super().__init__()
+        self.reduce = reduce
         self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size, False, (config.intermediate_size,) * 2)
         self.down_proj = linear(config.intermediate_size, config.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear, reduce=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, linear)
+        self.self_attn = Attention(config, linear, reduce)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, linear)
+        self.mlp = MLP(config, linear, reduce)
 
     def forward(self, x, rope, kv, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
@@ -297,11 +334,11 @@ class DecoderLayer(Layer):
 class DecoderModel(Layer):
     """Embeddings, N pre-norm decoder layers, final norm: the HF `model.` prefix."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, reduce=None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = Rotary(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, linear) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, linear, reduce) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -318,12 +355,21 @@ class DecoderForCausalLM(nn.Module):
     qk_norm = False
     attention_bias: bool | None = None  # None: as the config says
 
-    def __init__(self, hf_config, max_positions: int, linear=float_linear) -> None:
+    def __init__(self, hf_config, max_positions: int, linear=float_linear, shard=None, reduce=None) -> None:
         """linear(in, out, bias, parts) builds the decoder's projections: `quant.WeightFormat.linear`
-        chooses their weight format here, before any weight is loaded."""
+        chooses their weight format here, before any weight is loaded.
+
+        shard (engine.shard_plan.TensorShard): build one tensor-parallel rank's part, its heads and
+        intermediate columns; `reduce` sums a row-parallel projection's output over the ranks.
+        Embeddings, norms and the logits head stay whole on every rank.
+        """
         super().__init__()
         self.config = ModelConfig.from_hf(hf_config, qk_norm=self.qk_norm, attention_bias=self.attention_bias)
-        self.model = DecoderModel(self.config, max_positions, linear)
+        self.shard = shard if shard is not None and shard.size > 1 else None
+        self.head_dim = self.config.head_dim
+        if self.shard is not None:
+            self.config = self.config.sharded(self.shard)
+        self.model = DecoderModel(self.config, max_positions, linear, reduce)
         if not self.config.tie_word_embeddings:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set by WeightFormat.finish_head: replaces the (tied) head
@@ -355,6 +401,8 @@ class DecoderForCausalLM(nn.Module):
                 continue
             if "rotary_emb" in name:
                 continue
+            if self.shard is not None:
+                tensor = self._shard_tensor(name, tensor)
             target, shard = name, None
             for fused, part, index in STACKED_PARAMS:
                 if f".{part}." in name:
@@ -384,6 +432,19 @@ class DecoderForCausalLM(nn.Module):
         for m in modules.values():
             if hasattr(m, "finish_loading"):
                 m.finish_loading()
+
+
+    def _shard_tensor(self, name: str, tensor):
+        """This rank's rows or columns of a checkpoint tensor (SHARDED_PARAMS); others whole."""
+        for part, dim, what in SHARDED_PARAMS:
+            if f".{part}." in name:
+                if dim == 1 and not name.endswith(".weight"):
+                    raise NotImplementedError(f"{name}: a bias on a row-parallel projection is not supported with tensor parallelism")
+                a, b = getattr(self.shard, what)
+                if what != "intermediate":
+                    a, b = a * self.head_dim, b * self.head_dim
+                return tensor.narrow(dim if name.endswith(".weight") else 0, a, b - a)
+        return tensor
 
 
 def _shard_sizes(config: ModelConfig, fused: str) -> list[int]:

@@ -59,6 +59,16 @@ class Q4Codes:
     def permute_rows(self, fn) -> Q4Codes:
         return Q4Codes(fn(self.codes), fn(self.scale), fn(self.low))
 
+    def narrow(self, dim: int, start: int, length: int) -> Q4Codes | torch.Tensor:
+        """Rows or columns [start, start + length), as torch.Tensor.narrow: codes as they are where
+        the columns fall on group boundaries, else the dequantized float slice."""
+        if dim == 0:
+            return Q4Codes(*(t.narrow(0, start, length) for t in (self.codes, self.scale, self.low)))
+        if start % GROUP_SIZE or length % GROUP_SIZE:
+            return self.dequantized().narrow(1, start, length)
+        g0, gn = start // GROUP_SIZE, length // GROUP_SIZE
+        return Q4Codes(self.codes.narrow(1, start, length), self.scale.narrow(1, g0, gn), self.low.narrow(1, g0, gn))
+
 
 class PartLoader:
     """What a weight-only layer does while a checkpoint loads, so the weight format is chosen

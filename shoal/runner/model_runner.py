@@ -1,7 +1,12 @@
 """ModelRunner: owns the KV tensors, turns a StepPlan into tensors, runs the model, samples.
 
-Every tensor of a step is built here, in `_prepare`, once: the model and the
-sampler only consume them. The runner makes no scheduling decisions.
+Every tensor of a step is built here, once: the model and the sampler only
+consume them. The runner makes no scheduling decisions.
+
+A step has two halves. `forward(ForwardBatch)` is what every tensor-parallel
+rank runs on its shard: block copies, token ids, positions and block tables,
+no request state. Sampling (and prompt logprobs) runs on rank 0 alone, where
+the requests' parameters and histories are; `execute` does both in one process.
 """
 
 from __future__ import annotations
@@ -54,6 +59,23 @@ def seeded_generator(seed: int, num_sampled: int, device: torch.device) -> torch
     g = torch.Generator(device=device)
     g.manual_seed((seed * 0x9E3779B97F4A7C15 + num_sampled) % (1 << 63))
     return g
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """What the forward of a step needs, as plain data: the part of a StepPlan every rank gets.
+
+    Tokens are laid out flat, decodes first (one token each), then prefill chunks (attention/common.py).
+    """
+
+    token_ids: list[int]
+    decodes: list[SeqSpan]
+    chunks: list[SeqSpan]
+    block_copies: list[tuple[int, int]]
+
+    @property
+    def empty(self) -> bool:
+        return not self.token_ids
 
 
 @dataclass(frozen=True)
@@ -116,38 +138,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
-        if plan.block_copies:
-            src = torch.tensor([s for s, _ in plan.block_copies], device=self.device)
-            dst = torch.tensor([d for _, d in plan.block_copies], device=self.device)
-            self.kv[:, :, :, dst] = self.kv[:, :, :, src]
-        if plan.empty:
+    def execute(self, plan: StepPlan, forward=None) -> StepOutput:
+        """The whole step. forward(batch) -> hidden replaces `self.forward` where other ranks must
+        run it too (executor/distributed.py)."""
+        batch, seqs = forward_batch(plan)
+        hidden = (forward or self.forward)(batch)
+        if hidden is None:
             return StepOutput([], {})
-        seqs, input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(plan)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sampled = [s for s in seqs if s.sample]
-        result = self._sample(sampled, self.model.compute_logits(hidden[sample_rows])) if sampled else []
-        return StepOutput(result, self._prompt_logprobs(prompt_rows, hidden) if prompt_rows else {})
-
-    def _prepare(self, plan: StepPlan):
-        dev = self.device
-        # Decodes first (one query token each), then chunks: see attention/common.py.
-        decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
-        chunks = [s for s in plan.seqs if len(s.token_ids) > 1]
-        seqs = decodes + chunks
-
-        ids: list[int] = []
-        pos: list[int] = []
-        for s in seqs:
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        meta = self.attention.prepare(
-            [SeqSpan(s.start_pos, 1, tuple(s.block_table)) for s in decodes],
-            [SeqSpan(s.start_pos, len(s.token_ids), tuple(s.block_table)) for s in chunks],
-        )
-
         # Row of each sampled sequence's last token in the flat batch, and of the first
         # position whose logits give prompt logprobs.
         rows, offset = [], 0
@@ -158,8 +155,30 @@ class ModelRunner:
             offset += len(s.token_ids)
             if s.sample:
                 rows.append(offset - 1)
-        sample_rows = torch.tensor(rows, dtype=torch.long, device=dev)
-        return seqs, input_ids, positions, meta, sample_rows, prompt_rows
+        sampled = [s for s in seqs if s.sample]
+        sample_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        result = self._sample(sampled, self.model.compute_logits(hidden[sample_rows])) if sampled else []
+        return StepOutput(result, self._prompt_logprobs(prompt_rows, hidden) if prompt_rows else {})
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Copy blocks, then run the model over the batch: hidden states [T, hidden] (None when it has no tokens)."""
+        dev = self.device
+        if batch.block_copies:
+            src = torch.tensor([s for s, _ in batch.block_copies], device=dev)
+            dst = torch.tensor([d for _, d in batch.block_copies], device=dev)
+            self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+        if batch.empty:
+            return None
+        pos: list[int] = []
+        for s in batch.decodes:
+            pos.append(s.start_pos)
+        for s in batch.chunks:
+            pos.extend(range(s.start_pos, s.context_len))
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        meta = self.attention.prepare(batch.decodes, batch.chunks)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
         """One SampledToken per sequence. A failure that belongs to some rows (their
@@ -258,6 +277,23 @@ class ModelRunner:
                 i += 1
             out[s.seq_id] = entries
         return out
+
+
+def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
+    """The plan's forward half, and its sequences in the batch's order (decodes first, then chunks)."""
+    decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
+    chunks = [s for s in plan.seqs if len(s.token_ids) > 1]
+    seqs = decodes + chunks
+    ids: list[int] = []
+    for s in seqs:
+        ids.extend(s.token_ids)
+    batch = ForwardBatch(
+        ids,
+        [SeqSpan(s.start_pos, 1, tuple(s.block_table)) for s in decodes],
+        [SeqSpan(s.start_pos, len(s.token_ids), tuple(s.block_table)) for s in chunks],
+        list(plan.block_copies),
+    )
+    return batch, seqs
 
 
 def _num_logprobs(p) -> int:

@@ -5,7 +5,7 @@ starts, so `/health` answers (503, "loading") while the weights load; given a
 ready `Engine` it serves at once. Routes:
 
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models   (openai/)
-    GET /health, GET /stats, POST /tokenize, POST /detokenize         (here)
+    GET /health, GET /stats, GET /v1/cluster, POST /tokenize, POST /detokenize         (here)
 """
 
 from __future__ import annotations
@@ -136,6 +136,9 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse, "description": "Loading, or the model failed to load"}})
     async def health(request: Request) -> JSONResponse:
         state: ServerState = request.app.state.shoal
+        failure = getattr(state.engine.executor, "failure", None) if state.status == "ok" else None
+        if failure:  # a tensor-parallel rank is gone: every step fails until a restart
+            return JSONResponse({"status": "failed", "model_loaded": True, "error": "a tensor-parallel rank is unreachable"}, status_code=503)
         if state.status == "ok":
             return JSONResponse({"status": "ok", "model_loaded": True})
         body = {"status": state.status, "model_loaded": False}
@@ -146,6 +149,14 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/stats", responses={200: {"model": StatsResponse}, **error_responses(401, 403, 500)})
     async def stats(request: Request) -> JSONResponse:
         return JSONResponse(request.app.state.shoal.stats())
+
+    @app.get("/v1/cluster", responses={200: {"description": "The ranks that hold the model: each with its rank, host, pid, "
+                                             "layer range, heads, memory and state (README, Scale-out)"},
+                                       **error_responses(401, 403, 503)})
+    async def cluster(request: Request) -> JSONResponse:
+        state: ServerState = request.app.state.shoal
+        state.require_engine()
+        return JSONResponse(state.engine.executor.cluster())
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

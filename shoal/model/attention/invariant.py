@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
-from shoal.model.layers import float32_gemm_is_row_invariant, wide_matmul
+from shoal.model.layers import wide_dtype, wide_matmul
 
 # Keys per tile: the length of every p.v reduction. 128 keys x 64 dims is 16 KiB of
 # bf16 per head; shorter tiles mean more matmuls per step.
@@ -78,11 +78,12 @@ class InvariantAttention:
         self.window = sliding_window
         self.null_block = null_block
         self.device = device
+        # where the host's GEMMs in this dtype are not row-invariant (MKL's float32 on AMD EPYC, emulated
+        # bfloat16): products in a wider dtype, rounded once (layers.wide_dtype)
+        self.wide = wide_dtype(dtype) if device.type == "cpu" else None
         # MKL's float32 and oneDNN's float16 batched GEMMs take another path for a single
         # row than for several (tests/test_invariance.py): such a matmul runs on the row twice.
-        self.pad_single_row = device.type == "cpu" and dtype in (torch.float32, torch.float16)
-        # where MKL's float32 GEMM is not row-invariant even so: float64 products, rounded once
-        self.wide = device.type == "cpu" and dtype == torch.float32 and not float32_gemm_is_row_invariant()
+        self.pad_single_row = device.type == "cpu" and (self.wide or dtype) in (torch.float32, torch.float16)
 
     # ------------------------------------------------------------ plan -> metadata
     def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan]) -> InvariantMetadata:
@@ -156,8 +157,8 @@ class InvariantAttention:
         return o.sum(dim=2, dtype=torch.float32).to(v.dtype)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if self.wide:
-            return wide_matmul(a, b)
-        if self.pad_single_row and a.shape[-2] == 1:
-            return torch.matmul(torch.cat((a, a), dim=-2), b)[..., :1, :]
-        return torch.matmul(a, b)
+        single = self.pad_single_row and a.shape[-2] == 1
+        if single:
+            a = torch.cat((a, a), dim=-2)
+        y = torch.matmul(a, b) if self.wide is None else wide_matmul(a, b, self.wide)
+        return y[..., :1, :] if single else y

@@ -1,0 +1,126 @@
+"""Tensor parallelism on one machine: one process against two, and the two ranks' collectives
+through shared memory (the default) against gloo over loopback, same run.
+
+    .venv/bin/python benchmarks/tensor_parallel.py [--rounds 2] [--dtype auto]
+
+For each configuration in turn (rebuilt every round, as only one process group
+can live in a process), offline on the default model:
+
+- output tokens/s with 1 and with 16 requests in flight (64 tokens each, ignore_eos);
+- on rank 0, the time spent in the collectives (the per-layer sums and the
+  step's broadcast, waiting for the other rank included) as a share of the
+  forward's time: the issue's "more than a fifth of a TP step" test.
+
+On a 2-core machine two ranks get one core each where one process had two, so
+tensor parallelism cannot be faster here; what it buys is room (each rank holds
+half the layers' weights and half the KV cache). The ratios say what the
+communication costs. Writes benchmarks/results/tensor_parallel.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch.distributed as dist  # noqa: E402
+
+from shoal import LLM, SamplingParams  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = {  # name -> LLM keyword arguments
+    "1 process": {},
+    "2 ranks, shared memory": {"tensor_parallel_size": 2},
+    "2 ranks, gloo": {"tensor_parallel_size": 2, "shared_memory": False},
+}
+STREAMS = (1, 16)
+
+
+class Clock:
+    """Seconds rank 0 spends inside `fn` calls."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        return timed
+
+
+def measure(kwargs: dict, dtype: str, salt: int) -> dict:
+    comm, forward = Clock(), Clock()
+    with LLM("smollm2", dtype=dtype, max_model_len=2048, **kwargs) as llm:
+        ex = llm.engine.executor
+        runner = llm.engine.runner
+        runner.forward = forward.wrap(runner.forward)
+        if kwargs.get("tensor_parallel_size", 1) > 1:
+            group = ex.group
+            group.broadcast = comm.wrap(group.broadcast)
+            if group.shm is not None:
+                group.shm.reduce = comm.wrap(group.shm.reduce)
+            else:
+                dist.all_gather = comm.wrap(dist.all_gather)
+        tok = llm.engine.tokenizer
+        llm.generate([tok.encode("warm up the kernels")], SamplingParams(max_tokens=8, ignore_eos=True))
+        out = {}
+        for n in STREAMS:
+            prompts = [tok.encode(f"Story {salt}-{i}: the river and the stone, chapter {i}.") for i in range(n)]
+            comm.seconds = forward.seconds = 0.0
+            t = time.perf_counter()
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+            dt = time.perf_counter() - t
+            out[f"tok_s_{n}"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
+            out[f"comm_share_{n}"] = comm.seconds / forward.seconds if forward.seconds else 0.0
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtype", default="auto")
+    a = p.parse_args()
+    real_all_gather = dist.all_gather
+    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    for r in range(a.rounds):
+        for name, kwargs in CONFIGS.items():
+            print(f"round {r + 1}/{a.rounds}: {name} ...", file=sys.stderr, flush=True)
+            dist.all_gather = real_all_gather
+            runs[name].append(measure(kwargs, a.dtype, r))
+            print(f"  {runs[name][-1]}", file=sys.stderr, flush=True)
+    dist.all_gather = real_all_gather
+    med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
+    base = med["1 process"]
+    lines = [
+        "# Tensor parallelism on one machine",
+        "",
+        f"`benchmarks/tensor_parallel.py --rounds {a.rounds} --dtype {a.dtype}` on {platform.processor() or platform.machine()}, "
+        "default model, 64 output tokens per request, median over rounds. Comm share: rank 0's time in the step's "
+        "broadcast and the per-layer sums (waiting for the other rank included) over its forward time.",
+        "",
+        "| configuration | 1 stream tok/s | vs 1 process | 16 streams tok/s | vs 1 process | comm share, 1 stream | comm share, 16 streams |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, m in med.items():
+        lines.append(f"| {name} | {m['tok_s_1']:.1f} | {m['tok_s_1'] / base['tok_s_1']:.2f}x | {m['tok_s_16']:.1f} | "
+                     f"{m['tok_s_16'] / base['tok_s_16']:.2f}x | {m['comm_share_1']:.0%} | {m['comm_share_16']:.0%} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "tensor_parallel.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "tensor_parallel.json").write_text(json.dumps({"args": vars(a), "runs": runs, "median": med}, indent=2))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

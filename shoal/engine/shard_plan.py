@@ -1,0 +1,90 @@
+"""Which part of the model each tensor-parallel rank holds: plain bookkeeping, no torch.
+
+Megatron's split, as vLLM and SGLang use it: a rank holds a contiguous range
+of query heads with the KV heads they read, and a contiguous range of the MLP's
+intermediate columns. The q/k/v and gate/up projections are split by output
+rows (column-parallel), the attention output and down projections by input
+columns (row-parallel), and one sum across ranks follows each of the latter.
+
+Unlike vLLM, which asks that the head counts divide by the rank count, a
+split here may be uneven: SmolLM2-135M has 9 query heads over 3 KV heads, so
+two ranks hold one KV group and two (3 and 6 query heads). Work is split by
+whole KV groups while there are at least as many KV heads as ranks; past that
+each rank holds one KV head (replicated on several ranks) and a share of its
+group's query heads. Intermediate columns move in units of `unit` (32, the
+4-bit formats' group along the input, so a GGUF's codes split without
+re-rounding). The smaller shares go to the lower ranks: rank 0 also serves HTTP
+and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    rank: int
+    size: int
+    heads: tuple[int, int]  # query heads [first, end)
+    kv_heads: tuple[int, int]  # KV heads [first, end)
+    intermediate: tuple[int, int]  # MLP intermediate columns [first, end)
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads[1] - self.heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate[1] - self.intermediate[0]
+
+    def describe(self) -> dict:
+        return {"heads": list(self.heads), "kv_heads": list(self.kv_heads), "intermediate": list(self.intermediate)}
+
+
+def split_evenly(total: int, parts: int) -> list[int]:
+    """Sizes of `parts` contiguous pieces of `total`, differing by at most one, larger ones last."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i >= parts - extra else 0) for i in range(parts)]
+
+
+def _ranges(sizes: list[int], scale: int = 1) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for s in sizes:
+        out.append((start * scale, (start + s) * scale))
+        start += s
+    return out
+
+
+def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, unit: int = 32) -> list[TensorShard]:
+    """One TensorShard per rank; a ValueError naming the shortfall when the model cannot be split `size` ways."""
+    if size < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, got {size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    if size <= num_kv_heads:
+        kv = _ranges(split_evenly(num_kv_heads, size))
+        heads = [(a * group, b * group) for a, b in kv]
+    else:
+        if size % num_kv_heads:
+            raise ValueError(f"--tensor-parallel-size {size} is more than the model's {num_kv_heads} KV heads and not a "
+                             f"multiple of them: each KV head would be replicated on an uneven number of ranks")
+        replicas = size // num_kv_heads
+        if group < replicas:
+            raise ValueError(f"--tensor-parallel-size {size} leaves a rank without query heads: the model has {num_heads} "
+                             f"({group} per KV head, {replicas} ranks per KV head)")
+        kv, heads = [], []
+        for h in range(num_kv_heads):
+            for a, b in _ranges(split_evenly(group, replicas)):
+                kv.append((h, h + 1))
+                heads.append((h * group + a, h * group + b))
+    step = unit if intermediate_size % unit == 0 and intermediate_size // unit >= size else 1
+    if intermediate_size // step < size:
+        raise ValueError(f"--tensor-parallel-size {size} exceeds the MLP's {intermediate_size} intermediate columns")
+    inter = _ranges(split_evenly(intermediate_size // step, size), step)
+    return [TensorShard(r, size, heads[r], kv[r], inter[r]) for r in range(size)]

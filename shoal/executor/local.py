@@ -1,0 +1,32 @@
+"""The whole model in this process."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+class LocalExecutor:
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def execute(self, plan):
+        return self.runner.execute(plan)
+
+    def cluster(self) -> dict:
+        """The shape GET /v1/cluster shows: here one rank with every layer."""
+        c = self.runner.config
+        return {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "backend": None,
+            "wire_dtype": None,
+            "ranks": [{
+                "rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "state": "ready",
+                "layers": [0, c.num_layers], "heads": [0, c.num_heads], "kv_heads": [0, c.num_kv_heads],
+                "intermediate": [0, c.intermediate_size],
+            }],
+        }
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,64 @@
+"""A tensor-parallel rank other than 0: meet rank 0, build this rank's shard, run forwards until told to stop.
+
+It holds no request state: rank 0 sends the engine's config once, then one
+ForwardBatch per step (None to stop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+from shoal.executor.distributed import TensorParallelGroup, part_bytes, rank_info
+
+log = logging.getLogger("shoal.worker")
+
+
+def serve_forwards(group: TensorParallelGroup) -> None:
+    from shoal.engine.builder import build_part
+
+    config = group.broadcast()
+    try:
+        part = build_part(config, group.rank, group)
+    except BaseException:
+        log.exception("rank %d could not build its shard", group.rank)
+        group.close()
+        raise
+    parent = os.getppid()
+    group.open_shared_memory(part_bytes(config, part), alive=lambda: os.getppid() == parent, enabled=config.parallel.shared_memory)
+    info = rank_info(part, group, part.runner.model.shard)
+    group.gather(info)
+    log.info("rank %d ready: query heads %s, KV heads %s, MLP columns %s, %d KV blocks, %d threads",
+             group.rank, info["heads"], info["kv_heads"], info["intermediate"], part.runner.num_blocks, info["threads"])
+    runner = part.runner
+    with torch.inference_mode():
+        while True:
+            batch = group.broadcast()
+            if batch is None:
+                break
+            runner.forward(batch)
+    log.info("rank %d: stopped by rank 0", group.rank)
+    group.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shoal.executor.worker", description=__doc__)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=300.0)
+    a = p.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {a.rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
+    group = TensorParallelGroup.join(a.rank, a.world_size, a.master_addr, a.master_port, a.timeout)
+    serve_forwards(group)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Tensor parallelism: the shard planner's layouts, several processes computing one model on 127.0.0.1,
+checked against transformers, for batch invariance, with the default GGUF's 4-bit codes, and when a rank dies."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+import torch
+import transformers
+
+from shoal import LLM, SamplingParams
+from shoal.config import ParallelConfig
+from shoal.engine.shard_plan import TensorShard, plan_tensor_parallel, split_evenly
+from shoal.executor.shm import SharedMemoryChannel
+from shoal.model.quant import Int4Linear
+from server_utils import LiveServer, tiny_engine_config
+from tiny_models import ARCHS, make_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
+
+
+# ---------------------------------------------------------------- the shard planner (no processes)
+
+
+def test_split_evenly_puts_the_larger_pieces_last():
+    assert split_evenly(9, 2) == [4, 5]
+    assert split_evenly(10, 4) == [2, 2, 3, 3]
+    assert split_evenly(3, 3) == [1, 1, 1]
+
+
+def test_smollm2_splits_by_whole_kv_groups_over_two_ranks():
+    # 9 query heads over 3 KV heads, 1536 MLP columns: one group and two, 24 and 24 blocks of 32 columns
+    assert plan_tensor_parallel(9, 3, 1536, 2) == [
+        TensorShard(0, 2, (0, 3), (0, 1), (0, 768)),
+        TensorShard(1, 2, (3, 9), (1, 3), (768, 1536)),
+    ]
+    assert [s.intermediate for s in plan_tensor_parallel(9, 3, 1536, 3)] == [(0, 512), (512, 1024), (1024, 1536)]
+
+
+def test_more_ranks_than_kv_heads_replicate_each_kv_head():
+    plan = plan_tensor_parallel(9, 3, 1536, 6)
+    assert [s.kv_heads for s in plan] == [(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 3)]
+    assert [s.heads for s in plan] == [(0, 1), (1, 3), (3, 4), (4, 6), (6, 7), (7, 9)]
+    # every query head is held once, and with the KV head its group reads
+    assert [s.heads for s in plan_tensor_parallel(4, 2, 128, 4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_intermediate_columns_move_in_groups_of_32_when_they_can():
+    assert [s.intermediate for s in plan_tensor_parallel(4, 4, 96, 2)] == [(0, 32), (32, 96)]
+    assert [s.intermediate for s in plan_tensor_parallel(4, 4, 100, 3)] == [(0, 33), (33, 66), (66, 100)]  # not a multiple of 32
+
+
+@pytest.mark.parametrize("heads, kv, size, words", [
+    (9, 3, 4, "not a multiple"),
+    (9, 3, 12, "without query heads"),
+    (4, 4, 0, "at least 1"),
+])
+def test_impossible_splits_say_why(heads, kv, size, words):
+    with pytest.raises(ValueError, match=words):
+        plan_tensor_parallel(heads, kv, 128, size)
+
+
+def test_parallel_config_validation():
+    with pytest.raises(ValueError, match="split evenly over nnodes"):
+        ParallelConfig(tensor_parallel_size=3, nnodes=2, master_port=1234)
+    with pytest.raises(ValueError, match="explicit --master-port"):
+        ParallelConfig(tensor_parallel_size=2, nnodes=2)
+    assert ParallelConfig(tensor_parallel_size=4, nnodes=2, master_port=1234).ranks_per_node == 2
+
+
+def test_shared_memory_sums_in_rank_order_and_broadcasts():
+    """Two channels over one segment in one process, driven by hand: the sum is the float32 sum rounded once,
+    and a message too big for the segment is refused so the caller falls back."""
+    path = SharedMemoryChannel.new_path()
+    a = SharedMemoryChannel(path, 0, 2, 4096, 256, True, 5)
+    b = SharedMemoryChannel(path, 1, 2, 4096, 256, False, 5)
+    try:
+        x = torch.randn(3, 40).to(torch.bfloat16)
+        y = torch.randn(3, 40).to(torch.bfloat16)
+        # rank 1 posts first, so rank 0's sum does not wait
+        b._sums += 1
+        b._typed.setdefault(torch.bfloat16, [[t.view(torch.bfloat16) for t in s] for s in b._slots])[1][1][: y.numel()].copy_(y.reshape(-1))
+        b.posted[1] = 1
+        got = a.reduce(x)
+        assert torch.equal(got, (x.float() + y.float()).to(torch.bfloat16))
+        assert a.send({"ids": [1, 2, 3]}) and b.receive() == (True, {"ids": [1, 2, 3]})
+        assert not a.send(list(range(1000))) and b.receive() == (False, None)
+        assert not a.fits(torch.empty(2000, dtype=torch.float32)) and a.fits(torch.empty(1024, dtype=torch.float32))
+    finally:
+        a.close(unlink=True)
+        b.close(unlink=False)
+    assert not os.path.exists(path)
+
+
+# ---------------------------------------------------------------- tiny models over two processes
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def tiny(request, tmp_path_factory):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return request.param, path, hf
+
+
+PROMPTS = [[5, 17, 99, 23, 8, 200, 150, 3, 44, 61, 77, 12, 300], [9, 9, 41, 250, 7], list(range(20, 50))]
+
+
+def _tokens(outs) -> list[tuple]:
+    return [(tuple(o.outputs[0].token_ids), tuple((e.logprob, tuple(e.top)) for e in o.outputs[0].logprobs)) for o in outs]
+
+
+def test_two_ranks_match_transformers_and_one_rank(tiny):
+    arch, path, hf = tiny
+    kw = dict(dtype="float32", num_blocks=256, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
+    one = [o.outputs[0].token_ids for o in LLM(str(path), **kw).generate(PROMPTS, params)]
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        cluster = llm.engine.executor.cluster()
+        outs = llm.generate(PROMPTS, params)
+        workers = list(llm.engine.executor.workers)
+    assert [w.wait(timeout=20) for w in workers] == [0]  # closing the engine stopped its worker
+    assert [r["heads"] for r in cluster["ranks"]] == [[0, 2], [2, 4]]
+    assert [r["kv_heads"] for r in cluster["ranks"]] == [[0, 1], [1, 2]]
+    assert cluster["collectives"] == "shared memory" and len({r["pid"] for r in cluster["ranks"]}) == 2
+    assert [o.outputs[0].token_ids for o in outs] == one
+    with torch.inference_mode():
+        for ids, out in zip(PROMPTS, outs):
+            ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+            want = torch.tensor([ref[i - 1, ids[i]].item() for i in range(1, len(ids))])
+            got = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_four_ranks_replicating_kv_heads_match_transformers(tmp_path):
+    path = make_tiny_model("llama", tmp_path / "m")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    with LLM(str(path), dtype="float32", num_blocks=256, block_size=4, tensor_parallel_size=4) as llm:
+        ranks = llm.engine.executor.cluster()["ranks"]
+        out = llm.generate(PROMPTS[0], params)[0]
+    assert [r["kv_heads"] for r in ranks] == [[0, 1], [0, 1], [1, 2], [1, 2]]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([PROMPTS[0]])).logits[0].log_softmax(-1)
+    want = torch.tensor([ref[i - 1, PROMPTS[0][i]].item() for i in range(1, len(PROMPTS[0]))])
+    torch.testing.assert_close(torch.tensor([e.logprob for e in out.prompt_logprobs[1:]]), want, atol=1e-4, rtol=1e-4)
+
+
+def test_two_ranks_are_batch_invariant_in_bfloat16_with_int4_weights(tmp_path):
+    """A row's tokens and logprobs, bit for bit, alone, in a batch and in small chunks, with the low-bit default's
+    invariant attention and the ranks' sums."""
+    path = make_tiny_model("llama", tmp_path / "m")
+    prompts = PROMPTS + [list(range(60, 95)), [7] * 9]
+    kw = dict(dtype="bfloat16", quantization="int4", num_blocks=512, block_size=4, tensor_parallel_size=2)
+    with LLM(str(path), **kw) as llm:
+        assert llm.engine.runner.attention.name == "invariant"
+        assert all(isinstance(m, Int4Linear) for m in [llm.engine.runner.model.model.layers[0].mlp.down_proj])
+        alone = [_tokens(llm.generate([p], GREEDY))[0] for p in prompts]
+        together = _tokens(llm.generate(prompts, GREEDY))
+    with LLM(str(path), max_num_batched_tokens=8, enable_prefix_cache=False, **kw) as chunked:
+        in_chunks = _tokens(chunked.generate(prompts, GREEDY))
+    assert together == alone
+    assert in_chunks == alone
+
+
+# ---------------------------------------------------------------- the default GGUF, served
+
+
+def test_default_gguf_over_two_ranks_keeps_its_codes_and_tracks_transformers(default_gguf_path, hf_default_model):
+    """Two ranks on the default model in bfloat16 (the default's dtype on a CPU with native bf16): rank 0's
+    projections are the file's own 4-bit codes, and greedy answers follow transformers (the top-5 rule)."""
+    from test_real_model import PROMPTS as REAL_PROMPTS
+    from test_real_model import _assert_greedy_matches
+
+    with LLM(str(default_gguf_path), dtype="bfloat16", max_model_len=1024, tensor_parallel_size=2) as llm:
+        assert llm.engine.weight_format == "int4"
+        layers = llm.engine.runner.model.model.layers
+        assert all(m.from_codes for m in llm.engine.runner.model.model.modules() if isinstance(m, Int4Linear))
+        assert layers[0].self_attn.o_proj.in_features == 3 * 64 and layers[0].mlp.down_proj.in_features == 768
+        hf16 = copy.deepcopy(hf_default_model).to(torch.bfloat16)
+        _assert_greedy_matches(llm, hf16, REAL_PROMPTS[:4], min_exact=1)
+        capital = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=16))
+    assert "Paris" in capital[0].outputs[0].text
+
+
+def test_server_over_two_ranks_answers_shows_the_cluster_and_survives_a_lost_rank(tmp_path):
+    """The OpenAI API over two ranks; GET /v1/cluster; when a rank dies the server fails requests with an error
+    (it does not hang), /health says so, and the cluster view names the rank that exited."""
+    path = make_tiny_model("qwen2", tmp_path / "m")
+    config = tiny_engine_config(path, parallel=ParallelConfig(tensor_parallel_size=2, timeout=60))
+    with LiveServer(config) as srv:
+        client = srv.openai()
+        alone = client.completions.create(model="m", prompt="Hello there", max_tokens=6, temperature=0)
+        assert alone.usage.completion_tokens == 6
+        with srv.http() as http:
+            cluster = http.get("/v1/cluster").json()
+            assert cluster["tensor_parallel_size"] == 2 and [r["rank"] for r in cluster["ranks"]] == [0, 1]
+            assert all(r["state"] == "ready" for r in cluster["ranks"])
+            worker = srv.engine.executor.workers[0]
+            assert cluster["ranks"][1]["pid"] == worker.pid
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=10)
+            r = http.post("/v1/completions", json={"model": "m", "prompt": "Hello there", "max_tokens": 6})
+            assert r.status_code >= 500 and "error" in r.json()
+            health = http.get("/health")
+            assert health.status_code == 503 and "tensor-parallel" in health.json()["error"]
+            states = [x["state"] for x in http.get("/v1/cluster").json()["ranks"]]
+            assert states == ["unreachable", "exited (-9)"]
