@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+from functools import partial
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from shoal import LLM, SamplingParams
 from shoal.config import ParallelConfig
 from shoal.engine.shard_plan import TensorShard, plan_tensor_parallel, split_evenly
 from shoal.executor.shm import SharedMemoryChannel
-from shoal.model.quant import Int4Linear
+from shoal.model.layers import shard_slice
+from shoal.model.loader import load_checkpoint
+from shoal.model.quant import Int4Linear, Q4Codes
 from server_utils import LiveServer, tiny_engine_config
 from tiny_models import ARCHS, make_tiny_model
 
@@ -93,6 +96,45 @@ def test_shared_memory_sums_in_rank_order_and_broadcasts():
         a.close(unlink=True)
         b.close(unlink=False)
     assert not os.path.exists(path)
+
+
+# ---------------------------------------------------------------- loading a rank's part only
+
+
+def _assert_rank_part(full: dict, part: dict, shard, head_dim: int) -> None:
+    """`part` (read with the rank's selection) holds exactly the rank's slice of every tensor of `full`."""
+    assert part.keys() == full.keys()
+    sliced = 0
+    for name, whole in full.items():
+        where = shard_slice(name, shard, head_dim)
+        want = whole if where is None else whole.narrow(*where)
+        got = part[name]
+        if isinstance(want, Q4Codes):
+            assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("codes", "scale", "low")), name
+        else:
+            assert torch.equal(got, want), name
+        sliced += where is not None
+    assert sliced > 0
+
+
+def test_a_rank_reads_only_its_rows_and_columns_of_the_gguf(default_gguf_path):
+    """Rank 1 of 2 on the default GGUF: its 4-bit codes, read block by block from the file (q/k un-permuted per
+    head), equal the whole file's codes sliced; the loader never builds the rest."""
+    shard = plan_tensor_parallel(9, 3, 1536, 2)[1]
+    select_for = lambda hf: partial(shard_slice, shard=shard, head_dim=64)  # noqa: E731
+    full = load_checkpoint(str(default_gguf_path), quantization="int4", progress=False).state_dict
+    part = load_checkpoint(str(default_gguf_path), quantization="int4", progress=False, select_for=select_for).state_dict
+    _assert_rank_part(full, part, shard, 64)
+    assert isinstance(part["model.layers.0.mlp.down_proj.weight"], Q4Codes)  # columns on group boundaries: still codes
+    assert sum(v.numel() for v in part.values()) < 0.8 * sum(v.numel() for v in full.values())
+
+
+def test_a_rank_reads_only_its_rows_and_columns_of_safetensors(tmp_path):
+    path = make_tiny_model("qwen2", tmp_path / "m")  # q/k/v biases too
+    shard = plan_tensor_parallel(4, 2, 128, 2)[0]
+    full = load_checkpoint(str(path), progress=False).state_dict
+    part = load_checkpoint(str(path), progress=False, select_for=lambda hf: partial(shard_slice, shard=shard, head_dim=16)).state_dict
+    _assert_rank_part(full, part, shard, 16)
 
 
 # ---------------------------------------------------------------- tiny models over two processes
@@ -185,12 +227,19 @@ def test_default_gguf_over_two_ranks_keeps_its_codes_and_tracks_transformers(def
     assert "Paris" in capital[0].outputs[0].text
 
 
+def _wait_loaded(srv: LiveServer) -> None:
+    """Starting ranks is process start-up and a load each: give it more than a one-process server's 30 s."""
+    srv.wait_until(lambda: srv.state.status != "loading", timeout=180, what="the ranks to load")
+    assert srv.state.status == "ok", srv.state.load_error
+
+
 def test_server_over_two_ranks_answers_shows_the_cluster_and_survives_a_lost_rank(tmp_path):
     """The OpenAI API over two ranks; GET /v1/cluster; when a rank dies the server fails requests with an error
     (it does not hang), /health says so, and the cluster view names the rank that exited."""
     path = make_tiny_model("qwen2", tmp_path / "m")
     config = tiny_engine_config(path, parallel=ParallelConfig(tensor_parallel_size=2, timeout=60))
-    with LiveServer(config) as srv:
+    with LiveServer(config, wait_ready=False) as srv:
+        _wait_loaded(srv)
         client = srv.openai()
         alone = client.completions.create(model="m", prompt="Hello there", max_tokens=6, temperature=0)
         assert alone.usage.completion_tokens == 6
@@ -208,3 +257,33 @@ def test_server_over_two_ranks_answers_shows_the_cluster_and_survives_a_lost_ran
             assert health.status_code == 503 and "tensor-parallel" in health.json()["error"]
             states = [x["state"] for x in http.get("/v1/cluster").json()["ranks"]]
             assert states == ["unreachable", "exited (-9)"]
+
+
+def test_a_second_machine_joins_with_shoal_worker(tmp_path):
+    """`shoal serve --nnodes 2 --node-rank 0` and `shoal worker --node-rank 1` meet at a fixed port (here both on
+    127.0.0.1, with the collectives kept on gloo as between machines): the served answers equal one process's,
+    and stopping the server stops the worker."""
+    import subprocess
+    import sys
+
+    from shoal.executor.distributed import free_port
+
+    path = make_tiny_model("mistral", tmp_path / "m")
+    port = free_port("127.0.0.1")
+    cmd = [sys.executable, "-m", "shoal.cli", "worker", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    worker = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    try:
+        alone = LLM(str(path), dtype="float32", num_blocks=512, block_size=8).generate("Hello there", SamplingParams(temperature=0, max_tokens=6))
+        parallel = ParallelConfig(tensor_parallel_size=2, nnodes=2, master_port=port, shared_memory=False, timeout=60)
+        with LiveServer(tiny_engine_config(path, parallel=parallel), wait_ready=False) as srv:
+            _wait_loaded(srv)
+            got = srv.openai().completions.create(model="m", prompt="Hello there", max_tokens=6, temperature=0)
+            with srv.http() as http:
+                cluster = http.get("/v1/cluster").json()
+        assert cluster["collectives"] == "gloo" and [r["pid"] for r in cluster["ranks"]][1] == worker.pid
+        assert got.choices[0].text == alone[0].outputs[0].text
+        assert worker.wait(timeout=30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -15,7 +16,7 @@ from shoal.engine.shard_plan import plan_tensor_parallel
 from shoal.executor import LocalExecutor
 from shoal.model.config import ModelConfig
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint
-from shoal.model.layers import Rotary, bind_attributes, make_row_invariant
+from shoal.model.layers import Rotary, bind_attributes, make_row_invariant, shard_slice
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
 from shoal.runner.host import keep_freed_memory
@@ -69,16 +70,21 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     if device.type == "cpu":
         keep_freed_memory()
     quantization = resolve_quantization(config.quantization, device, dtype)
-    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0)
+    shard = None
+
+    def select_for(hf):  # the loader asks once it has the config: read only this rank's rows and columns
+        nonlocal shard
+        whole = ModelConfig.from_hf(hf)
+        shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, size)[rank]
+        return partial(shard_slice, shard=shard, head_dim=whole.head_dim)
+
+    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0,
+                           select_for=select_for if size > 1 else None)
     hf = ckpt.hf_config
     max_model_len = config.max_model_len or hf.max_position_embeddings
     if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {hf.max_position_embeddings} positions")
 
-    shard = None
-    if size > 1:
-        whole = ModelConfig.from_hf(hf)
-        shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, size)[rank]
     weights = WeightFormat(ckpt.weight_format, dtype)
     with torch.device("meta"):
         model = model_class(hf.architectures)(hf, max_model_len, weights.linear, shard, group.reduce if group is not None else None)

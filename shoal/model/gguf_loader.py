@@ -139,7 +139,8 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none") -> GGUFCheckpoint:
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none",
+              select_for=None) -> GGUFCheckpoint:
     """Read a GGUF file into HF-named tensors, a config and a tokenizer.
 
     quantization: the format the decoder's projections will have ("none",
@@ -147,6 +148,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     int4, a Q4_0/Q4_1 projection comes back as its codes and group scales
     (`Q4Codes`) and is never dequantized; with int8 or int4, projections that
     are rounded later stay float32 until then. Everything else is `dtype`.
+
+    select_for(config) -> select(hf_name) -> (dim, start, length) | None: read only that
+    part of each tensor (a tensor-parallel rank's rows or columns, layers.shard_slice).
+    Rows are read from the file's blocks as they are; columns too where they fall on
+    quantization blocks, else the tensor is read whole and the model slices it.
     """
     t0 = time.perf_counter()
     reader = GGUFFileReader(path)
@@ -161,7 +167,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     tensors = {t.name: t for t in reader.tensors}
     config = build_config(meta, tensors, tokenizer)
     fmt = projection_format(tensors.values()) if quantization == "auto" else quantization
-    state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress, fmt)
+    select = select_for(config) if select_for is not None else None
+    state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress, fmt, select)
     t3 = time.perf_counter()
     codes = sum(isinstance(v, Q4Codes) for v in state_dict.values())
     log.info(
@@ -261,6 +268,36 @@ def q4_codes(tensor: gguf.ReaderTensor) -> Q4Codes | None:
     return Q4Codes(torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(low)))
 
 
+@dataclass
+class TensorPart:
+    """Part of a GGUF tensor, shaped like a ReaderTensor for `dequantize` and `q4_codes`."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: fastest dimension first
+    data: np.ndarray
+
+
+def tensor_part(tensor: gguf.ReaderTensor, dim: int, start: int, length: int) -> TensorPart | None:
+    """Rows (dim 0) or columns (dim 1, in HF's [out, in] order) [start, start + length) of a tensor,
+    read from the file's data without dequantizing the rest; None for columns that cut a quantization block."""
+    shape = tuple(int(n) for n in tensor.shape)
+    data = tensor.data
+    if dim == 0:
+        return TensorPart(tensor.name, tensor.tensor_type, (*shape[:-1], length) if len(shape) > 1 else (length,), data[start : start + length])
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    if start % block or length % block:
+        return None
+    # a quantized tensor's data holds each row's blocks as bytes; a float one's, its elements
+    a, n = (start // block * type_size, length // block * type_size) if block > 1 else (start, length)
+    return TensorPart(tensor.name, tensor.tensor_type, (length, *shape[1:]), np.ascontiguousarray(data[:, a : a + n]))
+
+
+def _rows(tensor) -> int:
+    """Output rows (HF's first dimension) of a GGUF tensor or part, whose shape lists the fastest dimension first."""
+    return int(tensor.shape[-1])
+
+
 def load_state_dict(
     tensors: Iterable[gguf.ReaderTensor],
     arch: ArchSpec,
@@ -268,6 +305,7 @@ def load_state_dict(
     dtype: torch.dtype,
     progress: bool,
     weight_format: str = "none",
+    select=None,
 ) -> dict[str, torch.Tensor | Q4Codes]:
     """Rename and (for llama) un-permute every tensor of the file: dequantized to `dtype`,
     or for the projections of a low-bit `weight_format` as the layers take them (see load_gguf)."""
@@ -281,14 +319,20 @@ def load_state_dict(
         name = hf_tensor_name(tensor.name)
         proj = name.split(".")[-2]  # "q_proj" in model.layers.0.self_attn.q_proj.weight
         lowbit = weight_format != "none" and _is_projection(name)
+        rows = _rows(tensor)
+        where = select(name) if select is not None else None
+        if where is not None:
+            tensor = tensor_part(tensor, *where) or tensor
+        # the permutation is per head, so a slice of whole heads un-permutes with its own head count
+        n_head = heads.get(proj, 0) * _rows(tensor) // rows
         if lowbit and weight_format == "int4" and tensor.tensor_type in Q4_TYPES:
             value = q4_codes(tensor)
             if arch.qk_permuted and proj in heads:
-                value = value.permute_rows(partial(unpermute_qk, n_head=heads[proj]))
+                value = value.permute_rows(partial(unpermute_qk, n_head=n_head))
         else:
             value = dequantize(tensor)
             if arch.qk_permuted and proj in heads:
-                value = unpermute_qk(value, heads[proj])
+                value = unpermute_qk(value, n_head)
             if not lowbit:  # a projection to be rounded stays float32 until its layer rounds it
                 value = value.to(dtype)
         state_dict[name] = value

@@ -435,16 +435,30 @@ class DecoderForCausalLM(nn.Module):
 
 
     def _shard_tensor(self, name: str, tensor):
-        """This rank's rows or columns of a checkpoint tensor (SHARDED_PARAMS); others whole."""
-        for part, dim, what in SHARDED_PARAMS:
-            if f".{part}." in name:
-                if dim == 1 and not name.endswith(".weight"):
-                    raise NotImplementedError(f"{name}: a bias on a row-parallel projection is not supported with tensor parallelism")
-                a, b = getattr(self.shard, what)
-                if what != "intermediate":
-                    a, b = a * self.head_dim, b * self.head_dim
-                return tensor.narrow(dim if name.endswith(".weight") else 0, a, b - a)
-        return tensor
+        """This rank's rows or columns of a checkpoint tensor (SHARDED_PARAMS), unless the loader
+        already read only those (`shard_slice`); others whole."""
+        where = shard_slice(name, self.shard, self.head_dim)
+        if where is None:
+            return tensor
+        dim, start, length = where
+        if getattr(tensor, "codes", tensor).shape[dim] == length:  # a Tensor, or a GGUF's Q4Codes
+            return tensor
+        return tensor.narrow(dim, start, length)
+
+
+def shard_slice(name: str, shard, head_dim: int) -> tuple[int, int, int] | None:
+    """(dimension, start, length) of tensor-parallel `shard`'s part of checkpoint tensor `name`
+    (SHARDED_PARAMS; biases of column-parallel projections by rows), or None where every rank
+    holds it whole. Loaders call it to read only that part (loader.load_checkpoint's select_for)."""
+    for part, dim, what in SHARDED_PARAMS:
+        if f".{part}." in name:
+            if dim == 1 and not name.endswith(".weight"):
+                raise NotImplementedError(f"{name}: a bias on a row-parallel projection is not supported with tensor parallelism")
+            a, b = getattr(shard, what)
+            if what != "intermediate":
+                a, b = a * head_dim, b * head_dim
+            return (dim if name.endswith(".weight") else 0), a, b - a
+    return None
 
 
 def _shard_sizes(config: ModelConfig, fused: str) -> list[int]:

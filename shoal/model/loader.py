@@ -118,7 +118,8 @@ def _alias_path(alias: str) -> Path:
 
 
 def load_checkpoint(
-    name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none"
+    name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none",
+    select_for=None,
 ) -> LoadedCheckpoint:
     """Load a model's weights, config, tokenizer and stop tokens.
 
@@ -126,18 +127,21 @@ def load_checkpoint(
     (a GGUF's own: int4 from Q4_0/Q4_1, int8 from Q8_0; float otherwise). The
     weights are `dtype`, but for low-bit projections: float32 until their layer
     rounds them, or a GGUF's 4-bit codes as stored (see gguf_loader.load_gguf).
+
+    select_for(hf_config) -> select(name) -> (dim, start, length) | None reads only that
+    part of each tensor: a tensor-parallel rank's rows or columns (layers.shard_slice).
     """
     path = resolve_model_path(str(name_or_path))
     start = time.perf_counter()
     if path.suffix == ".gguf":
-        gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization)
+        gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization, select_for=select_for)
         weight_format = gg.weight_format
         config, state_dict, tokenizer = gg.config, gg.state_dict, gg.tokenizer
         generation_eos, defaults, fmt = gg.generation_eos_ids, gg.generation_defaults, "gguf"
         names = (*gg.names, path.stem)
     else:
         config = transformers.AutoConfig.from_pretrained(path)
-        state_dict = load_safetensors(path, config, dtype, progress)
+        state_dict = load_safetensors(path, config, dtype, progress, select_for(config) if select_for is not None else None)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         generation_eos, defaults = read_generation_config(path, config)
         fmt = "hf"
@@ -167,10 +171,11 @@ def card_defaults(names) -> tuple[str, dict] | None:
 
 
 def load_safetensors(
-    folder: Path, config: transformers.PretrainedConfig, dtype: torch.dtype, progress: bool
+    folder: Path, config: transformers.PretrainedConfig, dtype: torch.dtype, progress: bool, select=None
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors files (one, or shards listed in
-    model.safetensors.index.json), renamed to `model.*` / `lm_head.weight`."""
+    model.safetensors.index.json), renamed to `model.*` / `lm_head.weight`; with `select`
+    (see load_checkpoint), only the selected rows or columns are read."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -182,7 +187,13 @@ def load_safetensors(
     keys = [(h, k) for h in handles for k in h.keys()]
     raw = {}
     for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", disable=not progress, file=sys.stderr):
-        raw[key] = handle.get_tensor(key).to(dtype)
+        where = select(key) if select is not None else None
+        if where is None:
+            raw[key] = handle.get_tensor(key).to(dtype)
+        else:
+            dim, start, length = where
+            part = handle.get_slice(key)
+            raw[key] = (part[start : start + length] if dim == 0 else part[:, start : start + length]).to(dtype)
     return normalize_names(raw, tied=bool(getattr(config, "tie_word_embeddings", False)))
 
 
