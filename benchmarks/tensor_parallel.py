@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -77,13 +78,32 @@ def measure(kwargs: dict, dtype: str, salt: int) -> dict:
         out = {}
         for n in STREAMS:
             prompts = [tok.encode(f"Story {salt}-{i}: the river and the stone, chapter {i}.") for i in range(n)]
+            shm = getattr(getattr(ex, "group", None), "shm", None)
             comm.seconds = forward.seconds = 0.0
+            if shm is not None:
+                shm.waited = 0.0
             t = time.perf_counter()
             outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
             dt = time.perf_counter() - t
             out[f"tok_s_{n}"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
             out[f"comm_share_{n}"] = comm.seconds / forward.seconds if forward.seconds else 0.0
+            # the part of it spent waiting for the other rank to arrive (shared memory only: gloo's wait is inside its call)
+            out[f"wait_share_{n}"] = shm.waited / forward.seconds if shm is not None and forward.seconds else None
     return out
+
+
+def _cpu() -> str:
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.machine()
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+def _waits(m: dict) -> str:
+    if m.get("wait_share_1") is None:
+        return "n/a"
+    return f"{m['wait_share_1']:.0%} / {m['wait_share_16']:.0%}"
 
 
 def main() -> int:
@@ -100,21 +120,22 @@ def main() -> int:
             runs[name].append(measure(kwargs, a.dtype, r))
             print(f"  {runs[name][-1]}", file=sys.stderr, flush=True)
     dist.all_gather = real_all_gather
-    med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
+    med = {name: {k: (statistics.median(x[k] for x in rs) if rs[0][k] is not None else None) for k in rs[0]} for name, rs in runs.items()}
     base = med["1 process"]
     lines = [
         "# Tensor parallelism on one machine",
         "",
-        f"`benchmarks/tensor_parallel.py --rounds {a.rounds} --dtype {a.dtype}` on {platform.processor() or platform.machine()}, "
+        f"`benchmarks/tensor_parallel.py --rounds {a.rounds} --dtype {a.dtype}` on {_cpu()}, "
         "default model, 64 output tokens per request, median over rounds. Comm share: rank 0's time in the step's "
-        "broadcast and the per-layer sums (waiting for the other rank included) over its forward time.",
+        "broadcast and the per-layer sums (waiting for the other rank included) over its forward time; of which waiting: "
+        "the part spent waiting for the other rank to post (shared memory only).",
         "",
-        "| configuration | 1 stream tok/s | vs 1 process | 16 streams tok/s | vs 1 process | comm share, 1 stream | comm share, 16 streams |",
-        "|---|---|---|---|---|---|---|",
+        "| configuration | 1 stream tok/s | vs 1 process | 16 streams tok/s | vs 1 process | comm share, 1 stream | comm share, 16 streams | of which waiting, 1 / 16 streams |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, m in med.items():
         lines.append(f"| {name} | {m['tok_s_1']:.1f} | {m['tok_s_1'] / base['tok_s_1']:.2f}x | {m['tok_s_16']:.1f} | "
-                     f"{m['tok_s_16'] / base['tok_s_16']:.2f}x | {m['comm_share_1']:.0%} | {m['comm_share_16']:.0%} |")
+                     f"{m['tok_s_16'] / base['tok_s_16']:.2f}x | {m['comm_share_1']:.0%} | {m['comm_share_16']:.0%} | {_waits(m)} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tensor_parallel.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "tensor_parallel.json").write_text(json.dumps({"args": vars(a), "runs": runs, "median": med}, indent=2))

@@ -68,6 +68,7 @@ class SharedMemoryChannel:
         self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._sums = 0
         self._messages = 0
+        self.waited = 0.0  # seconds spent waiting for other ranks (benchmarks read it)
 
     @staticmethod
     def new_path() -> str:
@@ -128,6 +129,12 @@ class SharedMemoryChannel:
         if done():
             return
         start = time.monotonic()
+        try:
+            self._poll(done, what, idle, start)
+        finally:
+            self.waited += time.monotonic() - start
+
+    def _poll(self, done, what: str, idle: bool, start: float) -> None:
         polls = 0
         while not done():
             polls += 1
