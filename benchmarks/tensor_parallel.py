@@ -1,5 +1,6 @@
-"""Tensor parallelism on one machine: one process against two, and the two ranks' collectives
-through shared memory (the default) against gloo over loopback, same run.
+"""Tensor and pipeline parallelism on one machine: one process against two ranks, the two
+tensor-parallel ranks' collectives through shared memory (the default) against gloo over loopback,
+and two pipeline stages (one batch in flight), same run.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--rounds 2] [--dtype auto]
 
@@ -39,6 +40,7 @@ CONFIGS = {  # name -> LLM keyword arguments
     "1 process": {},
     "2 ranks, shared memory": {"tensor_parallel_size": 2},
     "2 ranks, gloo": {"tensor_parallel_size": 2, "shared_memory": False},
+    "2 pipeline stages": {"pipeline_parallel_size": 2},
 }
 STREAMS = (1, 16)
 
@@ -65,14 +67,18 @@ def measure(kwargs: dict, dtype: str, salt: int) -> dict:
     with LLM("smollm2", dtype=dtype, max_model_len=2048, **kwargs) as llm:
         ex = llm.engine.executor
         runner = llm.engine.runner
-        runner.forward = forward.wrap(runner.forward)
-        if kwargs.get("tensor_parallel_size", 1) > 1:
+        if hasattr(ex, "group"):  # the whole distributed forward (broadcast, rank 0's part, the others') is the base
+            ex._forward_everywhere = forward.wrap(ex._forward_everywhere)
             group = ex.group
             group.broadcast = comm.wrap(group.broadcast)
+            group.send_hidden = comm.wrap(group.send_hidden)  # pipeline hops; the way back waits for the other stages
+            group.recv_hidden = comm.wrap(group.recv_hidden)
             if group.shm is not None:
                 group.shm.reduce = comm.wrap(group.shm.reduce)
             else:
                 dist.all_gather = comm.wrap(dist.all_gather)
+        else:
+            runner.forward = forward.wrap(runner.forward)
         tok = llm.engine.tokenizer
         llm.generate([tok.encode("warm up the kernels")], SamplingParams(max_tokens=8, ignore_eos=True))
         out = {}
@@ -88,7 +94,8 @@ def measure(kwargs: dict, dtype: str, salt: int) -> dict:
             out[f"tok_s_{n}"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
             out[f"comm_share_{n}"] = comm.seconds / forward.seconds if forward.seconds else 0.0
             # the part of it spent waiting for the other rank to arrive (shared memory only: gloo's wait is inside its call)
-            out[f"wait_share_{n}"] = shm.waited / forward.seconds if shm is not None and forward.seconds else None
+            sums = shm is not None and kwargs.get("tensor_parallel_size", 1) > 1  # pipeline stages post no sums
+            out[f"wait_share_{n}"] = shm.waited / forward.seconds if sums and forward.seconds else None
     return out
 
 
@@ -123,12 +130,13 @@ def main() -> int:
     med = {name: {k: (statistics.median(x[k] for x in rs) if rs[0][k] is not None else None) for k in rs[0]} for name, rs in runs.items()}
     base = med["1 process"]
     lines = [
-        "# Tensor parallelism on one machine",
+        "# Tensor and pipeline parallelism on one machine",
         "",
         f"`benchmarks/tensor_parallel.py --rounds {a.rounds} --dtype {a.dtype}` on {_cpu()}, "
         "default model, 64 output tokens per request, median over rounds. Comm share: rank 0's time in the step's "
-        "broadcast and the per-layer sums (waiting for the other rank included) over its forward time; of which waiting: "
-        "the part spent waiting for the other rank to post (shared memory only).",
+        "broadcast, the per-layer sums and the pipeline's sends and receives (waiting for the other ranks included: for "
+        "pipeline stages, the way back is the other stage's whole compute) over the whole forward; of which waiting: the "
+        "part spent waiting for the other rank to post a sum (shared memory only).",
         "",
         "| configuration | 1 stream tok/s | vs 1 process | 16 streams tok/s | vs 1 process | comm share, 1 stream | comm share, 16 streams | of which waiting, 1 / 16 streams |",
         "|---|---|---|---|---|---|---|---|",

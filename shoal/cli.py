@@ -83,6 +83,12 @@ ENGINE_OPTS = [
 PARALLEL_OPTS = [
     Opt("--tensor-parallel-size", 1, int, "split every layer's heads and MLP columns over this many processes "
         "(on one machine shoal starts them itself; with --nnodes they are spread over machines)"),
+    Opt("--pipeline-parallel-size", 1, int, "split the model's layers into this many contiguous stages, one process "
+        "each (not with --tensor-parallel-size yet)"),
+    Opt("--pp-layers", None, str, "layers per pipeline stage, e.g. 10,10,10 (default: as even as possible)"),
+    Opt("--pp-wire-dtype", "float32", str, "hidden states between pipeline stages: float32, bfloat16, float16 or int8 "
+        "(a scale per token); the last stage's output to the logits is never compressed",
+        choices=("float32", "bfloat16", "float16", "int8")),
     Opt("--nnodes", 1, int, "machines taking part; the others run `shoal worker`"),
     Opt("--node-rank", 0, int, "this machine's place among them (serve: 0)"),
     Opt("--master-addr", "127.0.0.1", str, "where rank 0 (the serving machine) is reached by the others"),
@@ -373,14 +379,14 @@ def _torchrun_parallel() -> dict:
 
 def _run_worker_rank(rank: int | None, v: dict) -> int:
     """Run one tensor-parallel rank other than 0 in this process until rank 0 stops it (rank None: torchrun's)."""
-    from shoal.executor.distributed import TensorParallelGroup
+    from shoal.executor.distributed import RankGroup
     from shoal.executor.worker import serve_forwards
 
     par = engine_config(v).parallel
     if rank is None:
-        group = TensorParallelGroup.from_environment(par.timeout)
+        group = RankGroup.from_environment(par.timeout)
     else:
-        group = TensorParallelGroup.join(rank, par.world_size, par.master_addr, par.master_port, par.timeout)
+        group = RankGroup.join(rank, par.world_size, par.master_addr, par.master_port, par.timeout)
     serve_forwards(group)
     return 0
 

@@ -76,12 +76,18 @@ class CacheConfig:
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How many processes hold the model (README, Scale-out). Rank 0 serves; the others only compute."""
 
     tensor_parallel_size: int = 1
-    nnodes: int = 1  # machines; each runs tensor_parallel_size // nnodes ranks
+    pipeline_parallel_size: int = 1  # contiguous layer ranges, one per rank (not with tensor_parallel_size > 1 yet)
+    pp_layers: tuple[int, ...] | None = None  # layers per stage, e.g. (10, 10, 10); None: planned
+    pp_wire_dtype: str = "float32"  # hidden states between stages: float32 | bfloat16 | float16 | int8 (a scale per row)
+    nnodes: int = 1  # machines; each runs world_size // nnodes ranks
     node_rank: int = 0  # this machine's place; 0 is the one that serves
     master_addr: str = "127.0.0.1"  # rank 0's address, where the others meet it
     master_port: int = 0  # 0: a free port (one machine only)
@@ -89,10 +95,20 @@ class ParallelConfig:
     shared_memory: bool = True  # ranks on one machine sum and broadcast through /dev/shm, not gloo (executor/shm.py)
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must split evenly over nnodes {self.nnodes}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor and pipeline parallelism together are not supported yet: choose one")
+        if self.pp_wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"pp_wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.pp_wire_dtype!r}")
+        if self.pp_layers is not None:
+            counts = self.pp_layers.split(",") if isinstance(self.pp_layers, str) else self.pp_layers  # "10,10,10" from a flag
+            object.__setattr__(self, "pp_layers", tuple(int(n) for n in counts))
+            if len(self.pp_layers) != self.pipeline_parallel_size:
+                raise ValueError(f"pp_layers gives {len(self.pp_layers)} stages, pipeline_parallel_size is {self.pipeline_parallel_size}")
+        if self.nnodes < 1 or self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks must split evenly over nnodes {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.master_port:
@@ -102,11 +118,11 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
 
 
 @dataclass(frozen=True)

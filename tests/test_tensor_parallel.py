@@ -287,3 +287,73 @@ def test_a_second_machine_joins_with_shoal_worker(tmp_path):
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+# ---------------------------------------------------------------- pipeline parallel
+
+
+def test_pipeline_plans_even_explicit_and_by_free_memory():
+    from shoal.engine.shard_plan import plan_pipeline
+
+    assert plan_pipeline(30, 4) == [(0, 7), (7, 14), (14, 22), (22, 30)]
+    assert plan_pipeline(30, 3, explicit=(5, 10, 15)) == [(0, 5), (5, 15), (15, 30)]
+    # room for 10, 30 and 20 layers of 100 bytes: 30 layers go 5, 15, 10
+    assert plan_pipeline(30, 3, free_bytes=[1000, 3000, 2000], layer_bytes=100) == [(0, 5), (5, 20), (20, 30)]
+    # a stage never gets more than its room, and every stage at least one layer
+    assert plan_pipeline(10, 3, free_bytes=[100, 10_000, 200], layer_bytes=100) == [(0, 1), (1, 9), (9, 10)]
+    with pytest.raises(ValueError, match="do not fit"):
+        plan_pipeline(30, 2, free_bytes=[1000, 1000], layer_bytes=100)
+    with pytest.raises(ValueError, match="add up to the model's 30"):
+        plan_pipeline(30, 3, explicit=(10, 10, 9))
+    with pytest.raises(ValueError, match="between 1 and the model's 3 layers"):
+        plan_pipeline(3, 4)
+    with pytest.raises(ValueError, match="not supported yet"):
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert ParallelConfig(pipeline_parallel_size=3, pp_layers="1,1,1").pp_layers == (1, 1, 1)
+
+
+def test_int8_wire_rounds_each_row_to_its_own_scale():
+    from shoal.executor.distributed import decode_wire, encode_wire, wire_bytes_per_token
+
+    h = torch.randn(5, 64, dtype=torch.bfloat16) * torch.tensor([[0.01], [1.0], [30.0], [1e-3], [5.0]]).to(torch.bfloat16)
+    q, scale = encode_wire(h, "int8")
+    assert q.dtype == torch.int8 and scale.shape == (5, 1)
+    back = decode_wire([q, scale], torch.float32)
+    assert ((back - h.float()).abs() <= scale / 2 + 1e-6).all()  # within half a step of its own row's grid
+    assert torch.equal(decode_wire(encode_wire(h, "bfloat16"), torch.bfloat16), h)  # a cast to the model's dtype is exact
+    assert [wire_bytes_per_token(576, w) for w in ("float32", "bfloat16", "int8")] == [2304, 1152, 580]
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # an untied head (on stage 0 only) and a tied one
+def test_three_pipeline_stages_give_one_process_bits(arch, tmp_path):
+    """Stages change where a layer runs, not its math: tokens, logprobs and prompt logprobs are bit for bit one
+    process's, and each stage holds only its layers (the embedding and head only on stage 0)."""
+    path = make_tiny_model(arch, tmp_path / "m")
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, prompt_logprobs=1)
+    kw = dict(dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=16)  # chunks cross stages too
+
+    def run(**more):
+        with LLM(str(path), **kw, **more) as llm:
+            outs = llm.generate(PROMPTS, params)
+            cluster = llm.engine.executor.cluster()
+        return [(o.outputs[0].token_ids, [(e.logprob, e.top) for e in o.outputs[0].logprobs],
+                 [e.logprob for e in o.prompt_logprobs[1:]]) for o in outs], cluster
+
+    alone, _ = run()
+    staged, cluster = run(pipeline_parallel_size=3)
+    assert staged == alone
+    assert [r["layers"] for r in cluster["ranks"]] == [[0, 1], [1, 2], [2, 3]]
+    assert cluster["pipeline_parallel_size"] == 3 and cluster["wire_bytes_per_token"] == 64 * 4
+    assert cluster["ranks"][0]["weights_bytes"] > cluster["ranks"][1]["weights_bytes"]  # the embedding (and head) on stage 0
+
+
+def test_pipeline_in_bfloat16_with_a_bfloat16_wire_is_exact_and_int8_wire_stays_invariant(tmp_path):
+    path = make_tiny_model("llama", tmp_path / "m")
+    kw = dict(dtype="bfloat16", num_blocks=256, block_size=4, attention="invariant")
+    with LLM(str(path), **kw) as llm:
+        alone = _tokens(llm.generate(PROMPTS, GREEDY))
+    with LLM(str(path), pipeline_parallel_size=2, pp_wire_dtype="bfloat16", **kw) as llm:
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == alone
+    with LLM(str(path), pipeline_parallel_size=2, pp_wire_dtype="int8", **kw) as llm:
+        one_by_one = [_tokens(llm.generate([p], GREEDY))[0] for p in PROMPTS]
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == one_by_one  # lossy, but a row's rounding is its own

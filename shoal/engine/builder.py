@@ -12,11 +12,11 @@ import torch
 
 from shoal.config import STRICT_MKL, EngineConfig
 from shoal.engine.engine import Engine
-from shoal.engine.shard_plan import plan_tensor_parallel
+from shoal.engine.shard_plan import plan_pipeline, plan_tensor_parallel
 from shoal.executor import LocalExecutor
 from shoal.model.config import ModelConfig
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint
-from shoal.model.layers import Rotary, bind_attributes, make_row_invariant, shard_slice
+from shoal.model.layers import Rotary, bind_attributes, make_row_invariant, shard_slice, stage_name
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
 from shoal.runner.host import keep_freed_memory
@@ -52,15 +52,21 @@ def build_engine(config: EngineConfig) -> Engine:
         "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks%s",
         time.perf_counter() - t0, runner.config.architecture, str(runner.dtype).removeprefix("torch."),
         f" ({part.weight_format} weights)" if part.weight_format != "none" else "", runner.device, part.max_model_len,
-        runner.num_blocks, f", tensor parallel over {config.parallel.world_size} ranks" if config.parallel.world_size > 1 else "",
+        runner.num_blocks, _parallel_words(config.parallel),
     )
     return engine
 
 
+def _parallel_words(par) -> str:
+    if par.pipeline_parallel_size > 1:
+        return f", {par.pipeline_parallel_size} pipeline stages"
+    return f", tensor parallel over {par.tensor_parallel_size} ranks" if par.tensor_parallel_size > 1 else ""
+
+
 def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
-    """Load the checkpoint and build this process's part of the model: all of it, or tensor-parallel
-    rank `rank`'s shard (group: executor.distributed.TensorParallelGroup, which sums the row-parallel
-    outputs and agrees on the KV pool's size, the smallest over the ranks)."""
+    """Load the checkpoint and build this process's part of the model: all of it, tensor-parallel
+    rank `rank`'s shard, or pipeline stage `rank`'s layers (group: executor.distributed.RankGroup,
+    which sums the row-parallel outputs and agrees on the KV pool's size, the smallest over the ranks)."""
     size = group.size if group is not None else 1
     threads = config.num_threads or (_threads_per_rank(config.parallel.ranks_per_node) if size > 1 else None)
     if threads:
@@ -70,11 +76,15 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     if device.type == "cpu":
         keep_freed_memory()
     quantization = resolve_quantization(config.quantization, device, dtype)
-    shard = None
+    par = config.parallel
+    shard = layers = None
 
-    def select_for(hf):  # the loader asks once it has the config: read only this rank's rows and columns
-        nonlocal shard
+    def select_for(hf):  # the loader asks once it has the config: read only what this rank holds
+        nonlocal shard, layers
         whole = ModelConfig.from_hf(hf)
+        if par.pipeline_parallel_size > 1:
+            layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers)[rank]
+            return lambda name: False if stage_name(name, layers, layers[0] == 0) is None else None
         shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, size)[rank]
         return partial(shard_slice, shard=shard, head_dim=whole.head_dim)
 
@@ -87,7 +97,8 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
 
     weights = WeightFormat(ckpt.weight_format, dtype)
     with torch.device("meta"):
-        model = model_class(hf.architectures)(hf, max_model_len, weights.linear, shard, group.reduce if group is not None else None)
+        model = model_class(hf.architectures)(hf, max_model_len, weights.linear, shard,
+                                              group.reduce if shard is not None else None, layers)
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
     model.model.rotary = Rotary(model.config, max_model_len).to(device)

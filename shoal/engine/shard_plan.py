@@ -88,3 +88,45 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: i
         raise ValueError(f"--tensor-parallel-size {size} exceeds the MLP's {intermediate_size} intermediate columns")
     inter = _ranges(split_evenly(intermediate_size // step, size), step)
     return [TensorShard(r, size, heads[r], kv[r], inter[r]) for r in range(size)]
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+
+def plan_pipeline(num_layers: int, size: int, explicit: tuple[int, ...] | None = None,
+                  free_bytes: list[int] | None = None, layer_bytes: int = 0) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [first, end) for `size` pipeline stages, every stage at least one layer.
+
+    - `explicit` (`--pp-layers 10,10,10`): those counts, checked.
+    - `free_bytes` (one figure per stage) and `layer_bytes`: the seed's fair greedy rule. Each stage
+      can hold free // layer_bytes layers; the layers go out in proportion to that room (largest
+      remainders first), no stage past its room. A ValueError names the shortfall when they do not fit.
+    - neither: as even as the count allows, the larger stages last (stage 0 also serves).
+    """
+    if size < 1 or size > num_layers:
+        raise ValueError(f"--pipeline-parallel-size {size} must be between 1 and the model's {num_layers} layers")
+    if explicit is not None:
+        counts = list(explicit)
+        if len(counts) != size or any(c < 1 for c in counts) or sum(counts) != num_layers:
+            raise ValueError(f"--pp-layers {','.join(map(str, counts))} must give each of the {size} stages at least one "
+                             f"layer and add up to the model's {num_layers}")
+    elif free_bytes is not None and layer_bytes > 0:
+        room = [max(0, f) // layer_bytes for f in free_bytes]
+        if sum(room) < num_layers or min(room) < 1:
+            short = [f"rank {r}: room for {n}" for r, n in enumerate(room)]
+            raise ValueError(f"the model's {num_layers} layers of {layer_bytes / 2**20:.1f} MiB each do not fit the "
+                             f"{size} stages' free memory ({'; '.join(short)} layers; every stage needs at least one)")
+        total = sum(room)
+        shares = [num_layers * n / total for n in room]
+        counts = [max(1, min(int(s), n)) for s, n in zip(shares, room)]
+        order = sorted(range(size), key=lambda r: (shares[r] - int(shares[r]), r), reverse=True)
+        while sum(counts) < num_layers:  # hand out the rest by largest remainder, within each stage's room
+            r = next(r for r in order if counts[r] < room[r])
+            counts[r] += 1
+            order.remove(r)
+            order.append(r)
+        while sum(counts) > num_layers:  # the at-least-one rule overshot: take from the largest
+            counts[max(range(size), key=lambda r: counts[r])] -= 1
+    else:
+        counts = split_evenly(num_layers, size)
+    return _ranges(counts)

@@ -40,7 +40,7 @@ from shoal.executor.shm import SharedMemoryChannel
 log = logging.getLogger("shoal.executor")
 
 
-class TensorParallelGroup:
+class RankGroup:
     """This process's place among the ranks, and the collectives the model and the executor use."""
 
     def __init__(self, rank: int, size: int, backend: str, timeout: float = 300.0) -> None:
@@ -48,14 +48,14 @@ class TensorParallelGroup:
         self.shm: SharedMemoryChannel | None = None  # same-host collectives, once open_shared_memory ran
 
     @classmethod
-    def join(cls, rank: int, size: int, addr: str, port: int, timeout: float, device: str = "cpu") -> TensorParallelGroup:
+    def join(cls, rank: int, size: int, addr: str, port: int, timeout: float, device: str = "cpu") -> RankGroup:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{_url_host(addr)}:{port}", rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout))
         return cls(rank, size, backend, timeout)
 
     @classmethod
-    def from_environment(cls, timeout: float) -> TensorParallelGroup:
+    def from_environment(cls, timeout: float) -> RankGroup:
         """Joined as torchrun (or any launcher setting RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) says."""
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size,
@@ -103,6 +103,19 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def send_hidden(self, hidden: torch.Tensor, dst: int, wire: str) -> None:
+        """A pipeline stage's output to the next stage, in the wire dtype (int8: symmetric, a scale per row)."""
+        for t in encode_wire(hidden, wire):
+            dist.send(t.contiguous(), dst)
+
+    def recv_hidden(self, rows: int, width: int, src: int, wire: str, dtype: torch.dtype) -> torch.Tensor:
+        parts = [torch.empty(rows, width, dtype=WIRE[wire])]
+        if wire == "int8":
+            parts.append(torch.empty(rows, 1, dtype=torch.float32))
+        for t in parts:
+            dist.recv(t, src)
+        return decode_wire(parts, dtype)
+
     def agree_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -121,25 +134,50 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
-def rank_info(part, group: TensorParallelGroup, shard) -> dict:
+def rank_info(part, group: RankGroup) -> dict:
     """What GET /v1/cluster shows of one rank."""
     runner = part.runner
     model = runner.model
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     c = runner.config
+    held = model.shard.describe() if model.shard is not None else {
+        "heads": [0, c.num_heads], "kv_heads": [0, c.num_kv_heads], "intermediate": [0, c.intermediate_size]}
     return {
         "rank": group.rank, "host": socket.gethostname(), "pid": os.getpid(), "state": "ready",
-        "layers": [0, c.num_layers], **shard.describe(), "threads": torch.get_num_threads(),
+        "layers": list(model.layer_range), **held, "threads": torch.get_num_threads(),
         "weights_bytes": weight_bytes, "kv_cache_bytes": runner.kv.numel() * runner.kv.element_size(),
     }
+
+
+WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+
+
+def encode_wire(hidden: torch.Tensor, wire: str) -> list[torch.Tensor]:
+    """Hidden states as sent between pipeline stages: cast, or int8 with one float32 scale per token row."""
+    if wire != "int8":
+        return [hidden.to(WIRE[wire])]
+    h = hidden.float()
+    scale = h.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+    return [torch.round(h / scale).clamp_(-127, 127).to(torch.int8), scale]
+
+
+def decode_wire(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if parts[0].dtype == torch.int8:
+        return (parts[0].float() * parts[1]).to(dtype)
+    return parts[0].to(dtype)
+
+
+def wire_bytes_per_token(width: int, wire: str) -> int:
+    return width * WIRE[wire].itemsize + (4 if wire == "int8" else 0)
 
 
 class DistributedExecutor:
     """Rank 0's side: broadcast each step's forward, run rank 0's shard, sample."""
 
-    def __init__(self, runner, group: TensorParallelGroup, ranks: list[dict], workers: list[subprocess.Popen]) -> None:
+    def __init__(self, runner, group: RankGroup, ranks: list[dict], workers: list[subprocess.Popen], stages: int = 1, wire: str = "float32") -> None:
         self.runner = runner
         self.group = group
+        self.stages, self.wire = stages, wire  # pipeline stages (1: tensor parallel), the dtype between them
         self.ranks = ranks
         self.workers = workers  # the ranks this process started (one machine); others are someone else's
         self.failure: str | None = None
@@ -152,7 +190,13 @@ class DistributedExecutor:
     def _forward_everywhere(self, batch):
         try:
             self.group.broadcast(batch)
-            return self.runner.forward(batch)
+            hidden = self.runner.forward(batch)
+            if self.stages > 1 and hidden is not None:  # through the other stages, and back for the logits
+                self.group.send_hidden(hidden, 1, self.wire)
+                # the last stage's output comes back in the model's dtype: logits are never computed from a compressed copy
+                hidden = self.group.recv_hidden(len(batch.token_ids), hidden.shape[-1], self.stages - 1,
+                                                str(self.runner.dtype).removeprefix("torch."), self.runner.dtype)
+            return hidden
         except BaseException as e:
             # The ranks run every collective in lockstep: after a failure mid-forward (a lost rank,
             # a timeout, an error in this rank's shard) they no longer agree on where they are.
@@ -171,9 +215,13 @@ class DistributedExecutor:
                 info["state"] = "unreachable"
             ranks.append(info)
         return {
-            "tensor_parallel_size": self.group.size, "pipeline_parallel_size": 1, "backend": self.group.backend,
+            "tensor_parallel_size": 1 if self.stages > 1 else self.group.size, "pipeline_parallel_size": self.stages,
+            "backend": self.group.backend,
             "collectives": "shared memory" if self.group.shm is not None else self.group.backend,
-            "wire_dtype": str(self.runner.dtype).removeprefix("torch."), "ranks": ranks,
+            "stage_hops": self.group.backend if self.stages > 1 else None,  # pipeline: hidden states by send/recv
+            "wire_dtype": self.wire if self.stages > 1 else str(self.runner.dtype).removeprefix("torch."),
+            "wire_bytes_per_token": wire_bytes_per_token(self.runner.config.hidden_size, self.wire) if self.stages > 1 else None,
+            "ranks": ranks,
         }
 
     def close(self) -> None:
@@ -197,20 +245,20 @@ def start_rank0(config: EngineConfig):
     par = config.parallel
     workers: list[subprocess.Popen] = []
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        group = TensorParallelGroup.from_environment(par.timeout)
+        group = RankGroup.from_environment(par.timeout)
     else:
         port = par.master_port or free_port(par.master_addr)
         workers = [spawn_worker(r, par.world_size, par.master_addr, port, par.timeout) for r in range(1, par.ranks_per_node)]
         log.info("tensor parallel over %d ranks: started %d worker process(es) on this machine, meeting at %s:%d",
                  par.world_size, len(workers), par.master_addr, port)
         _watch(workers)
-        group = TensorParallelGroup.join(0, par.world_size, par.master_addr, port, par.timeout, config.device)
+        group = RankGroup.join(0, par.world_size, par.master_addr, port, par.timeout, config.device)
     try:
         group.broadcast(config)
         part = build_part(config, 0, group)
         shared = group.open_shared_memory(part_bytes(config, part), alive=lambda: all(w.poll() is None for w in workers),
                                           enabled=par.shared_memory)
-        ranks = group.gather(rank_info(part, group, part.runner.model.shard))
+        ranks = group.gather(rank_info(part, group))
     except BaseException:
         group.close()
         for w in workers:
@@ -218,10 +266,14 @@ def start_rank0(config: EngineConfig):
         raise
     log.info("per-step collectives: %s", "shared memory (every rank on this machine)" if shared else f"{group.backend} (ranks on several machines)")
     for info in ranks:
-        log.info("rank %d on %s (pid %d): query heads %s, KV heads %s, MLP columns %s, %.1f MiB of weights",
-                 info["rank"], info["host"], info["pid"], info["heads"], info["kv_heads"], info["intermediate"],
+        log.info("rank %d on %s (pid %d): layers %s, query heads %s, KV heads %s, MLP columns %s, %.1f MiB of weights",
+                 info["rank"], info["host"], info["pid"], info["layers"], info["heads"], info["kv_heads"], info["intermediate"],
                  info["weights_bytes"] / 2**20)
-    return DistributedExecutor(part.runner, group, ranks, workers), part
+    stages = par.pipeline_parallel_size
+    if stages > 1:
+        log.info("pipeline: %d stages, hidden states sent as %s (%d bytes per token per hop)", stages, par.pp_wire_dtype,
+                 wire_bytes_per_token(part.runner.config.hidden_size, par.pp_wire_dtype))
+    return DistributedExecutor(part.runner, group, ranks, workers, stages, par.pp_wire_dtype), part
 
 
 def part_bytes(config: EngineConfig, part) -> int:

@@ -13,12 +13,12 @@ import sys
 
 import torch
 
-from shoal.executor.distributed import TensorParallelGroup, part_bytes, rank_info
+from shoal.executor.distributed import RankGroup, part_bytes, rank_info
 
 log = logging.getLogger("shoal.worker")
 
 
-def serve_forwards(group: TensorParallelGroup) -> None:
+def serve_forwards(group: RankGroup) -> None:
     from shoal.engine.builder import build_part
 
     config = group.broadcast()
@@ -30,17 +30,27 @@ def serve_forwards(group: TensorParallelGroup) -> None:
         raise
     parent = os.getppid()
     group.open_shared_memory(part_bytes(config, part), alive=lambda: os.getppid() == parent, enabled=config.parallel.shared_memory)
-    info = rank_info(part, group, part.runner.model.shard)
+    info = rank_info(part, group)
     group.gather(info)
-    log.info("rank %d ready: query heads %s, KV heads %s, MLP columns %s, %d KV blocks, %d threads",
-             group.rank, info["heads"], info["kv_heads"], info["intermediate"], part.runner.num_blocks, info["threads"])
+    log.info("rank %d ready: layers %s, query heads %s, KV heads %s, MLP columns %s, %d KV blocks, %d threads",
+             group.rank, info["layers"], info["heads"], info["kv_heads"], info["intermediate"], part.runner.num_blocks, info["threads"])
     runner = part.runner
+    stages, wire = config.parallel.pipeline_parallel_size, config.parallel.pp_wire_dtype
+    last = group.rank == stages - 1
     with torch.inference_mode():
         while True:
             batch = group.broadcast()
             if batch is None:
                 break
-            runner.forward(batch)
+            if stages == 1 or batch.empty:  # tensor parallel: every rank runs the whole batch on its shard
+                runner.forward(batch)
+                continue
+            # a pipeline stage: the previous stage's hidden states in, this stage's layers, out to the next
+            # (the last sends back to rank 0 uncompressed, for the logits)
+            width = runner.config.hidden_size
+            hidden = group.recv_hidden(len(batch.token_ids), width, group.rank - 1, wire, runner.dtype)
+            out = runner.forward(batch, hidden)
+            group.send_hidden(out, 0 if last else group.rank + 1, str(runner.dtype).removeprefix("torch.") if last else wire)
     log.info("rank %d: stopped by rank 0", group.rank)
     group.close()
 
@@ -55,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {a.rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
-    group = TensorParallelGroup.join(a.rank, a.world_size, a.master_addr, a.master_port, a.timeout)
+    group = RankGroup.join(a.rank, a.world_size, a.master_addr, a.master_port, a.timeout)
     serve_forwards(group)
     return 0
 

@@ -149,8 +149,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     (`Q4Codes`) and is never dequantized; with int8 or int4, projections that
     are rounded later stay float32 until then. Everything else is `dtype`.
 
-    select_for(config) -> select(hf_name) -> (dim, start, length) | None: read only that
-    part of each tensor (a tensor-parallel rank's rows or columns, layers.shard_slice).
+    select_for(config) -> select(hf_name) -> (dim, start, length) | None | False: read only that
+    part of each tensor (a tensor-parallel rank's rows or columns, layers.shard_slice), or
+    nothing of it (False: another pipeline stage's).
     Rows are read from the file's blocks as they are; columns too where they fall on
     quantization blocks, else the tensor is read whole and the model slices it.
     """
@@ -321,6 +322,8 @@ def load_state_dict(
         lowbit = weight_format != "none" and _is_projection(name)
         rows = _rows(tensor)
         where = select(name) if select is not None else None
+        if where is False:  # another pipeline stage's: never read
+            continue
         if where is not None:
             tensor = tensor_part(tensor, *where) or tensor
         # the permutation is per head, so a slice of whole heads un-permutes with its own head count

@@ -11,6 +11,7 @@ step is measurable. The checkpoint names stay HF's; `STACKED_PARAMS` maps them.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -186,7 +187,7 @@ def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtyp
         return 0
     pad = dtype == torch.float16 and wide is None
     swapped = 0
-    if model.logits_head is None:  # the head is F.linear over the embedding table or lm_head's weight
+    if model.logits_head is None and model.model.embed_tokens is not None:  # the head (stage 0's): F.linear over the embedding or lm_head
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
         if wide is not None or pad or head.shape[1] > INVARIANT_K:
             model.logits_head = InvariantLinear(head.detach(), None, pad, wide)
@@ -334,19 +335,23 @@ class DecoderLayer(Layer):
 class DecoderModel(Layer):
     """Embeddings, N pre-norm decoder layers, final norm: the HF `model.` prefix."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, reduce=None) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, reduce=None, first: bool = True, last: bool = True) -> None:
+        """first / last: whether this holds the model's first / last layers (a pipeline stage may hold neither):
+        the embedding lives on the first stage, the final norm is applied on the last."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else None
         self.rotary = Rotary(config, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(config, linear, reduce) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.last = last
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
+        """hidden: the previous pipeline stage's output, in place of embedding input_ids."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, hidden]
         rope = self.rotary(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
-        return self.norm(x)
+        return self.norm(x) if self.last else x
 
 
 class DecoderForCausalLM(nn.Module):
@@ -355,28 +360,37 @@ class DecoderForCausalLM(nn.Module):
     qk_norm = False
     attention_bias: bool | None = None  # None: as the config says
 
-    def __init__(self, hf_config, max_positions: int, linear=float_linear, shard=None, reduce=None) -> None:
+    def __init__(self, hf_config, max_positions: int, linear=float_linear, shard=None, reduce=None, layers: tuple[int, int] | None = None) -> None:
         """linear(in, out, bias, parts) builds the decoder's projections: `quant.WeightFormat.linear`
         chooses their weight format here, before any weight is loaded.
 
         shard (engine.shard_plan.TensorShard): build one tensor-parallel rank's part, its heads and
         intermediate columns; `reduce` sums a row-parallel projection's output over the ranks.
         Embeddings, norms and the logits head stay whole on every rank.
+
+        layers (first, end): a pipeline stage's range of decoder layers. The embedding and the logits
+        head live on the stage with layer 0 (rank 0, which samples); the final norm on every stage,
+        applied by the last.
         """
         super().__init__()
         self.config = ModelConfig.from_hf(hf_config, qk_norm=self.qk_norm, attention_bias=self.attention_bias)
         self.shard = shard if shard is not None and shard.size > 1 else None
         self.head_dim = self.config.head_dim
+        total = self.config.num_layers
+        self.layer_range = layers or (0, total)
         if self.shard is not None:
             self.config = self.config.sharded(self.shard)
-        self.model = DecoderModel(self.config, max_positions, linear, reduce)
-        if not self.config.tie_word_embeddings:
+        first = self.layer_range[0] == 0
+        if self.layer_range != (0, total):
+            self.config = replace(self.config, num_layers=self.layer_range[1] - self.layer_range[0])
+        self.model = DecoderModel(self.config, max_positions, linear, reduce, first, self.layer_range[1] == total)
+        if not self.config.tie_word_embeddings and first:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set by WeightFormat.finish_head: replaces the (tied) head
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, hidden=None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] (hidden: a previous pipeline stage's)."""
+        return self.model(input_ids, positions, kv_caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32."""
@@ -400,6 +414,9 @@ class DecoderForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if "rotary_emb" in name:
+                continue
+            name = self._local_name(name)
+            if name is None:  # another pipeline stage's
                 continue
             if self.shard is not None:
                 tensor = self._shard_tensor(name, tensor)
@@ -434,6 +451,11 @@ class DecoderForCausalLM(nn.Module):
                 m.finish_loading()
 
 
+    def _local_name(self, name: str) -> str | None:
+        """A checkpoint name as this model (a pipeline stage's layers, renumbered from 0) calls it; None
+        for a tensor it does not hold."""
+        return stage_name(name, self.layer_range, self.model.embed_tokens is not None)
+
     def _shard_tensor(self, name: str, tensor):
         """This rank's rows or columns of a checkpoint tensor (SHARDED_PARAMS), unless the loader
         already read only those (`shard_slice`); others whole."""
@@ -444,6 +466,18 @@ class DecoderForCausalLM(nn.Module):
         if getattr(tensor, "codes", tensor).shape[dim] == length:  # a Tensor, or a GGUF's Q4Codes
             return tensor
         return tensor.narrow(dim, start, length)
+
+
+def stage_name(name: str, layers: tuple[int, int], first: bool) -> str | None:
+    """`name` renumbered for a pipeline stage holding decoder layers [first, end) (layer i -> i - first),
+    or None when the stage does not hold it (another stage's layer; the embedding and head off stage 0)."""
+    if name.startswith("model.layers."):
+        index, _, rest = name[len("model.layers.") :].partition(".")
+        i = int(index)
+        return f"model.layers.{i - layers[0]}.{rest}" if layers[0] <= i < layers[1] else None
+    if not first and (name.startswith("model.embed_tokens.") or name.startswith("lm_head.")):
+        return None
+    return name
 
 
 def shard_slice(name: str, shard, head_dim: int) -> tuple[int, int, int] | None:

@@ -128,8 +128,9 @@ def load_checkpoint(
     weights are `dtype`, but for low-bit projections: float32 until their layer
     rounds them, or a GGUF's 4-bit codes as stored (see gguf_loader.load_gguf).
 
-    select_for(hf_config) -> select(name) -> (dim, start, length) | None reads only that
-    part of each tensor: a tensor-parallel rank's rows or columns (layers.shard_slice).
+    select_for(hf_config) -> select(name) -> (dim, start, length) | None | False reads only that
+    part of each tensor: a tensor-parallel rank's rows or columns (layers.shard_slice), or
+    nothing of it (False: a tensor another pipeline stage holds, layers.stage_name).
     """
     path = resolve_model_path(str(name_or_path))
     start = time.perf_counter()
@@ -188,25 +189,29 @@ def load_safetensors(
     raw = {}
     for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", disable=not progress, file=sys.stderr):
         where = select(key) if select is not None else None
+        if where is False:  # another pipeline stage's: never read
+            continue
         if where is None:
             raw[key] = handle.get_tensor(key).to(dtype)
         else:
             dim, start, length = where
             part = handle.get_slice(key)
             raw[key] = (part[start : start + length] if dim == 0 else part[:, start : start + length]).to(dtype)
-    return normalize_names(raw, tied=bool(getattr(config, "tie_word_embeddings", False)))
+    return normalize_names(raw, tied=bool(getattr(config, "tie_word_embeddings", False)), names=[k for _, k in keys])
 
 
-def normalize_names(raw: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+def normalize_names(raw: dict[str, torch.Tensor], tied: bool, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Rename to the names a `*ForCausalLM` has: `model.embed_tokens.weight`, ...,
     `lm_head.weight` (dropped when tied to the embedding).
 
     Checkpoints saved from the bare `LlamaModel` have no `model.` prefix, and
     wrappers add their own (`language_model.model.`); the prefix is whatever
     comes before `embed_tokens.weight`. Old checkpoints also carry the rotary
-    `inv_freq` buffer, which is computed, not loaded.
+    `inv_freq` buffer, which is computed, not loaded. `names`: every tensor the files hold,
+    where `raw` has only those read (a pipeline stage skips the embedding and the head).
     """
-    embed = [k for k in raw if k.endswith("embed_tokens.weight")]
+    names = list(raw) if names is None else names
+    embed = [k for k in names if k.endswith("embed_tokens.weight")]
     if len(embed) != 1:
         raise ValueError(f"expected one embed_tokens.weight in the checkpoint, found {embed}")
     prefix = embed[0][: -len("embed_tokens.weight")]
@@ -222,7 +227,7 @@ def normalize_names(raw: dict[str, torch.Tensor], tied: bool) -> dict[str, torch
             log.warning("ignoring checkpoint tensor %s: not under %r", key, prefix)
     if tied:
         out.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in out:
+    elif not any(k.endswith("lm_head.weight") for k in names):
         raise ValueError("the config says tie_word_embeddings=False but the checkpoint has no lm_head.weight")
     return out
 

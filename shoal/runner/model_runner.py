@@ -161,8 +161,9 @@ class ModelRunner:
         return StepOutput(result, self._prompt_logprobs(prompt_rows, hidden) if prompt_rows else {})
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Copy blocks, then run the model over the batch: hidden states [T, hidden] (None when it has no tokens)."""
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Copy blocks, then run the model over the batch: hidden states [T, hidden] (None when it has no tokens).
+        hidden: the previous pipeline stage's output, for a stage without the embedding."""
         dev = self.device
         if batch.block_copies:
             src = torch.tensor([s for s, _ in batch.block_copies], device=dev)
@@ -178,7 +179,7 @@ class ModelRunner:
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         meta = self.attention.prepare(batch.decodes, batch.chunks)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, hidden)
 
     def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
         """One SampledToken per sequence. A failure that belongs to some rows (their
