@@ -184,7 +184,7 @@ class DistributedExecutor:
 
     def execute(self, plan):
         if self.failure is not None:
-            raise RuntimeError(f"the tensor-parallel group is down: {self.failure}")
+            raise RuntimeError(f"the ranks holding the model are out of step: {self.failure}")
         return self.runner.execute(plan, forward=self._forward_everywhere)
 
     def _forward_everywhere(self, batch):
@@ -201,7 +201,7 @@ class DistributedExecutor:
             # The ranks run every collective in lockstep: after a failure mid-forward (a lost rank,
             # a timeout, an error in this rank's shard) they no longer agree on where they are.
             self.failure = (str(e).splitlines() or [type(e).__name__])[0][:200]
-            log.error("tensor-parallel forward failed (%s); every step from now on fails", self.failure)
+            log.error("the distributed forward failed (%s); every step from now on fails", self.failure)
             raise
 
     def cluster(self) -> dict:

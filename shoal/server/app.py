@@ -137,8 +137,8 @@ def _add_service_routes(app: FastAPI) -> None:
     async def health(request: Request) -> JSONResponse:
         state: ServerState = request.app.state.shoal
         failure = getattr(state.engine.executor, "failure", None) if state.status == "ok" else None
-        if failure:  # a tensor-parallel rank is gone: every step fails until a restart
-            return JSONResponse({"status": "failed", "model_loaded": True, "error": "a tensor-parallel rank is unreachable"}, status_code=503)
+        if failure:  # a rank holding part of the model is gone: every step fails until a restart
+            return JSONResponse({"status": "failed", "model_loaded": True, "error": "a rank holding part of the model (tensor or pipeline parallel) is unreachable"}, status_code=503)
         if state.status == "ok":
             return JSONResponse({"status": "ok", "model_loaded": True})
         body = {"status": state.status, "model_loaded": False}
