@@ -121,7 +121,7 @@ def test_a_rank_reads_only_its_rows_and_columns_of_the_gguf(default_gguf_path):
     """Rank 1 of 2 on the default GGUF: its 4-bit codes, read block by block from the file (q/k un-permuted per
     head), equal the whole file's codes sliced; the loader never builds the rest."""
     shard = plan_tensor_parallel(9, 3, 1536, 2)[1]
-    select_for = lambda hf: partial(shard_slice, shard=shard, head_dim=64)  # noqa: E731
+    select_for = lambda hf, fmt: partial(shard_slice, shard=shard, head_dim=64)  # noqa: E731
     full = load_checkpoint(str(default_gguf_path), quantization="int4", progress=False).state_dict
     part = load_checkpoint(str(default_gguf_path), quantization="int4", progress=False, select_for=select_for).state_dict
     _assert_rank_part(full, part, shard, 64)
@@ -133,7 +133,7 @@ def test_a_rank_reads_only_its_rows_and_columns_of_safetensors(tmp_path):
     path = make_tiny_model("qwen2", tmp_path / "m")  # q/k/v biases too
     shard = plan_tensor_parallel(4, 2, 128, 2)[0]
     full = load_checkpoint(str(path), progress=False).state_dict
-    part = load_checkpoint(str(path), progress=False, select_for=lambda hf: partial(shard_slice, shard=shard, head_dim=16)).state_dict
+    part = load_checkpoint(str(path), progress=False, select_for=lambda hf, fmt: partial(shard_slice, shard=shard, head_dim=16)).state_dict
     _assert_rank_part(full, part, shard, 16)
 
 
@@ -357,3 +357,21 @@ def test_pipeline_in_bfloat16_with_a_bfloat16_wire_is_exact_and_int8_wire_stays_
     with LLM(str(path), pipeline_parallel_size=2, pp_wire_dtype="int8", **kw) as llm:
         one_by_one = [_tokens(llm.generate([p], GREEDY))[0] for p in PROMPTS]
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == one_by_one  # lossy, but a row's rounding is its own
+
+
+def test_the_launcher_sizes_layers_and_stage_zero_for_the_memory_planner():
+    """What the pipeline planner is fed when --pp-layers is not given: each rank's free memory less the KV budget
+    (and, on rank 0, the embedding and head), over one layer's weights in the format being loaded."""
+    from shoal.engine.builder import free_memory, layer_bytes, stage0_bytes
+    from shoal.model.config import ModelConfig
+
+    hf = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                                  num_hidden_layers=30, vocab_size=49152, tie_word_embeddings=True)
+    c = ModelConfig.from_hf(hf)
+    params = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536
+    assert layer_bytes(c, "none", torch.float32) == params * 4
+    assert layer_bytes(c, "none", torch.bfloat16) == params * 2
+    assert layer_bytes(c, "int4", torch.bfloat16) == int(params * 0.625)
+    assert stage0_bytes(c, torch.bfloat16) == 49152 * 576 * 2
+    free = free_memory(torch.device("cpu"))
+    assert free is None or free > 0

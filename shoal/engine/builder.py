@@ -79,11 +79,19 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     par = config.parallel
     shard = layers = None
 
-    def select_for(hf):  # the loader asks once it has the config: read only what this rank holds
+    def select_for(hf, weight_format):  # the loader asks once it has the config: read only what this rank holds
         nonlocal shard, layers
         whole = ModelConfig.from_hf(hf)
         if par.pipeline_parallel_size > 1:
-            layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers)[rank]
+            by_memory = {}
+            if par.pp_layers is None:  # the seed's fair greedy rule over every rank's free memory (a collective)
+                free = group.gather(free_memory(device))
+                if all(f is not None for f in free):
+                    kv = config.cache.kv_cache_memory if device.type == "cpu" else 0
+                    head = stage0_bytes(whole, dtype)
+                    by_memory = {"free_bytes": [f - kv - (head if r == 0 else 0) for r, f in enumerate(free)],
+                                 "layer_bytes": layer_bytes(whole, weight_format, dtype)}
+            layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **by_memory)[rank]
             return lambda name: False if stage_name(name, layers, layers[0] == 0) is None else None
         shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, size)[rank]
         return partial(shard_slice, shard=shard, head_dim=whole.head_dim)
@@ -127,6 +135,32 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, attention)
     ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
     return ModelPart(runner, ckpt, weights.name, max_model_len)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes this process could still take: free GPU memory, or the kernel's MemAvailable; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib * 1024
+
+
+BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.5 + 4 / 32}  # codes, plus int4's two bf16 numbers per group of 32
+
+
+def layer_bytes(c: ModelConfig, weight_format: str, dtype: torch.dtype) -> int:
+    """One decoder layer's projection weights in `weight_format` (norms are noise)."""
+    params = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    return int(params * BYTES_PER_WEIGHT.get(weight_format, torch.finfo(dtype).bits / 8))
+
+
+def stage0_bytes(c: ModelConfig, dtype: torch.dtype) -> int:
+    """What stage 0 holds beyond its layers: the embedding, and an untied head."""
+    return c.vocab_size * c.hidden_size * (torch.finfo(dtype).bits // 8) * (1 if c.tie_word_embeddings else 2)
 
 
 def _threads_per_rank(ranks_here: int) -> int:

@@ -149,7 +149,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     (`Q4Codes`) and is never dequantized; with int8 or int4, projections that
     are rounded later stay float32 until then. Everything else is `dtype`.
 
-    select_for(config) -> select(hf_name) -> (dim, start, length) | None | False: read only that
+    select_for(config, weight_format) -> select(hf_name) -> (dim, start, length) | None | False: read only that
     part of each tensor (a tensor-parallel rank's rows or columns, layers.shard_slice), or
     nothing of it (False: another pipeline stage's).
     Rows are read from the file's blocks as they are; columns too where they fall on
@@ -168,7 +168,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     tensors = {t.name: t for t in reader.tensors}
     config = build_config(meta, tensors, tokenizer)
     fmt = projection_format(tensors.values()) if quantization == "auto" else quantization
-    select = select_for(config) if select_for is not None else None
+    select = select_for(config, fmt) if select_for is not None else None
     state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress, fmt, select)
     t3 = time.perf_counter()
     codes = sum(isinstance(v, Q4Codes) for v in state_dict.values())

@@ -128,7 +128,7 @@ def load_checkpoint(
     weights are `dtype`, but for low-bit projections: float32 until their layer
     rounds them, or a GGUF's 4-bit codes as stored (see gguf_loader.load_gguf).
 
-    select_for(hf_config) -> select(name) -> (dim, start, length) | None | False reads only that
+    select_for(hf_config, weight_format) -> select(name) -> (dim, start, length) | None | False reads only that
     part of each tensor: a tensor-parallel rank's rows or columns (layers.shard_slice), or
     nothing of it (False: a tensor another pipeline stage holds, layers.stage_name).
     """
@@ -142,11 +142,12 @@ def load_checkpoint(
         names = (*gg.names, path.stem)
     else:
         config = transformers.AutoConfig.from_pretrained(path)
-        state_dict = load_safetensors(path, config, dtype, progress, select_for(config) if select_for is not None else None)
+        weight_format = "none" if quantization == "auto" else quantization
+        select = select_for(config, weight_format) if select_for is not None else None
+        state_dict = load_safetensors(path, config, dtype, progress, select)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         generation_eos, defaults = read_generation_config(path, config)
         fmt = "hf"
-        weight_format = "none" if quantization == "auto" else quantization
         names = (path.name,)
     source = "the model's files"
     if not defaults:  # card defaults stand in for the model's own, never mix with them
