@@ -120,7 +120,7 @@ class AsyncEngine:
         try:
             self._loop()
         finally:
-            self.engine.close()  # stop the other tensor-parallel ranks, if any (this thread ran their collectives)
+            self.engine.close()  # stop the other ranks, if any (this thread ran their collectives)
 
     def _loop(self) -> None:
         while not self._stopped.is_set():

@@ -246,7 +246,7 @@ class Engine:
         self._pending.clear()
 
     def close(self) -> None:
-        """Release what the executor holds beyond this process (tensor-parallel ranks)."""
+        """Release what the executor holds beyond this process (the other ranks of a distributed model)."""
         self.executor.close()
 
     def has_unfinished(self) -> bool:

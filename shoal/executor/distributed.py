@@ -1,4 +1,4 @@
-"""Tensor parallelism over torch.distributed: rank 0 serves, the other ranks compute their shard.
+"""Tensor and pipeline parallelism over torch.distributed: rank 0 serves, the other ranks compute their part.
 
 Rank 0 owns everything with state (HTTP, scheduler, block pool, prefix cache)
 and the logits head. Each step it broadcasts the step's ForwardBatch (token
@@ -13,6 +13,10 @@ order that depends on where an element falls in the ring's chunks, which
 depends on the size of the step, so a row's bits would change with the batch.
 Gathering costs (ranks - 1) times the bytes of a reduce, a few kilobytes per
 token for the models shoal runs on CPUs.
+
+Pipeline stages (`--pipeline-parallel-size P`) get the same broadcast; each runs
+its own range of layers on the hidden states the previous stage sends (send/recv,
+in the wire dtype), and the last sends its output back to rank 0 uncompressed.
 
 Processes: `shoal serve --tensor-parallel-size N` on one machine starts ranks
 1..N-1 itself (`python -m shoal.executor.worker`); across machines the others

@@ -1,4 +1,5 @@
-"""A tensor-parallel rank other than 0: meet rank 0, build this rank's shard, run forwards until told to stop.
+"""A rank other than 0 (a tensor-parallel shard or a pipeline stage): meet rank 0, build this rank's part,
+run forwards until told to stop.
 
 It holds no request state: rank 0 sends the engine's config once, then one
 ForwardBatch per step (None to stop).
