@@ -107,13 +107,14 @@ class RankGroup:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def send_hidden(self, hidden: torch.Tensor, dst: int, wire: str) -> None:
-        """A pipeline stage's output to the next stage, in the wire dtype (int8: symmetric, a scale per row)."""
+    def send_hidden(self, hidden: torch.Tensor, dst: int, wire: str | None) -> None:
+        """A pipeline stage's output to the next stage, in the wire dtype (int8: symmetric, a scale per row;
+        None: as it is, for the way back to the logits, which is never compressed)."""
         for t in encode_wire(hidden, wire):
             dist.send(t.contiguous(), dst)
 
-    def recv_hidden(self, rows: int, width: int, src: int, wire: str, dtype: torch.dtype) -> torch.Tensor:
-        parts = [torch.empty(rows, width, dtype=WIRE[wire])]
+    def recv_hidden(self, rows: int, width: int, src: int, wire: str | None, dtype: torch.dtype) -> torch.Tensor:
+        parts = [torch.empty(rows, width, dtype=WIRE[wire] if wire is not None else dtype)]
         if wire == "int8":
             parts.append(torch.empty(rows, 1, dtype=torch.float32))
         for t in parts:
@@ -156,8 +157,10 @@ def rank_info(part, group: RankGroup) -> dict:
 WIRE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
-def encode_wire(hidden: torch.Tensor, wire: str) -> list[torch.Tensor]:
+def encode_wire(hidden: torch.Tensor, wire: str | None) -> list[torch.Tensor]:
     """Hidden states as sent between pipeline stages: cast, or int8 with one float32 scale per token row."""
+    if wire is None:
+        return [hidden]
     if wire != "int8":
         return [hidden.to(WIRE[wire])]
     h = hidden.float()
@@ -198,8 +201,7 @@ class DistributedExecutor:
             if self.stages > 1 and hidden is not None:  # through the other stages, and back for the logits
                 self.group.send_hidden(hidden, 1, self.wire)
                 # the last stage's output comes back in the model's dtype: logits are never computed from a compressed copy
-                hidden = self.group.recv_hidden(len(batch.token_ids), hidden.shape[-1], self.stages - 1,
-                                                str(self.runner.dtype).removeprefix("torch."), self.runner.dtype)
+                hidden = self.group.recv_hidden(len(batch.token_ids), hidden.shape[-1], self.stages - 1, None, self.runner.dtype)
             return hidden
         except BaseException as e:
             # The ranks run every collective in lockstep: after a failure mid-forward (a lost rank,

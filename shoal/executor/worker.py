@@ -51,7 +51,7 @@ def serve_forwards(group: RankGroup) -> None:
             width = runner.config.hidden_size
             hidden = group.recv_hidden(len(batch.token_ids), width, group.rank - 1, wire, runner.dtype)
             out = runner.forward(batch, hidden)
-            group.send_hidden(out, 0 if last else group.rank + 1, str(runner.dtype).removeprefix("torch.") if last else wire)
+            group.send_hidden(out, 0 if last else group.rank + 1, None if last else wire)
     log.info("rank %d: stopped by rank 0", group.rank)
     group.close()
 
