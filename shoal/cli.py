@@ -93,6 +93,8 @@ PARALLEL_OPTS = [
     Opt("--node-rank", 0, int, "this machine's place among them (serve: 0)"),
     Opt("--master-addr", "127.0.0.1", str, "where rank 0 (the serving machine) is reached by the others"),
     Opt("--master-port", 0, int, "rank 0's rendezvous port (default: a free one; needed with --nnodes > 1)"),
+    Opt("--restart-workers", False, None, "when a rank is lost, start the ranks again (and on other machines, "
+        "`shoal worker --restart-workers` rejoins) and resume serving, instead of answering 503 until a restart", kind="flag"),
 ]
 
 SERVER_OPTS = [
@@ -380,14 +382,14 @@ def _torchrun_parallel() -> dict:
 def _run_worker_rank(rank: int | None, v: dict) -> int:
     """Run one tensor-parallel rank other than 0 in this process until rank 0 stops it (rank None: torchrun's)."""
     from shoal.executor.distributed import RankGroup
-    from shoal.executor.worker import serve_forwards
+    from shoal.executor.worker import run_rank
 
     par = engine_config(v).parallel
     if rank is None:
         group = RankGroup.from_environment(par.timeout)
     else:
         group = RankGroup.join(rank, par.world_size, par.master_addr, par.master_port, par.timeout)
-    serve_forwards(group)
+    run_rank(group, par.restart_workers)
     return 0
 
 
@@ -400,7 +402,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     if par.node_rank == 0:
         raise ValueError("--node-rank 0 is the machine that serves (shoal serve); workers are 1 and up")
     first = par.node_rank * par.ranks_per_node
-    others = [spawn_worker(r, par.world_size, par.master_addr, par.master_port, par.timeout)
+    others = [spawn_worker(r, par.world_size, par.master_addr, par.master_port, par.timeout, rejoin=par.restart_workers)
               for r in range(first + 1, first + par.ranks_per_node)]
     logging.getLogger("shoal").info("worker node %d: ranks %d-%d of %d, meeting rank 0 at %s:%d", par.node_rank, first,
                                     first + par.ranks_per_node - 1, par.world_size, par.master_addr, par.master_port)

@@ -93,6 +93,7 @@ class ParallelConfig:
     master_port: int = 0  # 0: a free port (one machine only)
     timeout: float = 300.0  # seconds a collective may wait for a rank (loading included)
     shared_memory: bool = True  # ranks on one machine sum and broadcast through /dev/shm, not gloo (executor/shm.py)
+    restart_workers: bool = False  # after a lost rank: start the ranks again and resume (else 503 until restarted)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:

@@ -29,10 +29,16 @@ from shoal.types import GenerationRequest, RequestOutput
 
 log = logging.getLogger("shoal.engine")
 SUMMARY_INTERVAL_S = 10.0
+RESTART_BACKOFF_S = 5.0  # between tries to bring lost ranks back (--restart-workers)
 
 
 class EngineDeadError(RuntimeError):
     """The step itself failed (the model's forward): every request in flight ends with it."""
+
+
+class EngineUnavailable(EngineDeadError):
+    """A process holding part of the model was lost (tensor or pipeline parallel): the request cannot finish,
+    and none can run until the ranks are back (503 with Retry-After)."""
 
 
 class RequestFailed(RuntimeError):
@@ -62,6 +68,7 @@ class AsyncEngine:
         self._queued_adds = 0  # submitted, not yet handed to the engine
         self._expected = 0  # requests that finished together in the step that left the engine idle
         self._last_summary = time.monotonic()
+        self._next_restart = 0.0
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -128,6 +135,9 @@ class AsyncEngine:
             self._apply(block=not self.engine.has_unfinished())
             if self._stopped.is_set():
                 break
+            if self.engine.executor.check() is not None:
+                self._tend_lost_rank()
+                continue
             try:
                 outputs = self.engine.step()
             except Exception:  # a model failure must not take the server down
@@ -144,6 +154,18 @@ class AsyncEngine:
                         del self._sinks[out.request_id]
                         finished += 1
             self._expected = finished if finished > 1 and not self.engine.has_unfinished() else 0
+
+    def _tend_lost_rank(self) -> None:
+        """A rank is lost: end what is in flight (no step can run), and with --restart-workers bring the ranks back."""
+        if self._sinks:
+            self._fail_all()
+        if not self.engine.config.parallel.restart_workers or time.monotonic() < self._next_restart:
+            return
+        try:
+            self.engine.recover()
+        except Exception:
+            log.exception("bringing the ranks back failed; trying again in %.0f s", RESTART_BACKOFF_S)
+            self._next_restart = time.monotonic() + RESTART_BACKOFF_S
 
     def _maybe_log_summary(self) -> None:
         """While busy, one line every SUMMARY_INTERVAL_S seconds on what the engine is doing (like vLLM's)."""
@@ -202,7 +224,11 @@ class AsyncEngine:
 
     def _fail_all(self) -> None:
         log.error("the failed step ends requests %s", ", ".join(self._sinks) or "(none)")
-        err = EngineDeadError("the engine failed while running this request; the server log has the details")
+        if self.engine.executor.failure is not None:
+            then = "the server is starting it again" if self.engine.config.parallel.restart_workers else "the server must be restarted"
+            err: EngineDeadError = EngineUnavailable(f"a process holding part of the model was lost; {then}")
+        else:
+            err = EngineDeadError("the engine failed while running this request; the server log has the details")
         for request_id, sink in list(self._sinks.items()):
             self.engine.abort(request_id)
             sink.put(err)

@@ -242,6 +242,16 @@ class Engine:
         self._retire(state)
         return True
 
+    def recover(self) -> None:
+        """After the executor lost a rank and every request was ended: bring the ranks back (--restart-workers)
+        and forget the prefix cache, whose blocks' KV lived partly on the lost ranks."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("end the requests in flight before restarting the ranks")
+        self.executor.restart()
+        dropped = self.clear_prefix_cache()
+        if dropped:
+            log.info("forgot %d prefix-cache blocks: the restarted ranks start with an empty KV cache", dropped)
+
     def discard_pending_outputs(self) -> None:
         self._pending.clear()
 

@@ -34,6 +34,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -47,16 +49,51 @@ log = logging.getLogger("shoal.executor")
 class RankGroup:
     """This process's place among the ranks, and the collectives the model and the executor use."""
 
-    def __init__(self, rank: int, size: int, backend: str, timeout: float = 300.0) -> None:
+    def __init__(self, rank: int, size: int, backend: str, timeout: float = 300.0, address: tuple[str, int] | None = None) -> None:
         self.rank, self.size, self.backend, self.timeout = rank, size, backend, timeout
+        self.address = address  # rank 0's (host, port), where the group meets again after a lost rank; None: torchrun's
+        self.store: dist.TCPStore | None = None  # rank 0's rendezvous store: it outlives each group
+        self.generation = 0  # which group of the store's this is: rank 0 counts one more at each restart
         self.shm: SharedMemoryChannel | None = None  # same-host collectives, once open_shared_memory ran
 
     @classmethod
     def join(cls, rank: int, size: int, addr: str, port: int, timeout: float, device: str = "cpu") -> RankGroup:
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{_url_host(addr)}:{port}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout))
-        return cls(rank, size, backend, timeout)
+        group = cls(rank, size, "nccl" if device.startswith("cuda") else "gloo", timeout, (addr, port))
+        group.store = dist.TCPStore(addr, port, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout),
+                                    wait_for_workers=False)
+        group._init()
+        return group
+
+    def _init(self) -> None:
+        """Form the group. Each (re)start is a generation with its own keys in rank 0's store, so a rank that
+        comes back can never meet a half of the broken group's rendezvous."""
+        if self.rank == 0:
+            self.generation += 1
+            self.store.set("generation", str(self.generation))
+        else:
+            self.generation = self._next_generation()
+        # torch names a group's keys by a count of the groups made in this process: it starts again at 0
+        # when a group is destroyed, but not after an init that failed. A fresh process starts at 0.
+        world = getattr(dist.distributed_c10d, "_world", None)
+        if world is not None and hasattr(world, "group_count"):
+            world.group_count = 0
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"shoal/{self.generation}", self.store), rank=self.rank,
+                                world_size=self.size, timeout=datetime.timedelta(seconds=self.timeout))
+
+    def _next_generation(self) -> int:
+        """A later generation than the one this rank was in (rank 0 has started the group again)."""
+        deadline = time.monotonic() + self.timeout
+        while (current := int(self.store.get("generation"))) <= self.generation:  # get waits until rank 0 set it once
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 did not start the group again within {self.timeout:.0f}s")
+            time.sleep(0.05)
+        return current
+
+    def rejoin(self) -> None:
+        """Leave the broken group and meet the (restarted) ranks again through rank 0's store. The same
+        object: the model's layers hold its `reduce`."""
+        self.leave()
+        self._init()
 
     @classmethod
     def from_environment(cls, timeout: float) -> RankGroup:
@@ -131,17 +168,21 @@ class RankGroup:
         dist.all_gather_object(out, obj)
         return out
 
-    def close(self) -> None:
+    def leave(self) -> None:
+        """Out of this generation's group (the store stays, for the next)."""
         if self.shm is not None:
             self.shm.close(unlink=self.rank == 0)
             self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def close(self) -> None:
+        self.leave()
+        self.store = None
 
-def rank_info(part, group: RankGroup) -> dict:
+
+def rank_info(runner, group: RankGroup) -> dict:
     """What GET /v1/cluster shows of one rank."""
-    runner = part.runner
     model = runner.model
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     c = runner.config
@@ -179,15 +220,19 @@ def wire_bytes_per_token(width: int, wire: str) -> int:
 
 
 class DistributedExecutor:
-    """Rank 0's side: broadcast each step's forward, run rank 0's shard, sample."""
+    """Rank 0's side: broadcast each step's forward, run rank 0's shard, sample; notice a lost rank and,
+    with --restart-workers, bring the ranks back."""
 
-    def __init__(self, runner, group: RankGroup, ranks: list[dict], workers: list[subprocess.Popen], stages: int = 1, wire: str = "float32") -> None:
+    def __init__(self, runner, group: RankGroup, ranks: list[dict], workers: list[subprocess.Popen], config: EngineConfig) -> None:
         self.runner = runner
         self.group = group
-        self.stages, self.wire = stages, wire  # pipeline stages (1: tensor parallel), the dtype between them
+        self.config = config
+        par = config.parallel
+        self.stages, self.wire = par.pipeline_parallel_size, par.pp_wire_dtype  # pipeline stages (1: tensor parallel), the dtype between them
         self.ranks = ranks
         self.workers = workers  # the ranks this process started (one machine); others are someone else's
-        self.failure: str | None = None
+        self.failure: str | None = None  # why the ranks are out of step (for the log); None while they are well
+        self.restarts = 0
 
     def execute(self, plan):
         if self.failure is not None:
@@ -206,9 +251,53 @@ class DistributedExecutor:
         except BaseException as e:
             # The ranks run every collective in lockstep: after a failure mid-forward (a lost rank,
             # a timeout, an error in this rank's shard) they no longer agree on where they are.
-            self.failure = (str(e).splitlines() or [type(e).__name__])[0][:200]
-            log.error("the distributed forward failed (%s); every step from now on fails", self.failure)
+            self._fail((str(e).splitlines() or [type(e).__name__])[0][:200])
             raise
+
+    def _fail(self, why: str) -> None:
+        self.failure = why
+        log.error("the distributed forward cannot go on (%s); every step fails until the ranks are %s", why,
+                  "restarted" if self.config.parallel.restart_workers else "restarted with the server (--restart-workers does it in place)")
+
+    def check(self) -> str | None:
+        """Between steps: a started rank that exited makes the executor failed at once, not at the next step."""
+        if self.failure is None:
+            for w in self.workers:
+                if w.poll() is not None:
+                    self._fail(f"rank {w.args[-1]} exited with code {w.returncode}")
+                    break
+        return self.failure
+
+    def restart(self) -> None:
+        """Bring the ranks back after a failure (--restart-workers): the ranks this process started are killed
+        and started again, ranks on other machines (`shoal worker --restart-workers`) rejoin; each reloads its
+        part with the plan it had. Rank 0 keeps its part and its KV pool, so the HTTP side never stops. The
+        caller has ended every request and must forget the prefix cache: the other ranks' KV is gone."""
+        log.warning("restarting the ranks that hold the model (%s)", self.failure)
+        _stop(self.workers)
+        self.group.leave()
+        self.workers = _start_workers(self.config, self.group.address[1])
+        try:
+            self.group.rejoin()
+            par = self.config.parallel
+            if self.stages > 1:  # the layers each stage had: no new survey of free memory
+                par = replace(par, pp_layers=tuple(r["layers"][1] - r["layers"][0] for r in self.ranks))
+            self.group.broadcast(replace(self.config, parallel=par))
+            blocks = self.group.agree_min(self.runner.num_blocks)
+            if blocks < self.runner.num_blocks:
+                raise RuntimeError(f"the restarted ranks have room for {blocks} KV blocks, rank 0's pool has {self.runner.num_blocks}")
+            self._open_shared_memory()
+            self.ranks = self.group.gather(rank_info(self.runner, self.group))
+        except BaseException:
+            _stop(self.workers)
+            raise
+        self.failure = None
+        self.restarts += 1
+        log.info("the ranks are back (restart %d): serving resumes", self.restarts)
+
+    def _open_shared_memory(self) -> bool:
+        return self.group.open_shared_memory(part_bytes(self.config, self.runner), alive=lambda: all(w.poll() is None for w in self.workers),
+                                             enabled=self.config.parallel.shared_memory)
 
     def cluster(self) -> dict:
         ranks = []
@@ -227,6 +316,7 @@ class DistributedExecutor:
             "stage_hops": self.group.backend if self.stages > 1 else None,  # pipeline: hidden states by send/recv
             "wire_dtype": self.wire if self.stages > 1 else str(self.runner.dtype).removeprefix("torch."),
             "wire_bytes_per_token": wire_bytes_per_token(self.runner.config.hidden_size, self.wire) if self.stages > 1 else None,
+            "restart_workers": self.config.parallel.restart_workers, "restarts": self.restarts,
             "ranks": ranks,
         }
 
@@ -251,45 +341,53 @@ def start_rank0(config: EngineConfig):
     par = config.parallel
     workers: list[subprocess.Popen] = []
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if par.restart_workers:
+            raise ValueError("--restart-workers is shoal's own launcher's: under torchrun, torchrun restarts the ranks")
         group = RankGroup.from_environment(par.timeout)
     else:
         port = par.master_port or free_port(par.master_addr)
-        workers = [spawn_worker(r, par.world_size, par.master_addr, port, par.timeout) for r in range(1, par.ranks_per_node)]
-        log.info("tensor parallel over %d ranks: started %d worker process(es) on this machine, meeting at %s:%d",
+        workers = _start_workers(config, port)
+        log.info("%d ranks: started %d worker process(es) on this machine, meeting at %s:%d",
                  par.world_size, len(workers), par.master_addr, port)
-        _watch(workers)
         group = RankGroup.join(0, par.world_size, par.master_addr, port, par.timeout, config.device)
     try:
         group.broadcast(config)
         part = build_part(config, 0, group)
-        shared = group.open_shared_memory(part_bytes(config, part), alive=lambda: all(w.poll() is None for w in workers),
-                                          enabled=par.shared_memory)
-        ranks = group.gather(rank_info(part, group))
+        executor = DistributedExecutor(part.runner, group, [], workers, config)
+        shared = executor._open_shared_memory()
+        executor.ranks = group.gather(rank_info(part.runner, group))
     except BaseException:
         group.close()
-        for w in workers:
-            w.kill()
+        _stop(workers)
         raise
     log.info("per-step collectives: %s", "shared memory (every rank on this machine)" if shared else f"{group.backend} (ranks on several machines)")
-    for info in ranks:
+    for info in executor.ranks:
         log.info("rank %d on %s (pid %d): layers %s, query heads %s, KV heads %s, MLP columns %s, %.1f MiB of weights",
                  info["rank"], info["host"], info["pid"], info["layers"], info["heads"], info["kv_heads"], info["intermediate"],
                  info["weights_bytes"] / 2**20)
-    stages = par.pipeline_parallel_size
-    if stages > 1:
-        log.info("pipeline: %d stages, hidden states sent as %s (%d bytes per token per hop)", stages, par.pp_wire_dtype,
-                 wire_bytes_per_token(part.runner.config.hidden_size, par.pp_wire_dtype))
-    return DistributedExecutor(part.runner, group, ranks, workers, stages, par.pp_wire_dtype), part
+    if par.pipeline_parallel_size > 1:
+        log.info("pipeline: %d stages, hidden states sent as %s (%d bytes per token per hop)", par.pipeline_parallel_size,
+                 par.pp_wire_dtype, wire_bytes_per_token(part.runner.config.hidden_size, par.pp_wire_dtype))
+    return executor, part
 
 
-def part_bytes(config: EngineConfig, part) -> int:
+def part_bytes(config: EngineConfig, runner) -> int:
     """The largest partial output of a step: every token of the biggest step, hidden wide, 4 bytes each."""
-    return config.scheduler.max_num_batched_tokens * part.runner.config.hidden_size * 4
+    return config.scheduler.max_num_batched_tokens * runner.config.hidden_size * 4
 
 
-def spawn_worker(rank: int, size: int, addr: str, port: int, timeout: float) -> subprocess.Popen:
+def _start_workers(config: EngineConfig, port: int) -> list[subprocess.Popen]:
+    """The other ranks of rank 0's machine, started (and watched) by rank 0."""
+    par = config.parallel
+    workers = [spawn_worker(r, par.world_size, par.master_addr, port, par.timeout) for r in range(1, par.ranks_per_node)]
+    _watch(workers)
+    return workers
+
+
+def spawn_worker(rank: int, size: int, addr: str, port: int, timeout: float, rejoin: bool = False) -> subprocess.Popen:
+    """`rejoin`: after losing the group, meet it again (a machine's own ranks under --restart-workers)."""
     cmd = [sys.executable, "-m", "shoal.executor.worker", "--world-size", str(size), "--master-addr", addr,
-           "--master-port", str(port), "--timeout", str(timeout), "--rank", str(rank)]
+           "--master-port", str(port), "--timeout", str(timeout), *(["--rejoin"] if rejoin else []), "--rank", str(rank)]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
 
@@ -299,8 +397,11 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def _url_host(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr else addr
+def _stop(workers: list[subprocess.Popen]) -> None:
+    for w in workers:
+        w.stopping = True  # for _watch: this exit is rank 0's doing
+        w.kill()
+        w.wait()
 
 
 def _watch(workers: list[subprocess.Popen]) -> None:
@@ -309,7 +410,7 @@ def _watch(workers: list[subprocess.Popen]) -> None:
     def watch():
         for w in workers:
             code = w.wait()
-            if code:
-                log.error("tensor-parallel worker %s exited with code %d", w.args[-1], code)
+            if code and not getattr(w, "stopping", False):
+                log.error("rank %s (a worker process) exited with code %d", w.args[-1], code)
 
     threading.Thread(target=watch, name="shoal-tp-watch", daemon=True).start()

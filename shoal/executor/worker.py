@@ -30,8 +30,8 @@ def serve_forwards(group: RankGroup) -> None:
         group.close()
         raise
     parent = os.getppid()
-    group.open_shared_memory(part_bytes(config, part), alive=lambda: os.getppid() == parent, enabled=config.parallel.shared_memory)
-    info = rank_info(part, group)
+    group.open_shared_memory(part_bytes(config, part.runner), alive=lambda: os.getppid() == parent, enabled=config.parallel.shared_memory)
+    info = rank_info(part.runner, group)
     group.gather(info)
     log.info("rank %d ready: layers %s, query heads %s, KV heads %s, MLP columns %s, %d KV blocks, %d threads",
              group.rank, info["layers"], info["heads"], info["kv_heads"], info["intermediate"], part.runner.num_blocks, info["threads"])
@@ -56,6 +56,21 @@ def serve_forwards(group: RankGroup) -> None:
     group.close()
 
 
+def run_rank(group: RankGroup, rejoin: bool) -> None:
+    """Serve forwards until rank 0 says stop. `rejoin`: when the group breaks (another rank was lost, rank 0
+    is restarting the ranks: --restart-workers), meet it again and reload, instead of exiting."""
+    while True:
+        try:
+            serve_forwards(group)
+            return
+        except Exception as e:
+            if not rejoin or group.address is None:
+                raise
+            log.warning("rank %d lost the group (%s); meeting rank 0 again at %s:%d", group.rank,
+                        (str(e).splitlines() or [type(e).__name__])[0][:200], *group.address)
+            group.rejoin()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shoal.executor.worker", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
@@ -63,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--rejoin", action="store_true", help="meet the group again after losing it (--restart-workers)")
     a = p.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {a.rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
     group = RankGroup.join(a.rank, a.world_size, a.master_addr, a.master_port, a.timeout)
-    serve_forwards(group)
+    run_rank(group, a.rejoin)
     return 0
 
 

@@ -136,9 +136,9 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse, "description": "Loading, or the model failed to load"}})
     async def health(request: Request) -> JSONResponse:
         state: ServerState = request.app.state.shoal
-        failure = getattr(state.engine.executor, "failure", None) if state.status == "ok" else None
-        if failure:  # a rank holding part of the model is gone: every step fails until a restart
-            return JSONResponse({"status": "failed", "model_loaded": True, "error": "a rank holding part of the model (tensor or pipeline parallel) is unreachable"}, status_code=503)
+        if state.status == "ok" and state.engine.executor.failure is not None:  # a rank is gone: no step can run until it is back
+            return JSONResponse({"status": "failed", "model_loaded": True, "error": state.cluster_down_message}, status_code=503,
+                                headers={"Retry-After": str(RETRY_LOADING_S)})
         if state.status == "ok":
             return JSONResponse({"status": "ok", "model_loaded": True})
         body = {"status": state.status, "model_loaded": False}

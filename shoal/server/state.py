@@ -165,6 +165,16 @@ class ServerState:
         if self.status == "failed":
             raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
 
+    def require_ranks(self) -> None:
+        """Generation needs every rank that holds part of the model."""
+        if self.engine.executor.failure is not None:
+            raise unavailable(self.cluster_down_message, RETRY_LOADING_S, "cluster_unavailable")
+
+    @property
+    def cluster_down_message(self) -> str:
+        then = "it is being started again; try again shortly" if self.engine.config.parallel.restart_workers else "the server must be restarted"
+        return f"a process holding part of the model (tensor or pipeline parallel) is unreachable: {then}"
+
     def check_model(self, name: str | None) -> None:
         if name is None or name == "" or name in self.model_aliases:
             return
@@ -209,6 +219,7 @@ class ServerState:
         """Everything a generation request is checked for before its body is looked at closely."""
         self.require_engine()
         self.check_model(model)
+        self.require_ranks()
         self.check_capacity()
         admission = _ADMISSION.get()
         if admission is not None:  # outside `serving` nothing would release it

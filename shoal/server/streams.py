@@ -18,9 +18,9 @@ from contextlib import aclosing
 
 from starlette.requests import Request
 
-from shoal.engine.async_engine import RequestFailed
-from shoal.server.errors import APIError, new_request_id, server_failure
-from shoal.server.state import release_admission
+from shoal.engine.async_engine import EngineUnavailable, RequestFailed
+from shoal.server.errors import APIError, new_request_id, server_failure, unavailable
+from shoal.server.state import RETRY_LOADING_S, release_admission
 from shoal.types import GenerationRequest, RequestOutput
 
 log = logging.getLogger("shoal.server")
@@ -111,11 +111,14 @@ def engine_error(exc: BaseException, request_id: str | None = None) -> APIError:
 
     ValueError: the engine refused the request (400). RequestFailed: this request
     alone failed, and the message already says why in words fit for the client.
-    Anything else (EngineDeadError included) may hold internal text: the client
-    gets a request id, the log the details.
+    EngineUnavailable: a rank was lost (503, try again later). Anything else
+    (EngineDeadError included) may hold internal text: the client gets a request
+    id, the log the details.
     """
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
+    if isinstance(exc, EngineUnavailable):
+        return unavailable(str(exc), RETRY_LOADING_S, "cluster_unavailable")
     if isinstance(exc, RequestFailed):
         return APIError(500, str(exc), code="request_failed")
     request_id = request_id or new_request_id()
