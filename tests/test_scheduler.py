@@ -203,3 +203,32 @@ def test_paused_beams_holding_all_blocks_are_preempted_so_their_sibling_can_run(
     out = run_step(s)
     assert b1 in out.preempted and b1.block_table == []
     assert [x.seq_id for x in out.plan.seqs] == [b2.seq_id]
+
+
+def test_micro_batches_split_the_sequences_skip_those_in_flight_and_never_preempt_them():
+    """Pipeline stages: each micro-batch takes its share, a sequence in flight is skipped until it comes back,
+    preemption passes over it, and one that was aborted in flight is left alone when its step comes back."""
+    s, pool = make(num_blocks=6, block_size=2, budget=16)
+    a, b, c = seq(3, "a"), seq(3, "b"), seq(3, "c")
+    for x in (a, b, c):
+        s.add(x)
+    first = s.schedule(max_seqs=2)
+    assert [x.seq_id for x in first.plan.seqs] == [a.seq_id, b.seq_id]
+    a.in_flight = b.in_flight = True
+    second = s.schedule(max_seqs=2)
+    assert [x.seq_id for x in second.plan.seqs] == [c.seq_id]
+    c.in_flight = True
+    assert s.schedule(max_seqs=2).empty  # everything is in flight
+    a.in_flight = b.in_flight = False
+    s.on_step_done(first, [SampledToken(a.seq_id, 7, 0.0), SampledToken(b.seq_id, 7, 0.0)])
+    # a and b hold 4 tokens in 2 blocks each, c 2 blocks: the pool is full. a's next token fits its
+    # second block; b (3 computed + 1) too; then at 5 tokens a needs a third block: the newest not in
+    # flight is b (c is in flight), so b is preempted, not c.
+    s.on_step_done(s.schedule(max_seqs=2), [SampledToken(a.seq_id, 7, 0.0), SampledToken(b.seq_id, 7, 0.0)])
+    out = s.schedule(max_seqs=2)
+    assert out.preempted == [b] and c.status is SequenceStatus.RUNNING and c.block_table
+    assert [x.seq_id for x in out.plan.seqs] == [a.seq_id]
+    s.finish(c, FinishReason.ABORT)  # aborted while in flight: its step comes back after
+    s.on_step_done(second, [SampledToken(c.seq_id, 7, 0.0)])
+    assert (c.num_computed_tokens, c.token_ids[-1]) == (0, 12) and pool.num_free == 3
+    pool.check_integrity(s.held_block_tables())

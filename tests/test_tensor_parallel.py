@@ -346,10 +346,14 @@ def test_pipeline_plans_even_explicit_and_by_free_memory():
 
     assert plan_pipeline(30, 4) == [(0, 7), (7, 14), (14, 22), (22, 30)]
     assert plan_pipeline(30, 3, explicit=(5, 10, 15)) == [(0, 5), (5, 15), (15, 30)]
-    # room for 10, 30 and 20 layers of 100 bytes: 30 layers go 5, 15, 10
-    assert plan_pipeline(30, 3, free_bytes=[1000, 3000, 2000], layer_bytes=100) == [(0, 5), (5, 20), (20, 30)]
+    # equal work: stage 0's head is worth 8 layers (SmolLM2's in float), so it takes 11 and the other 19
+    assert plan_pipeline(30, 2, stage0_work=8.0) == [(0, 11), (11, 30)]
+    # memory is a cap, not a weight: room for 10, 30 and 20 layers still gives 10 each
+    assert plan_pipeline(30, 3, free_bytes=[1000, 3000, 2000], layer_bytes=100) == [(0, 10), (10, 20), (20, 30)]
     # a stage never gets more than its room, and every stage at least one layer
-    assert plan_pipeline(10, 3, free_bytes=[100, 10_000, 200], layer_bytes=100) == [(0, 1), (1, 9), (9, 10)]
+    assert plan_pipeline(10, 3, free_bytes=[100, 10_000, 200], layer_bytes=100) == [(0, 1), (1, 8), (8, 10)]
+    assert plan_pipeline(30, 2, free_bytes=[900, 9000], layer_bytes=100, stage0_work=2) == [(0, 9), (9, 30)]
+    assert plan_pipeline(30, 2, free_bytes=[9000, 900], layer_bytes=100, stage0_work=2) == [(0, 21), (21, 30)]
     with pytest.raises(ValueError, match="do not fit"):
         plan_pipeline(30, 2, free_bytes=[1000, 1000], layer_bytes=100)
     with pytest.raises(ValueError, match="add up to the model's 30"):
@@ -376,10 +380,13 @@ def test_int8_wire_rounds_each_row_to_its_own_scale():
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # an untied head (on stage 0 only) and a tied one
 def test_three_pipeline_stages_give_one_process_bits(arch, tmp_path):
     """Stages change where a layer runs, not its math: tokens, logprobs and prompt logprobs are bit for bit one
-    process's, and each stage holds only its layers (the embedding and head only on stage 0)."""
+    process's, and each stage holds only its layers (the embedding and head only on stage 0). The stages take
+    micro-batches in turn, so the steps are not one process's steps: the batch-invariant attention makes a row's
+    bits independent of them."""
     path = make_tiny_model(arch, tmp_path / "m")
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, prompt_logprobs=1)
-    kw = dict(dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=16)  # chunks cross stages too
+    kw = dict(dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=16,  # chunks cross stages too
+              attention="invariant")
 
     def run(**more):
         with LLM(str(path), **kw, **more) as llm:
@@ -394,6 +401,52 @@ def test_three_pipeline_stages_give_one_process_bits(arch, tmp_path):
     assert [r["layers"] for r in cluster["ranks"]] == [[0, 1], [1, 2], [2, 3]]
     assert cluster["pipeline_parallel_size"] == 3 and cluster["wire_bytes_per_token"] == 64 * 4
     assert cluster["ranks"][0]["weights_bytes"] > cluster["ranks"][1]["weights_bytes"]  # the embedding (and head) on stage 0
+
+
+def test_pipeline_micro_batches_in_flight_keep_every_answer(tmp_path):
+    """Two stages with a micro-batch each in flight: the answers are one process's, bit for bit, through chunked
+    prefill, n with a seed, beams, prompt logprobs, a pool so small that sequences are preempted, prefix-cache
+    hits, and an abort while the request's micro-batch is in flight; the pool ends at its baseline."""
+    from shoal.types import GenerationRequest
+
+    path = make_tiny_model("llama", tmp_path / "m")
+    prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(8)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    params = [greedy] * 5 + [SamplingParams(temperature=0.9, seed=11, n=3, max_tokens=10, ignore_eos=True),
+                             SamplingParams(num_beams=3, n=2, max_tokens=8, ignore_eos=True),
+                             SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=1, ignore_eos=True)]
+    kw = dict(dtype="float32", attention="invariant", num_blocks=40, block_size=4, max_model_len=96,
+              max_num_batched_tokens=24, check_integrity=True)
+
+    def answers(outs):
+        return [([(c.token_ids, [e.logprob for e in c.logprobs or []]) for c in o.outputs],
+                 [e.logprob for e in (o.prompt_logprobs or [])[1:]]) for o in outs]
+
+    with LLM(str(path), **kw) as one:
+        want = answers(one.generate(prompts, params))
+        kept_alone = one.generate([prompts[1]], greedy)[0].outputs[0].token_ids
+    with LLM(str(path), pipeline_parallel_size=2, **kw) as llm:
+        eng = llm.engine
+        assert eng.executor.depth == 2
+        first = answers(llm.generate(prompts, params))
+        assert eng.stats.preemptions > 0 and eng.pool.num_free == 40
+        again = answers(llm.generate(prompts, params))
+        assert eng.prefix_cache.stats.hits > 0
+        eng.add_request(GenerationRequest("gone", tuple(prompts[0]), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)))
+        eng.add_request(GenerationRequest("kept", tuple(prompts[1]), greedy))
+        def gone_in_flight():
+            return any(seq.request_id == "gone" for out, _, _ in eng._in_flight for seq, _ in out.scheduled)
+
+        eng.step()
+        while not gone_in_flight():
+            eng.step()
+        assert eng.abort("gone")
+        kept = []
+        while eng.has_unfinished():
+            kept += [o for o in eng.step() if o.request_id == "kept" and o.finished]
+        assert eng.pool.num_free == 40
+    assert first == want and again == want
+    assert kept[0].outputs[0].token_ids == kept_alone
 
 
 def test_pipeline_in_bfloat16_with_a_bfloat16_wire_is_exact_and_int8_wire_stays_invariant(tmp_path):
@@ -411,7 +464,7 @@ def test_pipeline_in_bfloat16_with_a_bfloat16_wire_is_exact_and_int8_wire_stays_
 def test_the_launcher_sizes_layers_and_stage_zero_for_the_memory_planner():
     """What the pipeline planner is fed when --pp-layers is not given: each rank's free memory less the KV budget
     (and, on rank 0, the embedding and head), over one layer's weights in the format being loaded."""
-    from shoal.engine.builder import free_memory, layer_bytes, stage0_bytes
+    from shoal.engine.builder import free_memory, head_bytes, layer_bytes, stage0_bytes
     from shoal.model.config import ModelConfig
 
     hf = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -422,5 +475,8 @@ def test_the_launcher_sizes_layers_and_stage_zero_for_the_memory_planner():
     assert layer_bytes(c, "none", torch.bfloat16) == params * 2
     assert layer_bytes(c, "int4", torch.bfloat16) == int(params * 0.625)
     assert stage0_bytes(c, torch.bfloat16) == 49152 * 576 * 2
+    # the head's weights read per step: int8 beside low-bit layers, else the dtype's
+    assert head_bytes(c, "int4", torch.bfloat16) == 49152 * 576 and head_bytes(c, "none", torch.float32) == 49152 * 576 * 4
+    assert round(head_bytes(c, "none", torch.float32) / layer_bytes(c, "none", torch.float32), 1) == 8.0
     free = free_memory(torch.device("cpu"))
     assert free is None or free > 0

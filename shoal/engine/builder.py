@@ -83,15 +83,16 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         nonlocal shard, layers
         whole = ModelConfig.from_hf(hf)
         if par.pipeline_parallel_size > 1:
-            by_memory = {}
-            if par.pp_layers is None:  # the seed's fair greedy rule over every rank's free memory (a collective)
+            plan = {}
+            if par.pp_layers is None:  # equal work per stage, within every rank's free memory (a collective)
+                one_layer = layer_bytes(whole, weight_format, dtype)
+                plan["stage0_work"] = head_bytes(whole, weight_format, dtype) / one_layer
                 free = group.gather(free_memory(device))
                 if all(f is not None for f in free):
                     kv = config.cache.kv_cache_memory if device.type == "cpu" else 0
                     head = stage0_bytes(whole, dtype)
-                    by_memory = {"free_bytes": [f - kv - (head if r == 0 else 0) for r, f in enumerate(free)],
-                                 "layer_bytes": layer_bytes(whole, weight_format, dtype)}
-            layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **by_memory)[rank]
+                    plan.update(free_bytes=[f - kv - (head if r == 0 else 0) for r, f in enumerate(free)], layer_bytes=one_layer)
+            layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **plan)[rank]
             return lambda name: False if stage_name(name, layers, layers[0] == 0) is None else None
         shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, size)[rank]
         return partial(shard_slice, shard=shard, head_dim=whole.head_dim)
@@ -156,6 +157,11 @@ def layer_bytes(c: ModelConfig, weight_format: str, dtype: torch.dtype) -> int:
     """One decoder layer's projection weights in `weight_format` (norms are noise)."""
     params = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
     return int(params * BYTES_PER_WEIGHT.get(weight_format, torch.finfo(dtype).bits / 8))
+
+
+def head_bytes(c: ModelConfig, weight_format: str, dtype: torch.dtype) -> int:
+    """The logits head's weights read per step: int8 beside low-bit layers (WeightFormat.finish_head), else `dtype`."""
+    return c.vocab_size * c.hidden_size * (1 if weight_format in BYTES_PER_WEIGHT else torch.finfo(dtype).bits // 8)
 
 
 def stage0_bytes(c: ModelConfig, dtype: torch.dtype) -> int:

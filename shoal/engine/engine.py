@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from shoal.config import EngineConfig, SchedulerConfig
@@ -129,6 +130,7 @@ class Engine:
         self.monitor = StatsMonitor(self)  # publishes `snapshot` after every step (engine/stats.py)
         self._requests: dict[str, _RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self._in_flight: deque = deque()  # (SchedulerOutput, the executor's ticket, when submitted): steps not back yet
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -253,7 +255,12 @@ class Engine:
             log.info("forgot %d prefix-cache blocks: the restarted ranks start with an empty KV cache", dropped)
 
     def discard_pending_outputs(self) -> None:
+        """After a failed step: forget the outputs waiting to be returned and the steps in flight."""
         self._pending.clear()
+        for out, _, _ in self._in_flight:
+            for seq, _ in out.scheduled:
+                seq.in_flight = False
+        self._in_flight.clear()
 
     def close(self) -> None:
         """Release what the executor holds beyond this process (the other ranks of a distributed model)."""
@@ -277,30 +284,53 @@ class Engine:
 
     # ------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """Submit steps until the executor's depth is in flight, then take the oldest one's outcome. One
+        process or tensor parallel: depth 1, a step at a time. Pipeline stages: one micro-batch per stage."""
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            if sched.plan.block_copies:  # copies promised to sequences that run later
-                self.executor.execute(sched.plan)
+        self._fill_pipeline()
+        if not self._in_flight:
             self.monitor.publish(outputs)
             return outputs
-        now = self.clock()
+        sched, ticket, now = self._in_flight.popleft()
+        result: StepOutput = self.executor.collect(ticket)
         for seq, _ in sched.scheduled:
-            m = self._requests[seq.request_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-        result: StepOutput = self.executor.execute(sched.plan)
+            seq.in_flight = False
+        if sched.empty:  # only block copies, promised to sequences that run later
+            self.monitor.publish(outputs)
+            return outputs
         self.scheduler.on_step_done(sched, result.sampled)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         for seq_id, entries in result.prompt_logprobs.items():
-            self._requests[self.scheduler.get(seq_id).request_id].prompt_logprobs.extend(entries)
+            seq = self.scheduler.get(seq_id)
+            if seq is not None:  # not aborted while in flight
+                self._requests[seq.request_id].prompt_logprobs.extend(entries)
         outputs.extend(self._postprocess(result.sampled))
         if self.config.check_integrity:
             self.check_integrity()
         self.monitor.step_done(sched, now)
         self.monitor.publish(outputs)
         return outputs
+
+    def _fill_pipeline(self) -> None:
+        depth = self.executor.depth
+        while len(self._in_flight) < depth:
+            sched = self.scheduler
+            # a micro-batch's share: the sequences spread over the stages (a sequence is in one at a time)
+            share = None if depth == 1 else max(1, -(-(len(sched.running) + len(sched.waiting)) // depth))
+            out = sched.schedule(share)
+            if out.empty and not out.plan.block_copies:
+                return
+            now = self.clock()
+            ticket = self.executor.submit(out.plan)
+            for seq, _ in out.scheduled:
+                seq.in_flight = True
+                m = self._requests[seq.request_id].metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
+            self._in_flight.append((out, ticket, now))
+            if out.empty:
+                return
 
     def _postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
         """Apply the step's tokens. A failure that belongs to one request (its sampling

@@ -12,6 +12,11 @@ Order:
   2. waiting sequences in (priority, arrival) order, while budget, seats
      (`max_num_seqs`) and free blocks last. Waiting never preempts running.
 
+With pipeline stages, several steps (micro-batches) are in flight at once: a
+sequence in one is skipped until it comes back (its next token depends on it)
+and is never a victim of preemption, and `schedule(max_seqs)` caps a
+micro-batch's share so that the running sequences spread over the stages.
+
 The result is a plain-data `StepPlan` plus the bookkeeping the engine needs to
 apply the step's outcome (`on_step_done`).
 """
@@ -93,17 +98,19 @@ class Scheduler:
         return [s.block_table for s in self.running + self.waiting if s.block_table]
 
     # ------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. max_seqs: at most this many sequences (a pipeline micro-batch's share)."""
         budget = self.config.max_num_batched_tokens
+        seats = max_seqs if max_seqs is not None else self.config.max_num_seqs
         if self.cache is not None and self.cache.ttl is not None:
             self.cache.expire()
         out = SchedulerOutput(plan=StepPlan(()))
         copies, self._pending_copies = self._pending_copies, []
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < seats:
             seq = self.running[i]
-            if seq.paused:
+            if seq.paused or seq.in_flight:
                 i += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -114,7 +121,7 @@ class Scheduler:
             i += 1
 
         j = 0
-        while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs and len(out.scheduled) < seats:
             seq = self.waiting[j]
             if seq in out.preempted:
                 break  # just preempted for lack of blocks: it cannot fit this step
@@ -136,7 +143,7 @@ class Scheduler:
 
         if not out.scheduled and self._unpause_by_preemption(out):
             self._pending_copies = copies + self._pending_copies
-            again = self.schedule()
+            again = self.schedule(max_seqs)
             again.preempted[:0] = out.preempted
             return again
         out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), tuple(copies))
@@ -158,7 +165,7 @@ class Scheduler:
         """Make sure `seq` has blocks for `num_new` more tokens, preempting from the back."""
         need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
         while need > self.pool.num_free:
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if not s.in_flight)  # `seq` itself at the latest
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
@@ -351,13 +358,17 @@ class Scheduler:
         """Advance the computed counters, append the sampled tokens, hash full blocks.
         A token with an error appends nothing: the engine fails its request."""
         for seq, num_new in out.scheduled:
+            if seq.finished:
+                continue  # aborted while its micro-batch was in flight: its blocks are gone already
             seq.num_computed_tokens += num_new
             if seq.wants_prompt_logprobs:  # the plan asked for every prompt position computed so far
                 seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, min(seq.num_computed_tokens, seq.prompt_len - 1))
             if self.cache is not None:
                 self._cache_full_blocks(seq)
         for s in sampled:
-            seq = self._by_id[s.seq_id]
+            seq = self._by_id.get(s.seq_id)
+            if seq is None:
+                continue
             if s.error is None and not seq.params.use_beam_search:  # beams grow by the engine's selection
                 seq.token_ids.append(s.token_id)
 

@@ -46,6 +46,7 @@ class Sequence:
     # Beam search: a beam that has sampled waits, unscheduled, until its group's
     # beams are all sampled and the engine picks the next beams.
     paused: bool = False
+    in_flight: bool = False  # in a pipeline micro-batch that has not come back: not scheduled, not preempted
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from elsewhere (fork / prefix cache)
     seed: int | None = None

@@ -94,14 +94,17 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: i
 
 
 def plan_pipeline(num_layers: int, size: int, explicit: tuple[int, ...] | None = None,
-                  free_bytes: list[int] | None = None, layer_bytes: int = 0) -> list[tuple[int, int]]:
+                  free_bytes: list[int] | None = None, layer_bytes: int = 0, stage0_work: float = 0.0) -> list[tuple[int, int]]:
     """Contiguous layer ranges [first, end) for `size` pipeline stages, every stage at least one layer.
 
     - `explicit` (`--pp-layers 10,10,10`): those counts, checked.
-    - `free_bytes` (one figure per stage) and `layer_bytes`: the seed's fair greedy rule. Each stage
-      can hold free // layer_bytes layers; the layers go out in proportion to that room (largest
-      remainders first), no stage past its room. A ValueError names the shortfall when they do not fit.
-    - neither: as even as the count allows, the larger stages last (stage 0 also serves).
+    - otherwise the stages get equal work, because a pipeline runs at the pace of its slowest stage:
+      a layer is one unit, and stage 0 also has `stage0_work` units (the logits head, in layers' worth
+      of weights read per step). With `free_bytes` (one figure per stage) and `layer_bytes`, memory
+      caps each stage at free // layer_bytes layers (the seed's planner is memory-aware and gives every
+      stage at least one layer); a ValueError names the shortfall when the layers do not fit.
+      Layers go one at a time to the stage with the least work that has room; ties go to the later
+      stage (stage 0 also schedules and samples).
     """
     if size < 1 or size > num_layers:
         raise ValueError(f"--pipeline-parallel-size {size} must be between 1 and the model's {num_layers} layers")
@@ -110,23 +113,17 @@ def plan_pipeline(num_layers: int, size: int, explicit: tuple[int, ...] | None =
         if len(counts) != size or any(c < 1 for c in counts) or sum(counts) != num_layers:
             raise ValueError(f"--pp-layers {','.join(map(str, counts))} must give each of the {size} stages at least one "
                              f"layer and add up to the model's {num_layers}")
-    elif free_bytes is not None and layer_bytes > 0:
+        return _ranges(counts)
+    room = [num_layers] * size
+    if free_bytes is not None and layer_bytes > 0:
         room = [max(0, f) // layer_bytes for f in free_bytes]
         if sum(room) < num_layers or min(room) < 1:
             short = [f"rank {r}: room for {n}" for r, n in enumerate(room)]
             raise ValueError(f"the model's {num_layers} layers of {layer_bytes / 2**20:.1f} MiB each do not fit the "
                              f"{size} stages' free memory ({'; '.join(short)} layers; every stage needs at least one)")
-        total = sum(room)
-        shares = [num_layers * n / total for n in room]
-        counts = [max(1, min(int(s), n)) for s, n in zip(shares, room)]
-        order = sorted(range(size), key=lambda r: (shares[r] - int(shares[r]), r), reverse=True)
-        while sum(counts) < num_layers:  # hand out the rest by largest remainder, within each stage's room
-            r = next(r for r in order if counts[r] < room[r])
-            counts[r] += 1
-            order.remove(r)
-            order.append(r)
-        while sum(counts) > num_layers:  # the at-least-one rule overshot: take from the largest
-            counts[max(range(size), key=lambda r: counts[r])] -= 1
-    else:
-        counts = split_evenly(num_layers, size)
+    counts = [1] * size
+    for _ in range(num_layers - size):
+        r = min((r for r in range(size) if counts[r] < room[r]),
+                key=lambda r: (counts[r] + (stage0_work if r == 0 else 0.0), -r))
+        counts[r] += 1
     return _ranges(counts)

@@ -35,13 +35,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from shoal.config import EngineConfig
 from shoal.executor.shm import SharedMemoryChannel
+from shoal.runner.model_runner import forward_batch
 
 log = logging.getLogger("shoal.executor")
 
@@ -144,11 +146,11 @@ class RankGroup:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def send_hidden(self, hidden: torch.Tensor, dst: int, wire: str | None) -> None:
+    def send_hidden(self, hidden: torch.Tensor, dst: int, wire: str | None) -> list:
         """A pipeline stage's output to the next stage, in the wire dtype (int8: symmetric, a scale per row;
-        None: as it is, for the way back to the logits, which is never compressed)."""
-        for t in encode_wire(hidden, wire):
-            dist.send(t.contiguous(), dst)
+        None: as it is, for the way back to the logits, which is never compressed). The sends are not waited
+        for (a stage goes on with the next micro-batch): wait for what it returns before it is dropped."""
+        return [_Send(t, dist.isend(t, dst)) for t in (p.contiguous() for p in encode_wire(hidden, wire))]
 
     def recv_hidden(self, rows: int, width: int, src: int, wire: str | None, dtype: torch.dtype) -> torch.Tensor:
         parts = [torch.empty(rows, width, dtype=WIRE[wire] if wire is not None else dtype)]
@@ -179,6 +181,18 @@ class RankGroup:
     def close(self) -> None:
         self.leave()
         self.store = None
+
+
+@dataclass
+class _Send:
+    tensor: torch.Tensor  # kept alive until the send is done
+    work: object
+
+    def wait(self) -> None:
+        self.work.wait()
+
+    def done(self) -> bool:
+        return self.work.is_completed()
 
 
 def rank_info(runner, group: RankGroup) -> dict:
@@ -219,6 +233,16 @@ def wire_bytes_per_token(width: int, wire: str) -> int:
     return width * WIRE[wire].itemsize + (4 if wire == "int8" else 0)
 
 
+@dataclass
+class _MicroBatch:
+    """A pipeline step between submit and collect."""
+
+    seqs: list  # the plan's ScheduledSeqs, for sampling when it comes back
+    rows: int  # tokens in the step
+    has_hidden: bool  # False: only block copies
+    sends: list  # stage 0's sends still going out
+
+
 class DistributedExecutor:
     """Rank 0's side: broadcast each step's forward, run rank 0's shard, sample; notice a lost rank and,
     with --restart-workers, bring the ranks back."""
@@ -234,23 +258,52 @@ class DistributedExecutor:
         self.failure: str | None = None  # why the ranks are out of step (for the log); None while they are well
         self.restarts = 0
 
+    @property
+    def depth(self) -> int:
+        """Steps in flight at once: a micro-batch per pipeline stage, one step at a time for tensor parallel."""
+        return self.stages
+
     def execute(self, plan):
+        return self.collect(self.submit(plan))
+
+    def submit(self, plan):
+        """Tensor parallel: run the step everywhere, the outcome is the ticket. Pipeline: broadcast the step,
+        run stage 0's layers and send them on; the step comes back through `collect` while this rank goes on
+        with the next micro-batch (stages work on different micro-batches at once)."""
         if self.failure is not None:
             raise RuntimeError(f"the ranks holding the model are out of step: {self.failure}")
-        return self.runner.execute(plan, forward=self._forward_everywhere)
-
-    def _forward_everywhere(self, batch):
-        try:
+        if self.stages == 1:
+            return self.runner.execute(plan, forward=self._forward_everywhere)
+        batch, seqs = forward_batch(plan)
+        with self._failing():
             self.group.broadcast(batch)
             hidden = self.runner.forward(batch)
-            if self.stages > 1 and hidden is not None:  # through the other stages, and back for the logits
-                self.group.send_hidden(hidden, 1, self.wire)
-                # the last stage's output comes back in the model's dtype: logits are never computed from a compressed copy
-                hidden = self.group.recv_hidden(len(batch.token_ids), hidden.shape[-1], self.stages - 1, None, self.runner.dtype)
-            return hidden
+            sends = self.group.send_hidden(hidden, 1, self.wire) if hidden is not None else []
+        return _MicroBatch(seqs, len(batch.token_ids), hidden is not None, sends)
+
+    def collect(self, ticket):
+        if self.stages == 1:
+            return ticket
+        hidden = None
+        with self._failing():
+            if ticket.has_hidden:  # the last stage's output, in the model's dtype: logits never come from a compressed copy
+                hidden = self.group.recv_hidden(ticket.rows, self.runner.config.hidden_size, self.stages - 1, None, self.runner.dtype)
+            for work in ticket.sends:
+                work.wait()
+        return self.runner.outputs(ticket.seqs, hidden)
+
+    def _forward_everywhere(self, batch):
+        with self._failing():
+            self.group.broadcast(batch)
+            return self.runner.forward(batch)
+
+    @contextmanager
+    def _failing(self):
+        try:
+            yield
         except BaseException as e:
             # The ranks run every collective in lockstep: after a failure mid-forward (a lost rank,
-            # a timeout, an error in this rank's shard) they no longer agree on where they are.
+            # a timeout, an error in this rank's part) they no longer agree on where they are.
             self._fail((str(e).splitlines() or [type(e).__name__])[0][:200])
             raise
 

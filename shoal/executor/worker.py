@@ -38,6 +38,7 @@ def serve_forwards(group: RankGroup) -> None:
     runner = part.runner
     stages, wire = config.parallel.pipeline_parallel_size, config.parallel.pp_wire_dtype
     last = group.rank == stages - 1
+    sending: list = []  # this stage's outputs still going out (it does not wait: the next micro-batch may be there)
     with torch.inference_mode():
         while True:
             batch = group.broadcast()
@@ -51,7 +52,10 @@ def serve_forwards(group: RankGroup) -> None:
             width = runner.config.hidden_size
             hidden = group.recv_hidden(len(batch.token_ids), width, group.rank - 1, wire, runner.dtype)
             out = runner.forward(batch, hidden)
-            group.send_hidden(out, 0 if last else group.rank + 1, None if last else wire)
+            sending = [s for s in sending if not s.done()]
+            sending += group.send_hidden(out, 0 if last else group.rank + 1, None if last else wire)
+    for s in sending:
+        s.wait()
     log.info("rank %d: stopped by rank 0", group.rank)
     group.close()
 

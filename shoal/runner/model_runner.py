@@ -142,7 +142,11 @@ class ModelRunner:
         """The whole step. forward(batch) -> hidden replaces `self.forward` where other ranks must
         run it too (executor/distributed.py)."""
         batch, seqs = forward_batch(plan)
-        hidden = (forward or self.forward)(batch)
+        return self.outputs(seqs, (forward or self.forward)(batch))
+
+    def outputs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor | None) -> StepOutput:
+        """Logits where the plan samples or asks for prompt logprobs, and the sampled tokens: the step's end,
+        on the rank that holds the head (a pipeline's rank 0 runs it when a micro-batch comes back)."""
         if hidden is None:
             return StepOutput([], {})
         # Row of each sampled sequence's last token in the flat batch, and of the first
