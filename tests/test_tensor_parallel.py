@@ -305,8 +305,9 @@ def test_restart_workers_brings_a_killed_stage_back_mid_stream(tmp_path):
 def test_a_second_machine_joins_with_shoal_worker_and_rejoins_after_a_restart(tmp_path):
     """`shoal serve --nnodes 2 --node-rank 0` and `shoal worker --node-rank 1` meet at a fixed port (here both on
     127.0.0.1, with the collectives kept on gloo as between machines): the served answers equal one process's.
-    With --restart-workers, when rank 0 restarts the ranks the worker on the other machine meets it again (the
-    same process, reloaded), and stopping the server stops the worker."""
+    While the server is idle, heartbeats keep the worker's wait for the next step from timing out. With
+    --restart-workers, when rank 0 restarts the ranks the worker on the other machine meets it again (the same
+    process, reloaded), and stopping the server stops the worker."""
     import subprocess
     import sys
 
@@ -325,6 +326,12 @@ def test_a_second_machine_joins_with_shoal_worker_and_rejoins_after_a_restart(tm
             got = srv.openai().completions.create(model="m", prompt="Hello there", max_tokens=6, temperature=0)
             with srv.http() as http:
                 cluster = http.get("/v1/cluster").json()
+                # idle past the heartbeat interval: the engine loop's check sends one, the worker skips it
+                ex = srv.engine.executor
+                sent = ex._last_broadcast
+                ex._last_broadcast -= 60
+                srv.wait_until(lambda: ex._last_broadcast > sent, timeout=10, what="a heartbeat")
+                assert srv.openai().completions.create(model="m", prompt="Hello there", max_tokens=6, temperature=0).choices[0].text == got.choices[0].text
                 srv.engine.executor._fail("a test's stand-in for a lost rank")  # what a failed collective records
                 srv.wait_until(lambda: http.get("/v1/cluster").json()["restarts"] == 1, timeout=120, what="the restart")
                 again = srv.openai().completions.create(model="m", prompt="Hello there", max_tokens=6, temperature=0)

@@ -46,6 +46,8 @@ from shoal.executor.shm import SharedMemoryChannel
 from shoal.runner.model_runner import forward_batch
 
 log = logging.getLogger("shoal.executor")
+HEARTBEAT = "heartbeat"  # what rank 0 broadcasts when no step has gone out for HEARTBEAT_S (workers skip it)
+HEARTBEAT_S = 2.0
 
 
 class RankGroup:
@@ -257,6 +259,7 @@ class DistributedExecutor:
         self.workers = workers  # the ranks this process started (one machine); others are someone else's
         self.failure: str | None = None  # why the ranks are out of step (for the log); None while they are well
         self.restarts = 0
+        self._last_broadcast = time.monotonic()
 
     @property
     def depth(self) -> int:
@@ -276,7 +279,7 @@ class DistributedExecutor:
             return self.runner.execute(plan, forward=self._forward_everywhere)
         batch, seqs = forward_batch(plan)
         with self._failing():
-            self.group.broadcast(batch)
+            self._broadcast(batch)
             hidden = self.runner.forward(batch)
             sends = self.group.send_hidden(hidden, 1, self.wire) if hidden is not None else []
         return _MicroBatch(seqs, len(batch.token_ids), hidden is not None, sends)
@@ -294,8 +297,12 @@ class DistributedExecutor:
 
     def _forward_everywhere(self, batch):
         with self._failing():
-            self.group.broadcast(batch)
+            self._broadcast(batch)
             return self.runner.forward(batch)
+
+    def _broadcast(self, obj) -> None:
+        self.group.broadcast(obj)
+        self._last_broadcast = time.monotonic()
 
     @contextmanager
     def _failing(self):
@@ -313,12 +320,20 @@ class DistributedExecutor:
                   "restarted" if self.config.parallel.restart_workers else "restarted with the server (--restart-workers does it in place)")
 
     def check(self) -> str | None:
-        """Between steps: a started rank that exited makes the executor failed at once, not at the next step."""
+        """Between steps: a started rank that exited makes the executor failed at once, not at the next step.
+        When no step has gone out for HEARTBEAT_S, a heartbeat does: a rank on another machine that is gone
+        shows up while the server is idle, and the workers' wait for the next step never times out."""
         if self.failure is None:
             for w in self.workers:
                 if w.poll() is not None:
                     self._fail(f"rank {w.args[-1]} exited with code {w.returncode}")
                     break
+        if self.failure is None and time.monotonic() - self._last_broadcast > HEARTBEAT_S:
+            try:
+                with self._failing():
+                    self._broadcast(HEARTBEAT)
+            except Exception:  # noqa: BLE001 (recorded in self.failure, which the caller reads)
+                pass
         return self.failure
 
     def restart(self) -> None:
@@ -335,7 +350,7 @@ class DistributedExecutor:
             par = self.config.parallel
             if self.stages > 1:  # the layers each stage had: no new survey of free memory
                 par = replace(par, pp_layers=tuple(r["layers"][1] - r["layers"][0] for r in self.ranks))
-            self.group.broadcast(replace(self.config, parallel=par))
+            self._broadcast(replace(self.config, parallel=par))
             blocks = self.group.agree_min(self.runner.num_blocks)
             if blocks < self.runner.num_blocks:
                 raise RuntimeError(f"the restarted ranks have room for {blocks} KV blocks, rank 0's pool has {self.runner.num_blocks}")

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from shoal.executor.distributed import RankGroup, part_bytes, rank_info
+from shoal.executor.distributed import HEARTBEAT, RankGroup, part_bytes, rank_info
 
 log = logging.getLogger("shoal.worker")
 
@@ -44,6 +44,8 @@ def serve_forwards(group: RankGroup) -> None:
             batch = group.broadcast()
             if batch is None:
                 break
+            if batch == HEARTBEAT:  # rank 0 is idle and alive
+                continue
             if stages == 1 or batch.empty:  # tensor parallel: every rank runs the whole batch on its shard
                 runner.forward(batch)
                 continue

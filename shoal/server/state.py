@@ -167,7 +167,7 @@ class ServerState:
 
     def require_ranks(self) -> None:
         """Generation needs every rank that holds part of the model."""
-        if self.engine.executor.failure is not None:
+        if self.engine is not None and self.engine.executor.failure is not None:
             raise unavailable(self.cluster_down_message, RETRY_LOADING_S, "cluster_unavailable")
 
     @property
