@@ -11,11 +11,12 @@ request (ignore_eos), at 1, 16 and 64 requests in flight:
 - "TP=2, shared memory" (the default on one machine) and "TP=2, gloo": two
   ranks, one thread each, the per-layer sums through /dev/shm or gloo on loopback;
 - "PP=2": two pipeline stages, one thread each, a micro-batch per stage in flight;
-- "TP=2 / PP=2 over 1 Gbit/s, 0.5 ms": rank 1 in its own network namespace, joined
+- "TP=2 / PP=2, rank 1 behind the link": rank 1 in its own network namespace, joined
   by a veth pair that `tc netem` shapes to 1 Gbit/s with 0.5 ms of delay each way
   (`shoal worker` there, `shoal serve --nnodes 2` here, gloo between them). The
   benchmark creates and removes the namespace; where it cannot (no root, no
-  `ip`/`tc`), it says so and skips those rows.
+  `ip`/`tc`), it says so and skips those rows. A kernel without netem gets the
+  rate alone (a token bucket), and the results say so.
 
 For each: output tokens/s, and rank 0's time in communication (the step's
 broadcast, the per-layer sums, the pipeline's sends and receives; waiting for
@@ -54,8 +55,8 @@ LOCAL = {  # name -> LLM keyword arguments
     "PP=2": {"pipeline_parallel_size": 2},
 }
 SHAPED = {  # rank 1 behind the shaped link
-    "TP=2 over 1 Gbit/s, 0.5 ms": {"tensor_parallel_size": 2},
-    "PP=2 over 1 Gbit/s, 0.5 ms": {"pipeline_parallel_size": 2},
+    "TP=2, rank 1 behind the link": {"tensor_parallel_size": 2},
+    "PP=2, rank 1 behind the link": {"pipeline_parallel_size": 2},
 }
 STREAMS = (1, 16, 64)
 TOKENS = 64
@@ -133,11 +134,17 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
+def _shape(qdisc: list[str]) -> None:
+    _sh("tc", "qdisc", "add", "dev", HOST_IF, "root", *qdisc)
+    _sh("ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", NS_IF, "root", *qdisc)
+
+
 @contextlib.contextmanager
 def shaped_link():
-    """A network namespace joined to this one by a veth pair shaped to LINK each way; yields None, or why not."""
+    """A network namespace joined to this one by a veth pair shaped to LINK each way: yields (True, how it
+    is shaped), or (False, why not)."""
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        yield "network namespaces need root, ip and tc"
+        yield False, "network namespaces need root, ip and tc"
         return
     subprocess.run(["ip", "netns", "del", NS], capture_output=True)
     try:
@@ -149,16 +156,19 @@ def shaped_link():
         _sh("ip", "netns", "exec", NS, "ip", "addr", "add", f"{NS_IP}/24", "dev", NS_IF)
         _sh("ip", "netns", "exec", NS, "ip", "link", "set", NS_IF, "up")
         _sh("ip", "netns", "exec", NS, "ip", "link", "set", "lo", "up")
-        netem = ["netem", "delay", LINK["delay"], "rate", LINK["rate"]]
-        _sh("tc", "qdisc", "add", "dev", HOST_IF, "root", *netem)
-        _sh("ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", NS_IF, "root", *netem)
+        shaped = "shaped by tc netem to {rate} and {delay} each way".format(**LINK)
+        try:
+            _shape(["netem", "delay", LINK["delay"], "rate", LINK["rate"]])
+        except subprocess.CalledProcessError:  # a kernel without sch_netem: the rate alone, by a token bucket
+            _shape(["tbf", "rate", LINK["rate"], "burst", "128kb", "latency", "50ms"])
+            shaped = f"shaped by tc tbf to {LINK['rate']} each way; this kernel has no netem, so no delay was added"
     except (subprocess.CalledProcessError, OSError) as e:
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)
         subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True)
-        yield f"could not create the namespace ({getattr(e, 'stderr', '') or e})".strip()
+        yield False, f"could not create the namespace ({getattr(e, 'stderr', '') or e})".strip()
         return
     try:
-        yield None
+        yield True, shaped
     finally:
         subprocess.run(["ip", "netns", "del", NS], capture_output=True)  # takes the veth pair with it
         subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True)
@@ -187,14 +197,6 @@ def measure_shaped(kwargs: dict, dtype: str, salt: int) -> dict:
             worker.wait(timeout=30)
         except subprocess.TimeoutExpired:
             worker.kill()
-
-
-def ping_ms() -> float | None:
-    try:
-        out = subprocess.run(["ping", "-c", "5", "-i", "0.2", NS_IP], capture_output=True, text=True, timeout=10).stdout
-        return float(out.rsplit("=", 1)[1].split("/")[1])
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        return None
 
 
 # ---------------------------------------------------------------- the projection
@@ -248,17 +250,13 @@ def main() -> int:
     p.add_argument("--no-netns", action="store_true", help="skip the shaped-link rows")
     a = p.parse_args()
     runs: dict[str, list[dict]] = {name: [] for name in LOCAL}
-    link_note, rtt = "skipped (--no-netns)", None
+    link_note = "skipped (--no-netns)"
     with contextlib.ExitStack() as stack:
-        why_not = None if a.no_netns else stack.enter_context(shaped_link())
         if not a.no_netns:
-            if why_not is None:
+            made, how = stack.enter_context(shaped_link())
+            link_note = f"rank 1 in its own network namespace, a veth pair {how}" if made else f"not run: {how}"
+            if made:
                 runs.update({name: [] for name in SHAPED})
-                rtt = ping_ms()
-                link_note = f"veth pair shaped by tc netem to {LINK['rate']} and {LINK['delay']} each way" + (
-                    f" (ping: {rtt:.2f} ms round trip)" if rtt else "")
-            else:
-                link_note = f"not run: {why_not}"
         for r in range(a.rounds):
             for name in runs:
                 print(f"round {r + 1}/{a.rounds}: {name} ...", file=sys.stderr, flush=True)
@@ -317,7 +315,7 @@ def main() -> int:
     ]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scale_out.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "scale_out.json").write_text(json.dumps({"args": vars(a), "link": link_note, "rtt_ms": rtt, "runs": runs,
+    (RESULTS / "scale_out.json").write_text(json.dumps({"args": vars(a), "link": link_note, "runs": runs,
                                                         "median": med}, indent=2))
     print("\n".join(lines))
     return 0
