@@ -84,7 +84,7 @@ PARALLEL_OPTS = [
     Opt("--tensor-parallel-size", 1, int, "split every layer's heads and MLP columns over this many processes "
         "(on one machine shoal starts them itself; with --nnodes they are spread over machines)"),
     Opt("--pipeline-parallel-size", 1, int, "split the model's layers into this many contiguous stages, one process "
-        "each (not with --tensor-parallel-size yet)"),
+        "each (or --tensor-parallel-size processes each)"),
     Opt("--pp-layers", None, str, "layers per pipeline stage, e.g. 10,10,10 (default: as even as possible)"),
     Opt("--pp-wire-dtype", "float32", str, "hidden states between pipeline stages: float32, bfloat16, float16 or int8 "
         "(a scale per token); the last stage's output to the logits is never compressed",

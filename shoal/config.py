@@ -84,7 +84,7 @@ class ParallelConfig:
     """How many processes hold the model (README, Scale-out). Rank 0 serves; the others only compute."""
 
     tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1  # contiguous layer ranges, one per rank (not with tensor_parallel_size > 1 yet)
+    pipeline_parallel_size: int = 1  # contiguous layer ranges, one per stage (of tensor_parallel_size ranks each)
     pp_layers: tuple[int, ...] | None = None  # layers per stage, e.g. (10, 10, 10); None: planned
     pp_wire_dtype: str = "float32"  # hidden states between stages: float32 | bfloat16 | float16 | int8 (a scale per row)
     nnodes: int = 1  # machines; each runs world_size // nnodes ranks
@@ -99,8 +99,6 @@ class ParallelConfig:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be at least 1, got "
                              f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError("tensor and pipeline parallelism together are not supported yet: choose one")
         if self.pp_wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"pp_wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.pp_wire_dtype!r}")
         if self.pp_layers is not None:
@@ -120,6 +118,10 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """(pipeline stage, tensor-parallel rank within it) of global `rank`: stage s holds ranks s*T .. s*T+T-1."""
+        return divmod(rank, self.tensor_parallel_size)
 
     @property
     def ranks_per_node(self) -> int:

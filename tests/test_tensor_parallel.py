@@ -367,8 +367,8 @@ def test_pipeline_plans_even_explicit_and_by_free_memory():
         plan_pipeline(30, 3, explicit=(10, 10, 9))
     with pytest.raises(ValueError, match="between 1 and the model's 3 layers"):
         plan_pipeline(3, 4)
-    with pytest.raises(ValueError, match="not supported yet"):
-        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    both = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=3)
+    assert both.world_size == 6 and [both.place(r) for r in (0, 1, 2, 5)] == [(0, 0), (0, 1), (1, 0), (2, 1)]
     assert ParallelConfig(pipeline_parallel_size=3, pp_layers="1,1,1").pp_layers == (1, 1, 1)
 
 
@@ -408,6 +408,33 @@ def test_three_pipeline_stages_give_one_process_bits(arch, tmp_path):
     assert [r["layers"] for r in cluster["ranks"]] == [[0, 1], [1, 2], [2, 3]]
     assert cluster["pipeline_parallel_size"] == 3 and cluster["wire_bytes_per_token"] == 64 * 4
     assert cluster["ranks"][0]["weights_bytes"] > cluster["ranks"][1]["weights_bytes"]  # the embedding (and head) on stage 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])  # an untied head; q/k/v biases split by rows
+def test_two_stages_of_two_tensor_parallel_ranks_give_two_ranks_bits(arch, tmp_path):
+    """Both at once, four processes: stage s is ranks 2s and 2s+1, each with half of its layers' heads and MLP
+    columns. Tokens, logprobs and prompt logprobs are two tensor-parallel ranks', bit for bit (the same sums, the
+    layers elsewhere), with a micro-batch per stage in flight; the greedy tokens are one process's."""
+    path = make_tiny_model(arch, tmp_path / "m")
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, prompt_logprobs=1)
+    kw = dict(dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=16, attention="invariant")
+
+    def run(**more):
+        with LLM(str(path), **kw, **more) as llm:
+            outs = llm.generate(PROMPTS, params)
+            cluster = llm.engine.executor.cluster()
+        return [(o.outputs[0].token_ids, [(e.logprob, e.top) for e in o.outputs[0].logprobs],
+                 [e.logprob for e in o.prompt_logprobs[1:]]) for o in outs], cluster
+
+    one, _ = run()
+    tp2, _ = run(tensor_parallel_size=2)
+    both, cluster = run(tensor_parallel_size=2, pipeline_parallel_size=2, pp_layers="1,2")
+    assert both == tp2
+    assert [o[0] for o in both] == [o[0] for o in one]
+    assert (cluster["tensor_parallel_size"], cluster["pipeline_parallel_size"]) == (2, 2)
+    assert [r["layers"] for r in cluster["ranks"]] == [[0, 1], [0, 1], [1, 3], [1, 3]]
+    assert [r["heads"] for r in cluster["ranks"]] == [[0, 2], [2, 4]] * 2
+    assert cluster["collectives"] == "shared memory"
 
 
 def test_pipeline_micro_batches_in_flight_keep_every_answer(tmp_path):

@@ -6,7 +6,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 
@@ -58,15 +57,19 @@ def build_engine(config: EngineConfig) -> Engine:
 
 
 def _parallel_words(par) -> str:
+    words = []
     if par.pipeline_parallel_size > 1:
-        return f", {par.pipeline_parallel_size} pipeline stages"
-    return f", tensor parallel over {par.tensor_parallel_size} ranks" if par.tensor_parallel_size > 1 else ""
+        words.append(f"{par.pipeline_parallel_size} pipeline stages")
+    if par.tensor_parallel_size > 1:
+        words.append(f"tensor parallel over {par.tensor_parallel_size} ranks" + (" each" if words else ""))
+    return "".join(f", {w}" for w in words)
 
 
 def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
-    """Load the checkpoint and build this process's part of the model: all of it, tensor-parallel
-    rank `rank`'s shard, or pipeline stage `rank`'s layers (group: executor.distributed.RankGroup,
-    which sums the row-parallel outputs and agrees on the KV pool's size, the smallest over the ranks)."""
+    """Load the checkpoint and build this process's part of the model: all of it, or global rank `rank`'s
+    part: its pipeline stage's layers, and of those its tensor-parallel shard (ParallelConfig.place).
+    group: executor.distributed.RankGroup, which sums the row-parallel outputs within a stage and agrees
+    on the KV pool's size, the smallest over the ranks."""
     size = group.size if group is not None else 1
     threads = config.num_threads or (_threads_per_rank(config.parallel.ranks_per_node) if size > 1 else None)
     if threads:
@@ -78,10 +81,14 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     quantization = resolve_quantization(config.quantization, device, dtype)
     par = config.parallel
     shard = layers = None
+    stage, local = par.place(rank)
+    if group is not None:
+        group.set_layout(par.tensor_parallel_size)
 
     def select_for(hf, weight_format):  # the loader asks once it has the config: read only what this rank holds
         nonlocal shard, layers
         whole = ModelConfig.from_hf(hf)
+        tp = par.tensor_parallel_size
         if par.pipeline_parallel_size > 1:
             plan = {}
             if par.pp_layers is None:  # equal work per stage, within every rank's free memory (a collective)
@@ -91,11 +98,19 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
                 if all(f is not None for f in free):
                     kv = config.cache.kv_cache_memory if device.type == "cpu" else 0
                     head = stage0_bytes(whole, dtype)
-                    plan.update(free_bytes=[f - kv - (head if r == 0 else 0) for r, f in enumerate(free)], layer_bytes=one_layer)
-            layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **plan)[rank]
-            return lambda name: False if stage_name(name, layers, layers[0] == 0) is None else None
-        shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, size)[rank]
-        return partial(shard_slice, shard=shard, head_dim=whole.head_dim)
+                    # a stage's room: its tightest rank's, each rank holding 1/tp of every layer
+                    room = [min(free[s * tp : (s + 1) * tp]) - kv - (head if s == 0 else 0) for s in range(par.pipeline_parallel_size)]
+                    plan.update(free_bytes=room, layer_bytes=-(-one_layer // tp))
+            layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **plan)[stage]
+        if tp > 1:
+            shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, tp)[local]
+
+        def select(name):
+            if layers is not None and stage_name(name, layers, layers[0] == 0) is None:
+                return False  # another stage's
+            return shard_slice(name, shard, whole.head_dim) if shard is not None else None
+
+        return select
 
     ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0,
                            select_for=select_for if size > 1 else None)

@@ -17,6 +17,9 @@ token for the models shoal runs on CPUs.
 Pipeline stages (`--pipeline-parallel-size P`) get the same broadcast; each runs
 its own range of layers on the hidden states the previous stage sends (send/recv,
 in the wire dtype), and the last sends its output back to rank 0 uncompressed.
+Both at once: stage s is ranks s*T .. s*T+T-1, which sum among themselves; each
+sends its (identical) output on to its counterpart in the next stage, and the
+last stage's first rank sends back to rank 0.
 
 Processes: `shoal serve --tensor-parallel-size N` on one machine starts ranks
 1..N-1 itself (`python -m shoal.executor.worker`); across machines the others
@@ -58,7 +61,10 @@ class RankGroup:
         self.address = address  # rank 0's (host, port), where the group meets again after a lost rank; None: torchrun's
         self.store: dist.TCPStore | None = None  # rank 0's rendezvous store: it outlives each group
         self.generation = 0  # which group of the store's this is: rank 0 counts one more at each restart
-        self.shm: SharedMemoryChannel | None = None  # same-host collectives, once open_shared_memory ran
+        self.tp = size  # ranks that sum a layer's output together: this rank's pipeline stage's (set_layout)
+        self.tp_group = None  # their process group, where it is not every rank
+        self.shm: SharedMemoryChannel | None = None  # same-host broadcast (and sums), once open_shared_memory ran
+        self.sum_shm: SharedMemoryChannel | None = None  # the same-host channel this rank's sums go through
 
     @classmethod
     def join(cls, rank: int, size: int, addr: str, port: int, timeout: float, device: str = "cpu") -> RankGroup:
@@ -107,28 +113,44 @@ class RankGroup:
                                 timeout=datetime.timedelta(seconds=timeout))
         return cls(rank, size, "gloo", timeout)
 
+    def set_layout(self, tp: int) -> None:
+        """Collective: ranks s*tp .. s*tp+tp-1 are pipeline stage s's tensor-parallel ranks, and sum together."""
+        self.tp, self.tp_group = tp, None
+        if 1 < tp < self.size:  # both kinds at once: a process group per stage (every rank makes every group)
+            for stage in range(self.size // tp):
+                group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
+                if self.rank // tp == stage:
+                    self.tp_group = group
+
     def open_shared_memory(self, part_bytes: int, alive=None, message_bytes: int = 1 << 20, enabled: bool = True) -> bool:
         """Collective: where every rank runs on this machine (and on the CPU), move the per-step
-        collectives to shared memory (shm.py). False where they stay on gloo/NCCL."""
+        collectives to shared memory (shm.py): one channel for the step's broadcast (which also sums when
+        every rank is one tensor-parallel group), and one per pipeline stage for its sums when tensor and
+        pipeline parallelism go together. False where they stay on gloo/NCCL."""
         hosts = self.gather(socket.gethostname())
         if not enabled or self.backend != "gloo" or len(set(hosts)) > 1 or not os.path.isdir("/dev/shm"):
             return False
-        path = self.broadcast(SharedMemoryChannel.new_path() if self.rank == 0 else None)
-        if self.rank == 0:
-            self.shm = SharedMemoryChannel(path, 0, self.size, part_bytes, message_bytes, True, self.timeout, alive)
-        dist.barrier()
-        if self.rank:
-            self.shm = SharedMemoryChannel(path, self.rank, self.size, part_bytes, message_bytes, False, self.timeout, alive)
-        dist.barrier()
+        stages = self.size // self.tp if 1 < self.tp < self.size else 0
+        paths = self.broadcast([SharedMemoryChannel.new_path() for _ in range(1 + stages)] if self.rank == 0 else None)
+        world_part = part_bytes if self.tp == self.size else 0  # pipeline stages alone post no sums
+        stage, local = divmod(self.rank, self.tp)
+        for opening in (True, False):  # the creators first, then the others map what they made
+            if (self.rank == 0) == opening:
+                self.shm = SharedMemoryChannel(paths[0], self.rank, self.size, world_part, message_bytes, opening, self.timeout, alive)
+            if stages and (local == 0) == opening:
+                self.sum_shm = SharedMemoryChannel(paths[1 + stage], local, self.tp, part_bytes, 64, opening, self.timeout, alive)
+            dist.barrier()
+        if self.tp == self.size:
+            self.sum_shm = self.shm
         return True
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `partial`, added in rank order in float32: the same bits on every
-        rank, and a row's sum does not depend on the other rows."""
-        if self.shm is not None and self.shm.fits(partial):
-            return self.shm.reduce(partial)
-        parts = [torch.empty_like(partial) for _ in range(self.size)]
-        dist.all_gather(parts, partial.contiguous())
+        """The sum of this stage's tensor-parallel ranks' `partial`, added in rank order in float32: the
+        same bits on every one of them, and a row's sum does not depend on the other rows."""
+        if self.sum_shm is not None and self.sum_shm.fits(partial):
+            return self.sum_shm.reduce(partial)
+        parts = [torch.empty_like(partial) for _ in range(self.tp)]
+        dist.all_gather(parts, partial.contiguous(), group=self.tp_group)
         total = parts[0].float()
         for p in parts[1:]:
             total += p
@@ -174,9 +196,13 @@ class RankGroup:
 
     def leave(self) -> None:
         """Out of this generation's group (the store stays, for the next)."""
+        if self.sum_shm is not None and self.sum_shm is not self.shm:
+            self.sum_shm.close(unlink=self.rank % self.tp == 0)
+        self.sum_shm = None
         if self.shm is not None:
             self.shm.close(unlink=self.rank == 0)
             self.shm = None
+        self.tp_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -255,6 +281,7 @@ class DistributedExecutor:
         self.config = config
         par = config.parallel
         self.stages, self.wire = par.pipeline_parallel_size, par.pp_wire_dtype  # pipeline stages (1: tensor parallel), the dtype between them
+        self.tp = par.tensor_parallel_size  # ranks per stage: stage s is ranks s*tp .. s*tp+tp-1
         self.ranks = ranks
         self.workers = workers  # the ranks this process started (one machine); others are someone else's
         self.failure: str | None = None  # why the ranks are out of step (for the log); None while they are well
@@ -281,7 +308,7 @@ class DistributedExecutor:
         with self._failing():
             self._broadcast(batch)
             hidden = self.runner.forward(batch)
-            sends = self.group.send_hidden(hidden, 1, self.wire) if hidden is not None else []
+            sends = self.group.send_hidden(hidden, self.tp, self.wire) if hidden is not None else []  # to stage 1's first rank
         return _MicroBatch(seqs, len(batch.token_ids), hidden is not None, sends)
 
     def collect(self, ticket):
@@ -290,7 +317,8 @@ class DistributedExecutor:
         hidden = None
         with self._failing():
             if ticket.has_hidden:  # the last stage's output, in the model's dtype: logits never come from a compressed copy
-                hidden = self.group.recv_hidden(ticket.rows, self.runner.config.hidden_size, self.stages - 1, None, self.runner.dtype)
+                last = (self.stages - 1) * self.tp  # the last stage's first rank
+                hidden = self.group.recv_hidden(ticket.rows, self.runner.config.hidden_size, last, None, self.runner.dtype)
             for work in ticket.sends:
                 work.wait()
         return self.runner.outputs(ticket.seqs, hidden)
@@ -349,8 +377,9 @@ class DistributedExecutor:
             self.group.rejoin()
             par = self.config.parallel
             if self.stages > 1:  # the layers each stage had: no new survey of free memory
-                par = replace(par, pp_layers=tuple(r["layers"][1] - r["layers"][0] for r in self.ranks))
+                par = replace(par, pp_layers=tuple(r["layers"][1] - r["layers"][0] for r in self.ranks[:: self.tp]))
             self._broadcast(replace(self.config, parallel=par))
+            self.group.set_layout(self.tp)
             blocks = self.group.agree_min(self.runner.num_blocks)
             if blocks < self.runner.num_blocks:
                 raise RuntimeError(f"the restarted ranks have room for {blocks} KV blocks, rank 0's pool has {self.runner.num_blocks}")
@@ -378,7 +407,7 @@ class DistributedExecutor:
                 info["state"] = "unreachable"
             ranks.append(info)
         return {
-            "tensor_parallel_size": 1 if self.stages > 1 else self.group.size, "pipeline_parallel_size": self.stages,
+            "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.stages,
             "backend": self.group.backend,
             "collectives": "shared memory" if self.group.shm is not None else self.group.backend,
             "stage_hops": self.group.backend if self.stages > 1 else None,  # pipeline: hidden states by send/recv

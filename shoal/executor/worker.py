@@ -37,7 +37,9 @@ def serve_forwards(group: RankGroup) -> None:
              group.rank, info["layers"], info["heads"], info["kv_heads"], info["intermediate"], part.runner.num_blocks, info["threads"])
     runner = part.runner
     stages, wire = config.parallel.pipeline_parallel_size, config.parallel.pp_wire_dtype
-    last = group.rank == stages - 1
+    tp = config.parallel.tensor_parallel_size
+    stage, local = config.parallel.place(group.rank)
+    last = stage == stages - 1
     sending: list = []  # this stage's outputs still going out (it does not wait: the next micro-batch may be there)
     with torch.inference_mode():
         while True:
@@ -49,13 +51,18 @@ def serve_forwards(group: RankGroup) -> None:
             if stages == 1 or batch.empty:  # tensor parallel: every rank runs the whole batch on its shard
                 runner.forward(batch)
                 continue
-            # a pipeline stage: the previous stage's hidden states in, this stage's layers, out to the next
-            # (the last sends back to rank 0 uncompressed, for the logits)
-            width = runner.config.hidden_size
-            hidden = group.recv_hidden(len(batch.token_ids), width, group.rank - 1, wire, runner.dtype)
+            # a pipeline stage: the previous stage's hidden states in (stage 0: the embedding), this stage's layers,
+            # out to the same place in the next stage (the last stage's first rank sends back to rank 0 uncompressed,
+            # for the logits; its other ranks hold the same output)
+            hidden = None
+            if stage > 0:
+                hidden = group.recv_hidden(len(batch.token_ids), runner.config.hidden_size, group.rank - tp, wire, runner.dtype)
             out = runner.forward(batch, hidden)
             sending = [s for s in sending if not s.done()]
-            sending += group.send_hidden(out, 0 if last else group.rank + 1, None if last else wire)
+            if not last:
+                sending += group.send_hidden(out, group.rank + tp, wire)
+            elif local == 0:
+                sending += group.send_hidden(out, 0, None)
     for s in sending:
         s.wait()
     log.info("rank %d: stopped by rank 0", group.rank)
