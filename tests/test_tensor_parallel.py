@@ -384,6 +384,17 @@ def test_int8_wire_rounds_each_row_to_its_own_scale():
     assert [wire_bytes_per_token(576, w) for w in ("float32", "bfloat16", "int8")] == [2304, 1152, 580]
 
 
+def _answers(path, params: SamplingParams, **parallel) -> tuple[list, dict]:
+    """PROMPTS' tokens, logprobs and prompt logprobs, and the cluster view, in float32 with the batch-invariant
+    attention (micro-batches make a pipeline's steps differ from one process's) and 16-token chunks."""
+    kw = dict(dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=16, attention="invariant")
+    with LLM(str(path), **kw, **parallel) as llm:
+        outs = llm.generate(PROMPTS, params)
+        cluster = llm.engine.executor.cluster()
+    return [(o.outputs[0].token_ids, [(e.logprob, e.top) for e in o.outputs[0].logprobs],
+             [e.logprob for e in o.prompt_logprobs[1:]]) for o in outs], cluster
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # an untied head (on stage 0 only) and a tied one
 def test_three_pipeline_stages_give_one_process_bits(arch, tmp_path):
     """Stages change where a layer runs, not its math: tokens, logprobs and prompt logprobs are bit for bit one
@@ -392,18 +403,8 @@ def test_three_pipeline_stages_give_one_process_bits(arch, tmp_path):
     bits independent of them."""
     path = make_tiny_model(arch, tmp_path / "m")
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, prompt_logprobs=1)
-    kw = dict(dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=16,  # chunks cross stages too
-              attention="invariant")
-
-    def run(**more):
-        with LLM(str(path), **kw, **more) as llm:
-            outs = llm.generate(PROMPTS, params)
-            cluster = llm.engine.executor.cluster()
-        return [(o.outputs[0].token_ids, [(e.logprob, e.top) for e in o.outputs[0].logprobs],
-                 [e.logprob for e in o.prompt_logprobs[1:]]) for o in outs], cluster
-
-    alone, _ = run()
-    staged, cluster = run(pipeline_parallel_size=3)
+    alone, _ = _answers(path, params)
+    staged, cluster = _answers(path, params, pipeline_parallel_size=3)
     assert staged == alone
     assert [r["layers"] for r in cluster["ranks"]] == [[0, 1], [1, 2], [2, 3]]
     assert cluster["pipeline_parallel_size"] == 3 and cluster["wire_bytes_per_token"] == 64 * 4
@@ -417,18 +418,9 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_two_ranks_bits(arch, tmp_p
     layers elsewhere), with a micro-batch per stage in flight; the greedy tokens are one process's."""
     path = make_tiny_model(arch, tmp_path / "m")
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, prompt_logprobs=1)
-    kw = dict(dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=16, attention="invariant")
-
-    def run(**more):
-        with LLM(str(path), **kw, **more) as llm:
-            outs = llm.generate(PROMPTS, params)
-            cluster = llm.engine.executor.cluster()
-        return [(o.outputs[0].token_ids, [(e.logprob, e.top) for e in o.outputs[0].logprobs],
-                 [e.logprob for e in o.prompt_logprobs[1:]]) for o in outs], cluster
-
-    one, _ = run()
-    tp2, _ = run(tensor_parallel_size=2)
-    both, cluster = run(tensor_parallel_size=2, pipeline_parallel_size=2, pp_layers="1,2")
+    one, _ = _answers(path, params)
+    tp2, _ = _answers(path, params, tensor_parallel_size=2)
+    both, cluster = _answers(path, params, tensor_parallel_size=2, pipeline_parallel_size=2, pp_layers="1,2")
     assert both == tp2
     assert [o[0] for o in both] == [o[0] for o in one]
     assert (cluster["tensor_parallel_size"], cluster["pipeline_parallel_size"]) == (2, 2)
