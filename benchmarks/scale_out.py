@@ -201,35 +201,38 @@ def measure_shaped(kwargs: dict, dtype: str, salt: int) -> dict:
 
 # ---------------------------------------------------------------- the projection
 
-SHAPES = {  # name -> (hidden, layers, weight bytes per layer in bf16)
-    "SmolLM2-135M": (576, 30, 2 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)),
-    "70B (Llama-2/3 shape)": (8192, 80, 2 * (8192 * (8192 + 2 * 1024) + 8192 * 8192 + 3 * 8192 * 28672)),
+SHAPES = {  # name -> (hidden, layers, weight bytes of the layers in bf16)
+    "SmolLM2-135M": (576, 30, 30 * 2 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)),
+    "70B (Llama-2/3 shape)": (8192, 80, 80 * 2 * (8192 * (8192 + 2 * 1024) + 8192 * 8192 + 3 * 8192 * 28672)),
 }
 LINKS_GBIT = (1, 10, 25)
 HOP_LATENCY_S = 0.5e-3
+STAGES = (2, 4, 8)
 
 
-def projection(measured_bytes_per_s: float) -> list[str]:
-    """Tokens/s for one stream through N stages, from this machine's measured weight-read rate."""
+def projection(token_s: float, weight_bytes: int) -> list[str]:
+    """One stream's tokens/s through N stages, and a long prompt's time per hop (the model: see the text)."""
     lines = [
-        "| model | wire | bytes per token per hop | 4,096-token prompt per hop | "
-        + " | ".join(f"N={n}, {g} Gbit/s" for n in (2, 4, 8) for g in LINKS_GBIT) + " |",
-        "|---|---|---|---|" + "---|" * (3 * len(LINKS_GBIT)),
+        "| model | wire | bytes per token per hop | " + " | ".join(f"N={n}, {g} Gbit/s" for n in STAGES for g in LINKS_GBIT) + " |",
+        "|---|---|---|" + "---|" * (len(STAGES) * len(LINKS_GBIT)),
     ]
-    for name, (hidden, layers, layer_bytes) in SHAPES.items():
-        compute = layers * layer_bytes / measured_bytes_per_s  # one token through every layer, one machine's pace
+    prompt = ["| model | wire | 4,096-token prompt per hop | " + " | ".join(f"{g} Gbit/s" for g in LINKS_GBIT) + " |",
+              "|---|---|---|" + "---|" * len(LINKS_GBIT)]
+    for name, (hidden, _, layer_bytes) in SHAPES.items():
+        # SmolLM2: the measured time per token; the 70B: scaled by its bf16 layers' bytes over the weights measured
+        compute = token_s if name.startswith("SmolLM2") else token_s * layer_bytes / weight_bytes
+        back = wire_bytes_per_token(hidden, "float32")  # the last hop, to the logits, is never compressed
         for wire in ("float32", "bfloat16", "int8"):
             hop = wire_bytes_per_token(hidden, wire)
-            back = wire_bytes_per_token(hidden, "float32")  # the last hop to the logits is never compressed
             cells = []
-            for n in (2, 4, 8):
+            for n in STAGES:
                 for g in LINKS_GBIT:
                     bw = g * 1e9 / 8
-                    t = compute + (n - 1) * (HOP_LATENCY_S + hop / bw) + HOP_LATENCY_S + back / bw
-                    cells.append(f"{1 / t:.1f}")
-            prompt = 4096 * hop
-            lines.append(f"| {name} | {wire} | {hop:,} | {prompt / 2**20:.1f} MiB | " + " | ".join(cells) + " |")
-    return lines
+                    cells.append(f"{1 / (compute + (n - 1) * (HOP_LATENCY_S + hop / bw) + HOP_LATENCY_S + back / bw):.3g}")
+            lines.append(f"| {name} | {wire} | {hop:,} | " + " | ".join(cells) + " |")
+            prompt.append(f"| {name} | {wire} | {4096 * hop / 2**20:.1f} MiB | "
+                          + " | ".join(f"{1e3 * (HOP_LATENCY_S + 4096 * hop / (g * 1e9 / 8)):.0f} ms" for g in LINKS_GBIT) + " |")
+    return lines + ["", *prompt]
 
 
 # ---------------------------------------------------------------- report
@@ -248,7 +251,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-netns", action="store_true", help="skip the shaped-link rows")
+    p.add_argument("--report-only", action="store_true", help="write the report again from results/scale_out.json")
     a = p.parse_args()
+    if a.report_only:
+        saved = json.loads((RESULTS / "scale_out.json").read_text())
+        a.rounds, a.dtype = saved["args"]["rounds"], saved["args"]["dtype"]
+        return report(a, saved["runs"], saved["link"], saved.get("cpu") or _cpu())
     runs: dict[str, list[dict]] = {name: [] for name in LOCAL}
     link_note = "skipped (--no-netns)"
     with contextlib.ExitStack() as stack:
@@ -263,13 +271,17 @@ def main() -> int:
                 fn = measure_shaped if name in SHAPED else measure
                 runs[name].append(fn({**LOCAL, **SHAPED}[name], a.dtype, r))
                 print(f"  {runs[name][-1]}", file=sys.stderr, flush=True)
+    return report(a, runs, link_note, _cpu())
+
+
+def report(a, runs: dict[str, list[dict]], link_note: str, cpu: str) -> int:
     med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "layers"} | {"layers": rs[0]["layers"]}
            for name, rs in runs.items()}
     base = med["1 process"]
     lines = [
         "# Scale-out: tensor and pipeline parallelism",
         "",
-        f"`benchmarks/scale_out.py --rounds {a.rounds} --dtype {a.dtype}` on {_cpu()}, default model, {TOKENS} greedy "
+        f"`benchmarks/scale_out.py --rounds {a.rounds} --dtype {a.dtype}` on {cpu}, default model, {TOKENS} greedy "
         "output tokens per request, offline, median over rounds. Ranks get one thread each; one process gets every core. "
         "Comm: rank 0's time in the step's broadcast, the per-layer sums and the pipeline's sends and receives (waiting "
         "for the other rank included: for pipeline stages, the wait for the other stage's compute) over its time in the "
@@ -282,8 +294,19 @@ def main() -> int:
         cells = [f"{m[f'tok_s_{n}']:.1f} ({m[f'tok_s_{n}'] / base[f'tok_s_{n}']:.2f}x) | {m[f'comm_share_{n}']:.0%}" for n in STREAMS]
         layers = ", ".join(f"{lo}-{hi - 1}" for lo, hi in m["layers"])
         lines.append(f"| {name} | {layers} | " + " | ".join(cells) + " |")
-    # one machine's pace of reading weights: one process at 1 stream reads every weight once per token
-    rate = base["weight_bytes"] * base["tok_s_1"]
+    lines += [
+        "",
+        "Each round against that round's one process (1 / 16 / 64 streams). The machine is shared, and the rounds "
+        "differ more than the medians show: one process gave "
+        + ", ".join(f"{x['tok_s_1']:.1f}" for x in runs["1 process"]) + " tok/s at 1 stream in rounds "
+        + ", ".join(str(r + 1) for r in range(len(runs["1 process"]))) + ".",
+        "",
+        "| configuration | " + " | ".join(f"round {r + 1}" for r in range(len(runs["1 process"]))) + " |",
+        "|---|" + "---|" * len(runs["1 process"]),
+    ]
+    for name, rs in runs.items():
+        lines.append(f"| {name} | " + " | ".join(" / ".join(f"{x[f'tok_s_{n}'] / b[f'tok_s_{n}']:.2f}" for n in STREAMS)
+                                              for x, b in zip(rs, runs["1 process"])) + " |")
     lines += [
         "",
         "## Bytes on the wire",
@@ -298,25 +321,29 @@ def main() -> int:
     for name, (hidden, layers, _) in SHAPES.items():
         lines.append(f"| {name} | " + " | ".join(f"{wire_bytes_per_token(hidden, w):,}" for w in WIRE)
                      + f" | {2 * layers * hidden * 4:,} |")
+    token_s = 1 / base["tok_s_1"]
     lines += [
         "",
-        "## Projection to N machines (one stream)",
+        "## Projection to N machines",
         "",
-        f"Model: a token's compute is every layer's weights read once at this machine's measured pace "
-        f"({rate / 1e9:.2f} GB/s: the default model's weights as loaded times one process's 1-stream tokens/s), spread "
-        f"over the N stages (each machine as fast as this one, weights in bf16 for the 70B row); each of the N-1 hops "
-        f"costs {HOP_LATENCY_S * 1e3:.1f} ms plus its bytes over the link, and the hop back to rank 0's logits "
-        "carries float32. One stream waits for every stage in turn, so N machines buy room, not speed: with "
-        "micro-batches in flight the many-stream rate approaches N times one stage's, until the link's bytes per "
-        "step bind. The seed's 64 MB per hop for a 4,096-token prompt is the 70B's hidden state in 16 bits; the "
-        "prompt column gives ours per wire dtype.",
+        f"The model. One stream's token costs the measured one-process time here ({1e3 * token_s:.1f} ms for the "
+        f"default model as loaded, {base['weight_bytes'] / 2**20:.0f} MiB of weights). For the 70B shape it is scaled by "
+        "its bf16 layers' bytes over those weights, since a decode step reads every weight once. Split over N stages, "
+        "the token passes each in turn, so its compute is the same. Each of the N-1 hops between stages adds "
+        f"{HOP_LATENCY_S * 1e3:.1f} ms and its bytes over the link, and so does the hop back to rank 0, which carries "
+        "float32. So one stream gains nothing from more machines; they buy room: each holds 1/N of the layers. With "
+        "micro-batches in flight the many-stream rate can approach N times one stage's, until a hop's bytes per step "
+        "bind. A prompt is where the link shows: the second table is the time to move a 4,096-token prompt's hidden "
+        "states over one hop. The seed's 64 MB per hop is the 70B's hidden state in 16 bits.",
         "",
-        *projection(rate),
+        "One stream, tokens/s:",
+        "",
+        *projection(token_s, base["weight_bytes"]),
     ]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scale_out.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "scale_out.json").write_text(json.dumps({"args": vars(a), "link": link_note, "runs": runs,
-                                                        "median": med}, indent=2))
+    (RESULTS / "scale_out.json").write_text(json.dumps({"args": {"rounds": a.rounds, "dtype": a.dtype}, "cpu": cpu,
+                                                        "link": link_note, "runs": runs, "median": med}, indent=2))
     print("\n".join(lines))
     return 0
 
