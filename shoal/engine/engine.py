@@ -313,12 +313,13 @@ class Engine:
         return outputs
 
     def _fill_pipeline(self) -> None:
+        """Schedule and submit steps until `executor.depth` are in flight, or nothing more can run."""
         depth = self.executor.depth
+        scheduler = self.scheduler
         while len(self._in_flight) < depth:
-            sched = self.scheduler
             # a micro-batch's share: the sequences spread over the stages (a sequence is in one at a time)
-            share = None if depth == 1 else max(1, -(-(len(sched.running) + len(sched.waiting)) // depth))
-            out = sched.schedule(share)
+            share = None if depth == 1 else max(1, -(-(len(scheduler.running) + len(scheduler.waiting)) // depth))
+            out = scheduler.schedule(share)
             if out.empty and not out.plan.block_copies:
                 return
             now = self.clock()

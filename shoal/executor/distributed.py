@@ -293,9 +293,6 @@ class DistributedExecutor:
         """Steps in flight at once: a micro-batch per pipeline stage, one step at a time for tensor parallel."""
         return self.stages
 
-    def execute(self, plan):
-        return self.collect(self.submit(plan))
-
     def submit(self, plan):
         """Tensor parallel: run the step everywhere, the outcome is the ticket. Pipeline: broadcast the step,
         run stage 0's layers and send them on; the step comes back through `collect` while this rank goes on

@@ -13,9 +13,6 @@ class LocalExecutor:
     def __init__(self, runner) -> None:
         self.runner = runner
 
-    def execute(self, plan):
-        return self.runner.execute(plan)
-
     def submit(self, plan):
         return self.runner.execute(plan)
 
