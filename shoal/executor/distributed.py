@@ -223,6 +223,11 @@ class _Send:
         return self.work.is_completed()
 
 
+def first_line(e: BaseException) -> str:
+    """An exception in one short line, for a log line (gloo's messages run to several)."""
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
 def rank_info(runner, group: RankGroup) -> dict:
     """What GET /v1/cluster shows of one rank."""
     model = runner.model
@@ -336,7 +341,7 @@ class DistributedExecutor:
         except BaseException as e:
             # The ranks run every collective in lockstep: after a failure mid-forward (a lost rank,
             # a timeout, an error in this rank's part) they no longer agree on where they are.
-            self._fail((str(e).splitlines() or [type(e).__name__])[0][:200])
+            self._fail(first_line(e))
             raise
 
     def _fail(self, why: str) -> None:

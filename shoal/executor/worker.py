@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from shoal.executor.distributed import HEARTBEAT, RankGroup, part_bytes, rank_info
+from shoal.executor.distributed import HEARTBEAT, RankGroup, first_line, part_bytes, rank_info
 
 log = logging.getLogger("shoal.worker")
 
@@ -80,7 +80,7 @@ def run_rank(group: RankGroup, rejoin: bool) -> None:
             if not rejoin or group.address is None:
                 raise
             log.warning("rank %d lost the group (%s); meeting rank 0 again at %s:%d", group.rank,
-                        (str(e).splitlines() or [type(e).__name__])[0][:200], *group.address)
+                        first_line(e), *group.address)
             group.rejoin()
 
 
