@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -325,6 +324,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from shoal.model.loader import resolve_model_path
     from shoal.server import create_app
+    from shoal.server.listen import listening_socket
 
     v = serve_values(a)
     _setup_logging(v["log_level"], v["log_format"])
@@ -336,7 +336,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     settings = server_settings(v)
     resolve_model_path(config.model)  # a wrong name or path fails now, in one line, not after start-up
     try:
-        sock = _listen(settings.host, settings.port)
+        sock = listening_socket(settings.host, settings.port)
     except OSError as e:
         print(f"shoal: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -411,19 +411,6 @@ def cmd_worker(a: argparse.Namespace) -> int:
     finally:
         for p in others:
             p.wait()
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 # ---------------------------------------------------------------- clients

@@ -5,7 +5,6 @@ In-process, so a test can also look at the engine (pool, stats) it serves.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ import uvicorn
 
 from shoal.config import CacheConfig, EngineConfig, SchedulerConfig
 from shoal.server import ServerSettings, create_app
+from shoal.server.listen import listening_socket
 
 
 def tiny_engine_config(model_path, **kw) -> EngineConfig:
@@ -42,8 +42,7 @@ class LiveServer:
     def __init__(self, engine_or_config, settings: ServerSettings | None = None, wait_ready: bool = True) -> None:
         self.app = create_app(engine_or_config, settings or ServerSettings(log_requests=False))
         self.wait_ready = wait_ready
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock = listening_socket("127.0.0.1", 0)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", log_config=None, timeout_graceful_shutdown=2))

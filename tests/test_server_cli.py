@@ -144,3 +144,35 @@ def test_chat_reports_a_refused_turn_and_goes_on(srv):
     assert out.returncode == 0
     errors = out.stderr.strip().splitlines()
     assert len(errors) == 2 and all(e.startswith("shoal: the server answered 400:") and "temperature" in e for e in errors)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_served_connections_send_without_nagle_delay(host):
+    """uvicorn serves on the CLI's own socket; asyncio turns Nagle off on an accepted connection
+    only when that socket says it is TCP. Otherwise a kept-open connection's responses (headers,
+    then body) and a stream's chunks wait on the client's delayed ACK."""
+    import asyncio
+
+    from shoal.server.listen import listening_socket
+
+    try:
+        sock = listening_socket(host, 0)
+    except OSError:
+        pytest.skip(f"no {host} on this machine")
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Record(asyncio.Protocol):
+            def connection_made(self, transport):
+                seen.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(Record, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(host, sock.getsockname()[1])
+            try:
+                return await asyncio.wait_for(seen, 10)
+            finally:
+                writer.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
