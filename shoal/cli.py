@@ -398,6 +398,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from shoal.executor.distributed import spawn_worker
 
     v = {**_defaults(ENGINE_OPTS), **vars(a)}
+    _setup_logging(v.get("log_level", "info"), v["log_format"])
     par = engine_config(v).parallel
     if par.node_rank == 0:
         raise ValueError("--node-rank 0 is the machine that serves (shoal serve); workers are 1 and up")
@@ -641,6 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "of the model, then run each step's forward as rank 0 sends it. The model, dtype and every other "
                        "engine setting come from rank 0; the model file must exist here too.")
     log_level(w)
+    w.add_argument("--log-format", default="text", choices=("text", "json"), help="log lines as text or as one JSON object each")
     _add_opts(w, PARALLEL_OPTS, suppress=False)
     w.set_defaults(func=cmd_worker)
 
@@ -689,6 +691,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(level: str, fmt: str = "text") -> None:
+    """Log lines at `level`, as text or JSON; worker processes this one starts read the same from the environment."""
+    os.environ["SHOAL_LOG_LEVEL"], os.environ["SHOAL_LOG_FORMAT"] = level, fmt
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True
     )

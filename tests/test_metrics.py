@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import logging
 
 import httpx
@@ -154,3 +155,29 @@ def test_json_log_lines():
     entry = json.loads(JsonFormatter().format(record))
     assert entry["message"] == "prompt 12 tok/s" and entry["level"] == "info" and entry["logger"] == "shoal.engine"
     assert entry["time"].endswith("+00:00")
+
+
+def test_started_worker_processes_log_as_the_server_does(monkeypatch, capsys):
+    """`shoal serve --log-format json` starts its tensor- or pipeline-parallel ranks as processes;
+    they read the format and level from the environment the CLI set, and add their rank."""
+    from shoal.cli import _setup_logging
+    from shoal.executor import worker
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    monkeypatch.setenv("SHOAL_LOG_FORMAT", "text")
+    monkeypatch.setenv("SHOAL_LOG_LEVEL", "info")
+    try:
+        _setup_logging("debug", "json")  # what `shoal serve` does before it starts any rank
+        assert (os.environ["SHOAL_LOG_FORMAT"], os.environ["SHOAL_LOG_LEVEL"]) == ("json", "debug")
+        worker.setup_logging(3)  # what a started rank does
+        logging.getLogger("shoal.worker").debug("loaded %d layers", 5)
+    finally:
+        for h in root.handlers[:]:
+            root.removeHandler(h)
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
+    entry = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert entry["rank"] == 3 and entry["message"] == "loaded 5 layers" and entry["level"] == "debug"
+    assert entry["logger"] == "shoal.worker"

@@ -84,6 +84,19 @@ def run_rank(group: RankGroup, rejoin: bool) -> None:
             group.rejoin()
 
 
+def setup_logging(rank: int) -> None:
+    """A started rank logs as the process that started it did (`shoal serve` or `shoal worker` set
+    SHOAL_LOG_LEVEL and SHOAL_LOG_FORMAT), with its rank on every line."""
+    level = os.environ.get("SHOAL_LOG_LEVEL", "info").upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+    if os.environ.get("SHOAL_LOG_FORMAT") == "json":
+        from shoal.server.logs import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter({"rank": rank}))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shoal.executor.worker", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
@@ -94,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rejoin", action="store_true", help="meet the group again after losing it (--restart-workers)")
     a = p.parse_args(argv)
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {a.rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
+        setup_logging(a.rank)
     group = RankGroup.join(a.rank, a.world_size, a.master_addr, a.master_port, a.timeout)
     run_rank(group, a.rejoin)
     return 0

@@ -1,7 +1,7 @@
 """Log lines for machines: `--log-format json` writes one JSON object per record.
 
 Fields: time (ISO 8601, UTC), level, logger, message (formatted), and the exception
-text when there is one. The human format stays the default.
+text when there is one; a worker process adds its rank. The human format stays the default.
 """
 
 from __future__ import annotations
@@ -12,8 +12,14 @@ import logging
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, fields: dict | None = None) -> None:
+        """`fields`: set on every line (a worker process's rank)."""
+        super().__init__()
+        self.fields = dict(fields or {})
+
     def format(self, record: logging.LogRecord) -> str:
         entry = {
+            **self.fields,
             "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
