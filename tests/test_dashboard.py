@@ -69,7 +69,10 @@ def test_the_page_shows_what_stats_reports(browser, tiny_llama_path, tmp_path):
         assert cached == [v for r in reversed(recent) for v in (r["cached_prompt_tokens"], r["computed_prompt_tokens"])]
         assert sum(r["cached_prompt_tokens"] for r in recent) > 0  # the repeated prompt hit the cache
         assert page.is_hidden("#warning")
-        page.click(f"#requests tbody tr[data-id='{recent[-1]['request_id']}']")
+        # The table is drawn again on every poll: an event sent to the row, not a click at coordinates that a
+        # redraw under load can move, then the panel's text once the handler has run.
+        page.dispatch_event(f"#requests tbody tr[data-id='{recent[-1]['request_id']}']", "click")
+        page.wait_for_selector("#detail:not([hidden])", timeout=15000)
         detail = page.inner_text("#detail")
         assert recent[-1]["request_id"] in detail and "time_to_first_token" in detail
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
