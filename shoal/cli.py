@@ -692,15 +692,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_logging(level: str, fmt: str = "text") -> None:
     """Log lines at `level`, as text or JSON; worker processes this one starts read the same from the environment."""
-    os.environ["SHOAL_LOG_LEVEL"], os.environ["SHOAL_LOG_FORMAT"] = level, fmt
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True
-    )
-    if fmt == "json":
-        from shoal.server.logs import JsonFormatter
+    from shoal.server.logs import configure_logging
 
-        for handler in logging.getLogger().handlers:
-            handler.setFormatter(JsonFormatter())
+    os.environ["SHOAL_LOG_LEVEL"], os.environ["SHOAL_LOG_FORMAT"] = level, fmt
+    configure_logging(level, fmt)
     # httpx logs every request at INFO: noise in the client commands' terminal.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import logging
+import os
 
 import httpx
 import pytest

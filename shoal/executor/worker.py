@@ -87,14 +87,10 @@ def run_rank(group: RankGroup, rejoin: bool) -> None:
 def setup_logging(rank: int) -> None:
     """A started rank logs as the process that started it did (`shoal serve` or `shoal worker` set
     SHOAL_LOG_LEVEL and SHOAL_LOG_FORMAT), with its rank on every line."""
-    level = os.environ.get("SHOAL_LOG_LEVEL", "info").upper()
-    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        force=True)
-    if os.environ.get("SHOAL_LOG_FORMAT") == "json":
-        from shoal.server.logs import JsonFormatter
+    from shoal.server.logs import configure_logging
 
-        for handler in logging.getLogger().handlers:
-            handler.setFormatter(JsonFormatter({"rank": rank}))
+    configure_logging(os.environ.get("SHOAL_LOG_LEVEL", "info"), os.environ.get("SHOAL_LOG_FORMAT", "text"), f"rank {rank} ",
+                      {"rank": rank})
 
 
 def main(argv: list[str] | None = None) -> int:

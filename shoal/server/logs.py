@@ -28,3 +28,16 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str, fmt: str = "text", prefix: str = "", fields: dict | None = None) -> None:
+    """The root logger at `level` ("info", "debug", ...), lines as text or JSON.
+
+    `prefix` goes before the logger's name in text lines and `fields` into every JSON
+    line: a worker process passes its rank as both.
+    """
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+    if fmt == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter(fields))
