@@ -36,7 +36,7 @@ def _setup(dtype, window=None):
         mask &= keys > pos[:, None] - window
     mask = mask.repeat(G, 1)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=0,
-                             chunks=[ChunkMeta(0, LENGTH, block_table, ctx, mask)])
+                             chunks=[ChunkMeta(0, LENGTH, block_table, ctx, window is not None, mask)])
     return q, k_cache, v_cache, block_table, meta
 
 
@@ -77,6 +77,24 @@ def test_chunk_after_cached_prefix_matches_float32_reference(dtype, eager, atol,
         assert (got - want).abs().max().item() < atol
         # the output really is the attention: far from attending to the wrong keys (no causal offset)
         assert (got - wrong).abs().max().item() > 10 * atol
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("length, prefix, hkv, g", [(5, 0, 3, 3), (7, 13, 3, 3), (64, 300, 2, 4), (1, 9, 1, 1), (33, 31, 4, 1)])
+def test_prefix_and_causal_parts_merge_to_the_masked_attention(dtype, atol, length, prefix, hkv, g):
+    """The CPU path for a chunk without a window: the keys before the chunk unmasked, the chunk's own causal square,
+    merged by their log-sum-exps. It must equal one softmax over the causally masked context."""
+    from shoal.model.attention.sdpa import prefix_and_causal
+
+    gen = torch.Generator().manual_seed(length * 100 + prefix)
+    q = torch.randn(length, hkv * g, D, generator=gen).to(dtype)
+    k, v = (torch.randn(hkv, prefix + length, D, generator=gen).to(dtype) for _ in range(2))
+    got = prefix_and_causal(q, k, v, prefix, D**-0.5).float()
+    kk, vv = k.repeat_interleave(g, 0).float(), v.repeat_interleave(g, 0).float()
+    s = (q.float().transpose(0, 1) @ kk.transpose(-1, -2)) * D**-0.5
+    s.masked_fill_(torch.arange(prefix + length)[None] > torch.arange(prefix, prefix + length)[:, None], float("-inf"))
+    want = (s.softmax(-1) @ vv).transpose(0, 1)
+    assert got.shape == q.shape and (got - want).abs().max().item() < atol
 
 
 def test_eager_chunk_only_on_the_cpu_and_for_bounded_score_matrices():

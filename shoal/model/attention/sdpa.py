@@ -36,6 +36,7 @@ class ChunkMeta:
     length: int  # number of query tokens
     block_table: torch.Tensor  # [num_blocks] long, covering the whole context
     context_len: int  # keys visible to the last query (start_pos + length)
+    windowed: bool  # a sliding window hides keys before the chunk too
     # [G * length, context_len] bool (rows repeat per query-group member), or None
     # when the chunk starts at 0 and G == 1: then SDPA's own causal mask applies.
     mask: torch.Tensor | None
@@ -95,7 +96,7 @@ class SdpaAttention:
             if s.start_pos or G > 1 or window is not None:
                 m = visible_keys(torch.arange(ctx, device=dev), torch.arange(s.start_pos, ctx, device=dev), window)  # [L, ctx]
                 mask = m.repeat(G, 1)  # rows g*L + i, matching the folded queries
-            meta.chunks.append(ChunkMeta(start, L, torch.tensor(s.block_table, dtype=torch.long, device=dev), ctx, mask))
+            meta.chunks.append(ChunkMeta(start, L, torch.tensor(s.block_table, dtype=torch.long, device=dev), ctx, window is not None, mask))
             start += L
         return meta
 
@@ -128,6 +129,36 @@ def eager_attention(q, k, v, hidden: tuple[int, torch.Tensor], scale):
     first, tail = hidden
     s[..., first:].masked_fill_(tail, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), v)
+
+
+def prefix_and_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
+    """A chunk's attention without a mask: q [L, Hq, D] at positions prefix..prefix+L-1; k/v [Hkv, prefix + L, D].
+
+    The keys before the chunk are all visible, and the chunk's own keys are the
+    causal square. CPU SDPA with a boolean mask turns it into a float one and
+    reads it in its inner loop (a 512-token chunk at a 6,000-token context:
+    a 37 MB mask per layer, and 12% of a long prefill in `where`). So the two
+    parts go through the flash kernel unmasked, the square with its own causal
+    flag, and are merged by their log-sum-exps in float32.
+    """
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    L, Hq, D = q.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    qh = q.transpose(0, 1)[None]  # [1, Hq, L, D]
+    own_k, own_v = (t[:, prefix:].repeat_interleave(G, dim=0)[None] for t in (k, v))  # [1, Hq, L, D]: small
+    o_own, lse_own = flash(qh, own_k, own_v, 0.0, True, scale=scale)
+    if prefix == 0:
+        return o_own[0].transpose(0, 1)
+    # the prefix: query heads folded into the rows of their KV head, as in paged_attention
+    qf = q.view(L, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * L, D)
+    o_pre, lse_pre = flash(qf, k[None, :, :prefix], v[None, :, :prefix], 0.0, False, scale=scale)
+    o_pre, lse_pre = o_pre.reshape(Hq, L, D), lse_pre.reshape(Hq, L)  # head kv * G + g, as HF's repeat_kv
+    o_own, lse_own = o_own[0], lse_own[0]
+    top = torch.maximum(lse_pre, lse_own)
+    w_pre, w_own = (lse_pre - top).exp_(), (lse_own - top).exp_()
+    o = (o_pre.float() * w_pre[..., None] + o_own.float() * w_own[..., None]) / (w_pre + w_own)[..., None]
+    return o.to(q.dtype).transpose(0, 1)
 
 
 def paged_attention(
@@ -164,6 +195,9 @@ def paged_attention(
         # softmax), 4-D ones to the flash kernel: 1.9-3.7x faster per call (benchmarks/NOTES.md).
         if c.mask is not None and eager_chunk(q, Hkv * G * c.length, c.context_len):
             o = eager_attention(qc[None], k[None], v[None], c.hidden, scale)[0]
+        elif c.mask is not None and not c.windowed and q.device.type == "cpu":
+            out[c.start : c.start + c.length] = prefix_and_causal(q[c.start : c.start + c.length], k, v, c.context_len - c.length, scale)
+            continue
         else:
             mask = None if c.mask is None else c.mask[None, None]
             o = F.scaled_dot_product_attention(qc[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale)[0]
