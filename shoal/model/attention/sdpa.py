@@ -7,7 +7,9 @@ Every token's K/V is first written into the cache at its slot
 - each chunk (a prompt piece, or a recompute) attends on its own over its
   sequence's cached K/V, causally offset by the chunk's start position
   (SDPA, or two matmuls around a float32 softmax where that is faster:
-  `eager_chunk`).
+  `eager_chunk`; on the CPU without a sliding window, SDPA's flash kernel
+  unmasked over the keys before the chunk plus a causal call over its own
+  keys, merged by log-sum-exp: `prefix_and_causal`).
 
 Queries of the KV heads' groups are folded into the query-length axis
 (`[B, Hkv, G*q, D]`), which is GQA without repeating K/V and measured faster
