@@ -71,9 +71,11 @@ def test_chunk_after_cached_prefix_matches_float32_reference(dtype, eager, atol,
     invariant = InvariantAttention(block_size=BS, num_kv_heads=HKV, group_size=G, sliding_window=window,
                                    null_block=kv.shape[2] - 1, device=torch.device("cpu"), dtype=dtype)
     inv_meta = invariant.prepare([], [SeqSpan(START, LENGTH, tuple(block_table.tolist()))])
+    inv_kv = torch.zeros_like(kv)  # the same keys and values in the invariant backend's own layout
+    invariant.write_kv(inv_kv, k_cache.reshape(-1, HKV, D), v_cache.reshape(-1, HKV, D), torch.arange(k_cache.shape[0] * BS))
     want = _reference(q, k_cache, v_cache, block_table, scale, window)
     wrong = _reference(q, k_cache, v_cache, block_table, scale, causal=False)
-    for got in (paged_attention(q, kv, meta, scale).float(), invariant.attend(q, kv, inv_meta, scale).float()):
+    for got in (paged_attention(q, kv, meta, scale).float(), invariant.attend(q, inv_kv, inv_meta, scale).float()):
         assert (got - want).abs().max().item() < atol
         # the output really is the attention: far from attending to the wrong keys (no causal offset)
         assert (got - wrong).abs().max().item() > 10 * atol

@@ -19,19 +19,19 @@ Bottom up:
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shoal import LLM, SamplingParams  # first: shoal sets MKL's strict mode before torch computes anything
-from shoal.model.attention import make_attention_backend
-from shoal.model.attention.common import SeqSpan, slot_mapping, write_kv
+from shoal.model.attention.common import SeqSpan, slot_mapping
+from shoal.model.attention.invariant import InvariantAttention
 from shoal.model.layers import INVARIANT_K, InvariantLinear, wide_dtype
 from shoal.model.quant import Int4Linear, Int8Linear
 from shoal.runner.model_runner import seeded_generator
 from shoal.runner.sampler import SamplerRow, SamplingBatch, sample
+
+from conftest import require_native_kernels
 from tiny_models import ARCHS, make_tiny_model
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -57,8 +57,9 @@ class AttentionWorld:
     written yet); `reference` is the float32 attention of one query.
     """
 
-    def __init__(self, heads: str, dtype: torch.dtype, window: int | None, seed: int = 0) -> None:
+    def __init__(self, heads: str, dtype: torch.dtype, window: int | None, native: bool, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
+        self.native = native
         self.hkv, self.group, self.dim = HEADS[heads]
         self.dtype, self.window = dtype, window
         blocks = [-(-n // BS) for n in LENGTHS]
@@ -67,11 +68,11 @@ class AttentionWorld:
         self.k = [torch.randn(n, self.hkv, self.dim, generator=g).to(dtype) for n in LENGTHS]
         self.v = [torch.randn(n, self.hkv, self.dim, generator=g).to(dtype) for n in LENGTHS]
         self.q = [torch.randn(n, self.hkv * self.group, self.dim, generator=g).to(dtype) for n in LENGTHS]
+        self.backend = self._backend(null_block=sum(blocks))
         self.kv = self._cache(sum(blocks))
         for s, n in enumerate(LENGTHS):
             self._write(self.kv, s, n, self.tables[s])
         self.stale = self.kv * 3
-        self.backend = self._backend(null_block=sum(blocks))
         self.scale = self.dim**-0.5
         self._alone: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -85,13 +86,15 @@ class AttentionWorld:
         return kv
 
     def _backend(self, null_block: int):
-        config = SimpleNamespace(num_kv_heads=self.hkv, group_size=self.group, sliding_window=self.window)
-        return make_attention_backend("invariant", config, block_size=BS, null_block=null_block,
-                                      device=torch.device("cpu"), dtype=self.dtype)
+        backend = InvariantAttention(block_size=BS, num_kv_heads=self.hkv, group_size=self.group, sliding_window=self.window,
+                                     null_block=null_block, device=torch.device("cpu"), dtype=self.dtype, native=self.native)
+        assert backend.native == self.native
+        return backend
 
     def _write(self, kv: torch.Tensor, seq: int, upto: int, table: tuple[int, ...]) -> None:
         """Positions 0 .. upto - 1 of the sequence into the cache, through its block table."""
-        write_kv(kv, self.k[seq][:upto], self.v[seq][:upto], slot_mapping([SeqSpan(0, upto, table)], BS, torch.device("cpu")))
+        slots = slot_mapping([SeqSpan(0, upto, table)], BS, torch.device("cpu"))
+        self.backend.write_kv(kv, self.k[seq][:upto], self.v[seq][:upto], slots)  # in the backend's layout
 
     def _attend(self, backend, kv, decodes: list[tuple[int, int]], chunks: list[tuple[int, int, int]], tables):
         meta = backend.prepare([SeqSpan(p, 1, tables[s]) for s, p in decodes],
@@ -138,11 +141,16 @@ ATTENTION_STEPS = {
 }
 
 
-WORLDS = [("smollm2", d, w) for d in DTYPES for w in (None, 200)] + [(h, d, None) for h in ("gqa2", "mha") for d in DTYPES]
+# Each world on both paths of the invariant backend: shoal's native op (the CPU default) and the torch one
+# (CUDA, and CPUs where the op did not build).
+WORLDS = [(h, d, w, native) for native in (True, False)
+          for h, d, w in [("smollm2", d, w) for d in DTYPES for w in (None, 200)] + [(h, d, None) for h in ("gqa2", "mha") for d in DTYPES]]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"{h}-{str(d)[6:]}-window{w}" for h, d, w in WORLDS])
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"{h}-{str(d)[6:]}-window{w}-{'native' if n else 'torch'}" for h, d, w, n in WORLDS])
 def attention_world(request):
+    if request.param[3]:
+        require_native_kernels()
     return AttentionWorld(*request.param)
 
 

@@ -24,6 +24,16 @@ Nothing here looks at the step's shape to pick a kernel. torch's fused SDPA
 kernels were tried and rejected: their GEMMs block the query rows (32, 64,
 256 by the chunk's length) and a row's bits then depend on where it falls in
 its block (tests/test_invariance.py).
+
+On the CPU, where shoal's native kernels built (`shoal/kernels/`), one C++ op
+per layer does all of it instead: it writes the step's keys and values, and
+runs each row as a flash-style online softmax over tiles of 64 keys, in one
+fixed order of operations per row, without building score matrices. That is
+the same guarantee by construction rather than by the GEMMs' behaviour, and it
+keeps long prompts fast: the matrices above cost memory traffic proportional
+to the chunk times the context. Its answers differ in the last bits from this
+file's torch path (both are invariant; a process uses one). It stores keys
+transposed within their block, so the cache is read by this backend alone.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal import kernels
 from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
 from shoal.model.layers import wide_dtype, wide_matmul
 
@@ -65,11 +76,28 @@ class InvariantMetadata:
         return self.backend.attend(q, kv, self, scale)
 
 
+@dataclass
+class NativeMetadata:
+    """The native op's view of the step: every row's sequence and position, and the sequences' block tables."""
+
+    backend: InvariantAttention
+    slot_mapping: torch.Tensor  # [T] long
+    tables: torch.Tensor  # [S, max blocks] int32, padded with the null block
+    row_seq: torch.Tensor  # [T] int32: the row's sequence (its table)
+    row_pos: torch.Tensor  # [T] int32: the row's position
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+        b = self.backend
+        return kernels.invariant_attention(q, k, v, kv, self.slot_mapping, self.tables, self.row_seq, self.row_pos,
+                                           scale, b.window or 0, b.group_size)
+
+
 class InvariantAttention:
     name = "invariant"
 
     def __init__(self, *, block_size: int, num_kv_heads: int, group_size: int, sliding_window: int | None,
-                 null_block: int, device: torch.device, dtype: torch.dtype) -> None:
+                 null_block: int, device: torch.device, dtype: torch.dtype, native: bool | None = None) -> None:
+        """native: the C++ op (None: on the CPU where it built; False: the torch path, as tests ask)."""
         self.block_size = block_size
         self.blocks_per_tile = max(1, TILE_KEYS // block_size)
         self.tile = self.blocks_per_tile * block_size
@@ -84,9 +112,15 @@ class InvariantAttention:
         # MKL's float32 and oneDNN's float16 batched GEMMs take another path for a single
         # row than for several (tests/test_invariance.py): such a matmul runs on the row twice.
         self.pad_single_row = device.type == "cpu" and (self.wide or dtype) in (torch.float32, torch.float16)
+        # the native op (CPU, where it built): row-invariant by construction, needs neither of the above
+        self.native = device.type == "cpu" and (native is not False) and kernels.available()
+        if self.native:
+            self.wide, self.pad_single_row = None, False
 
     # ------------------------------------------------------------ plan -> metadata
-    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan]) -> InvariantMetadata:
+    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan]) -> InvariantMetadata | NativeMetadata:
+        if self.native:
+            return self._native(decodes + chunks)
         meta = InvariantMetadata(self, slot_mapping(decodes + chunks, self.block_size, self.device))
         if decodes:
             meta.groups.append(self._group(0, decodes, 1))
@@ -95,6 +129,27 @@ class InvariantAttention:
             meta.groups.append(self._group(row, [s], s.length))
             row += s.length
         return meta
+
+    def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keys and values [T, Hkv, D] into a layer's cache at `slots`, in this backend's layout (a step's own
+        are written by its forward; this is for caches filled from outside, as tests do)."""
+        if not self.native:
+            return write_kv(kv, k, v, slots)
+        _, h, nb, bs, d = kv.shape
+        kv[0].view(h, nb, d, bs)[:, slots // bs, :, slots % bs] = k  # keys transposed within their block
+        kv[1].view(h, nb * bs, d).index_copy_(1, slots, v.transpose(0, 1))
+
+    def _native(self, spans: list[SeqSpan]) -> NativeMetadata:
+        width = max(len(s.block_table) for s in spans)
+        tables = [list(s.block_table) + [self.null_block] * (width - len(s.block_table)) for s in spans]
+        seq: list[int] = []
+        pos: list[int] = []
+        for i, s in enumerate(spans):
+            seq.extend([i] * s.length)
+            pos.extend(range(s.start_pos, s.context_len))
+        def ints(x):
+            return torch.tensor(x, dtype=torch.int32, device=self.device)
+        return NativeMetadata(self, slot_mapping(spans, self.block_size, self.device), ints(tables), ints(seq), ints(pos))
 
     def _group(self, row_start: int, spans: list[SeqSpan], queries: int) -> _Group:
         T, bpt = self.tile, self.blocks_per_tile
@@ -120,6 +175,9 @@ class InvariantAttention:
     # ------------------------------------------------------------ forward
     def attend(self, q: torch.Tensor, kv: torch.Tensor, meta: InvariantMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D]; kv [2, Hkv, blocks, block_size, D] -> [T, Hq, D]."""
+        if isinstance(meta, NativeMetadata):
+            none = q.new_empty(0, self.num_kv_heads, q.shape[-1])
+            return meta.forward(q, none, none, kv, scale)
         _, Hq, D = q.shape
         Hkv, G = self.num_kv_heads, self.group_size
         q = q * scale  # HF scales the scores; the same factor on the queries (exact for head_dim 64, 256)

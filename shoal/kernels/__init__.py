@@ -1,0 +1,116 @@
+"""shoal's native CPU kernels: C++ built on this machine with its g++ against torch's headers.
+
+`attention.cpp` is the batch-invariant paged attention (`model/attention/invariant.py`):
+one op per layer that writes the step's keys and values into the cache and attends for
+every query row, each row by one fixed sequence of operations, without building score
+matrices. It picks AVX-512, AVX2 or baseline code per process.
+
+`make setup` builds the library once (`python -m shoal.kernels`, about 30 s); a process
+that finds it missing builds it on first use. It lives beside the virtual environment, or
+under ~/.cache when that is not writable, named by a hash of the source, the compiler
+and torch's version, so a change to any of them builds afresh. Where it cannot build (no
+compiler, not x86-64) or SHOAL_NO_KERNELS=1 is set, `available()` is False and the
+callers keep their pure-torch paths, with the same guarantees and less speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("shoal.kernels")
+SOURCE = Path(__file__).with_name("attention.cpp")
+ISA_NAMES = {1: "x86-64 baseline", 2: "AVX2", 3: "AVX-512"}
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def library_path() -> Path:
+    """Where the built library is (or would be)."""
+    cxx = _compiler() or ""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] if cxx else []
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((version, torch.__version__)).encode()).hexdigest()[:16]
+    base = Path(sys.prefix) / "shoal-kernels"
+    if not os.access(sys.prefix, os.W_OK):
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shoal" / "kernels"
+    return base / f"shoal_kernels-{key}.so"
+
+
+def available() -> bool:
+    """Whether the kernels are loaded (building them the first time)."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+        return bool(_state["ok"])
+
+
+def _build(target: Path, cxx: str) -> None:
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    cmd = [cxx, "-O3", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-shared", "-Wno-psabi",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
+           str(SOURCE), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-fopenmp"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        done = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.strip().splitlines()[-1:]
+            raise RuntimeError(errors[0] if errors else "the compiler failed")
+        os.replace(out, target)  # atomic: another process building the same file at once is harmless
+
+
+def _load() -> bool:
+    if os.environ.get("SHOAL_NO_KERNELS") == "1":
+        log.info("SHOAL_NO_KERNELS=1: shoal's native kernels are off; attention runs on its pure-torch path")
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        log.info("shoal's native kernels are x86-64 only, not %s: attention runs on its pure-torch path", platform.machine())
+        return False
+    cxx = _compiler()
+    if cxx is None:
+        log.warning("no C++ compiler (g++) here: shoal's native kernels are off and attention runs on its slower pure-torch path")
+        return False
+    target = library_path()
+    try:
+        if not target.exists():
+            log.info("building shoal's native CPU kernels with %s (once, about 30 s) into %s", cxx, target.parent)
+            _build(target, cxx)
+        torch.ops.load_library(str(target))
+    except Exception as exc:  # a failed build or load: the pure-torch paths remain
+        log.warning("shoal's native kernels are off (%s): attention runs on its slower pure-torch path", exc)
+        return False
+    return True
+
+
+def isa() -> str:
+    """The instruction set the kernels use on this CPU."""
+    return ISA_NAMES[int(torch.ops.shoal_kernels.isa())]
+
+
+def use_isa(level: int) -> str:
+    """Run the kernels' code for instruction-set level 1 (baseline), 2 (AVX2) or 3 (AVX-512), capped at what
+    this CPU has; 0 returns to the best. For tests: a process normally keeps one level for its life."""
+    return ISA_NAMES[int(torch.ops.shoal_kernels.use_isa(level))]
+
+
+def invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale: float, window: int, group: int) -> torch.Tensor:
+    """See attention.cpp: writes k/v into kv at `slots`, returns attention [T, Hq, D] in q's dtype."""
+    return torch.ops.shoal_kernels.invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale, window, group)

@@ -1,0 +1,467 @@
+// Batch-invariant paged attention for the CPU: one fused op per layer that writes the
+// step's keys and values into the cache and attends, for every query row of the step.
+//
+// Invariance by construction. A query row (one position of one sequence, one query head)
+// is computed by the same sequence of floating-point operations whatever else is in the
+// step, whichever task or thread it falls in and whichever neighbours share its vectors:
+//   - its visible keys are [lo, hi]: hi its own position, lo 0 or the window's start;
+//   - keys are visited in tiles of kTile positions counted from 0; the tiles the row sees
+//     are those that meet [lo, hi], in order, and nothing else;
+//   - a score is q . k summed over the head dimension in order (one fused multiply-add per
+//     element, 16 keys side by side in a vector's lanes), then scaled by nothing: q comes
+//     in already scaled, in float32;
+//   - per tile an online softmax: the tile's maximum over the row's visible keys (exact in
+//     any order), p = exp(s - m) with the row's hidden keys set to +0, the tile's sum of p
+//     over the row's own span of key vectors (+0 lanes add nothing), summed across lanes by
+//     one fixed tree, and the running (m, l, acc) rescaled by exp(m_old - m_new);
+//   - acc += p_j * v_j over the row's visible keys in key order (head dimension in lanes);
+//   - out = acc / l, rounded once to the model's dtype.
+// Other rows in the same vectors only occupy other lanes. So a decode, any row of a prefill
+// chunk of any length or start, and a row next to longer contexts give the same bits.
+//
+// The cache: kv [2, Hkv, blocks, block_size, D]. Values are stored as torch's other
+// backends store them ([block_size, D] per block); keys are stored transposed within their
+// block ([D, block_size]), so that 16 consecutive keys of one dimension are contiguous when
+// the block size is a multiple of 16. This op is the only reader and writer of that layout.
+//
+// One source serves every x86-64 CPU: the task's body is compiled for AVX-512, for AVX2 with
+// FMA, and for the baseline, and one is picked per process by what the CPU has.
+// The choice is fixed per host, so answers are invariant on a host, not across hosts.
+
+#include <ATen/Parallel.h>
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kTile = 64;          // keys per softmax tile: a multiple of kLanes
+constexpr int64_t kTileVecs = kTile / kLanes;
+constexpr int64_t kPositionsPerTask = 32;  // a chunk's positions per task (times the group's query heads)
+constexpr int64_t kRowBlock = 4;       // rows sharing key/value loads in the inner loops
+constexpr int64_t kDimChunk = 64;      // head-dimension lanes a row keeps in registers at once
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+#define INL static inline __attribute__((always_inline))
+
+INL vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+INL void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// a broadcast, written as a shuffle: GCC turns a 16-element initializer into 16 masked inserts
+INL vf vset(float x) { const vf v = {x}; return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
+INL vi viset(int32_t x) { const vi v = {x}; return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
+INL vf fmadd(vf a, vf b, vf c) { return a * b + c; }  // contracted to one FMA where the ISA has it
+INL vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// x in lanes lo..hi (which may reach past either end), `fill` elsewhere
+INL vf visible(vf x, int64_t lo, int64_t hi, vf fill) {
+  if (lo <= 0 && hi >= kLanes - 1) return x;
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int32_t l = static_cast<int32_t>(std::max<int64_t>(lo, -1)), h = static_cast<int32_t>(std::min<int64_t>(hi, kLanes));
+  return (lane >= viset(l)) & (lane <= viset(h)) ? x : fill;
+}
+
+// exp for x <= 0 (Cephes' expf): clamped below at -87.3, where it is 2^-126; hidden
+// lanes are zeroed by the caller, never by underflow.
+INL vf vexp(vf x) {
+  x = vmax(x, vset(-87.3365447505531f));
+  x = x < vset(88.0f) ? x : vset(88.0f);
+  vf fx = fmadd(x, vset(1.44269504088896341f), vset(0.5f));
+  vi n = __builtin_convertvector(fx, vi);
+  vf t = __builtin_convertvector(n, vf);
+  n = n + (vi)(t > fx);  // floor: -1 where truncation went up
+  fx = __builtin_convertvector(n, vf);
+  x = x - fx * vset(0.693359375f);
+  x = x - fx * vset(-2.12194440e-4f);
+  vf z = x * x;
+  vf y = vset(1.9875691500e-4f);
+  y = fmadd(y, x, vset(1.3981999507e-3f));
+  y = fmadd(y, x, vset(8.3334519073e-3f));
+  y = fmadd(y, x, vset(4.1665795894e-2f));
+  y = fmadd(y, x, vset(1.6666665459e-1f));
+  y = fmadd(y, x, vset(5.0000001201e-1f));
+  y = fmadd(y, z, x) + vset(1.0f);
+  vi e = (n + 127) << 23;
+  return y * (vf)e;
+}
+
+// Across lanes by halves, always the same tree: lane i adds lane i + 8, then i + 4, i + 2, i + 1.
+INL float lane_sum(vf v) {
+  v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  v = v + __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+  return v[0];
+}
+
+INL float lane_max(vf v) {  // exact in any order
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
+  return v[0];
+}
+
+INL float to_float(const void* p, int64_t i, int dt) {
+  switch (dt) {
+    case kBF16: { uint32_t b = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16; float f; std::memcpy(&f, &b, 4); return f; }
+    case kF16: return c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// 16 contiguous elements as floats
+INL vf load16(const void* p, int64_t i, int dt) {
+  if (dt == kF32) return vload(static_cast<const float*>(p) + i);
+  if (dt == kBF16) {
+    vu16 u;
+    std::memcpy(&u, static_cast<const uint16_t*>(p) + i, sizeof u);
+    return (vf)(__builtin_convertvector(u, vu32) << 16);
+  }
+  vf v;
+  for (int l = 0; l < kLanes; ++l) v[l] = to_float(p, i + l, dt);
+  return v;
+}
+
+struct Ctx {
+  const char* q; int64_t q_row, q_head;  // element strides of q [T, Hq, D]
+  const char* kv; int64_t Hkv, NB, bs, D, D16, G;
+  const int32_t* tables; int64_t max_blocks;
+  const int32_t* row_seq;
+  const int32_t* row_pos;
+  float scale;
+  int64_t window;  // 0: none
+  int dt; int64_t esize;
+  char* out;  // [T, Hq, D] in dt, contiguous
+};
+
+struct Task { int64_t row0, rows, head; };
+
+INL const char* key_block(const Ctx& c, int64_t head, int64_t block) {  // [D, bs]
+  return c.kv + ((head * c.NB + block) * c.bs * c.D) * c.esize;
+}
+INL const char* value_block(const Ctx& c, int64_t head, int64_t block) {  // [bs, D]
+  return c.kv + (((c.Hkv + head) * c.NB + block) * c.bs * c.D) * c.esize;
+}
+
+// What the value pass of one tile reads and writes.
+struct Span {
+  float* Acc; const float* S; const float* Vs; const int64_t* lo; const int64_t* hi;
+  int64_t D16, R, ts, te, dc;
+};
+
+// acc(row r) += p_j v_j for keys j0..j1 (tile offsets), NV vectors of head-dimension lanes from dc
+template <int NV>
+INL void row_values(const Span& s, int64_t r, int64_t j0, int64_t j1) {
+  vf acc[NV];
+  float* a = s.Acc + r * s.D16 + s.dc;
+  for (int v = 0; v < NV; ++v) acc[v] = vload(a + v * kLanes);
+  for (int64_t j = j0; j <= j1; ++j) {
+    const vf p = vset(s.S[r * kTile + j]);
+    const float* val = s.Vs + j * s.D16 + s.dc;
+    for (int v = 0; v < NV; ++v) acc[v] = fmadd(p, vload(val + v * kLanes), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) vstore(a + v * kLanes, acc[v]);
+}
+
+// The tile's value pass for every row: each row over its own visible keys, in key order. Rows
+// whose spans overlap take the shared keys together (one load of v_j for kRowBlock rows).
+template <int NV>
+INL void values_tile(const Span& s) {
+  for (int64_t r0 = 0; r0 < s.R; r0 += kRowBlock) {
+    const int64_t rb = std::min(kRowBlock, s.R - r0);
+    int64_t ra[kRowBlock], rz[kRowBlock], common_a = 0, common_b = kTile;
+    bool all = rb == kRowBlock;
+    for (int64_t r = 0; r < rb; ++r) {
+      const int64_t row = r0 + r;
+      if (s.hi[row] < s.ts || s.lo[row] >= s.te) { ra[r] = 1; rz[r] = 0; all = false; continue; }
+      ra[r] = std::max(s.lo[row], s.ts) - s.ts;
+      rz[r] = std::min(s.hi[row], s.te - 1) - s.ts;
+      common_a = std::max(common_a, ra[r]);
+      common_b = std::min(common_b, rz[r]);
+    }
+    if (!all || common_a > common_b) {
+      for (int64_t r = 0; r < rb; ++r)
+        if (ra[r] <= rz[r]) row_values<NV>(s, r0 + r, ra[r], rz[r]);
+      continue;
+    }
+    for (int64_t r = 0; r < kRowBlock; ++r)
+      if (ra[r] < common_a) row_values<NV>(s, r0 + r, ra[r], common_a - 1);
+    vf acc[kRowBlock][NV];
+    for (int64_t r = 0; r < kRowBlock; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = vload(s.Acc + (r0 + r) * s.D16 + s.dc + v * kLanes);
+    for (int64_t j = common_a; j <= common_b; ++j) {
+      vf val[NV];
+      for (int v = 0; v < NV; ++v) val[v] = vload(s.Vs + j * s.D16 + s.dc + v * kLanes);
+      for (int64_t r = 0; r < kRowBlock; ++r) {
+        const vf p = vset(s.S[(r0 + r) * kTile + j]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(p, val[v], acc[r][v]);
+      }
+    }
+    for (int64_t r = 0; r < kRowBlock; ++r)
+      for (int v = 0; v < NV; ++v) vstore(s.Acc + (r0 + r) * s.D16 + s.dc + v * kLanes, acc[r][v]);
+    for (int64_t r = 0; r < kRowBlock; ++r)
+      if (rz[r] > common_b) row_values<NV>(s, r0 + r, common_b + 1, rz[r]);
+  }
+}
+
+INL void task_body(const Ctx& c, const Task& task) {
+  const int64_t D = c.D, D16 = c.D16, G = c.G, R = task.rows * G;
+  const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[task.row0]) * c.max_blocks;
+  std::vector<float> Qs(R * D), S(R * kTile), M(R, -FLT_MAX), Lsum(R, 0.0f), Acc(R * D16, 0.0f);
+  std::vector<float> Kt(D * kTile), Vs(kTile * D16, 0.0f);
+  std::vector<int64_t> lo(R), hi(R);
+  for (int64_t i = 0; i < task.rows; ++i) {
+    const int64_t t = task.row0 + i, p = c.row_pos[t];
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const char* qrow = c.q + (t * c.q_row + (task.head * G + g) * c.q_head) * c.esize;
+      for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = to_float(qrow, d, c.dt) * c.scale;
+      hi[r] = p;
+      lo[r] = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0;
+    }
+  }
+  const int64_t klo = *std::min_element(lo.begin(), lo.end()), khi = *std::max_element(hi.begin(), hi.end());
+  const bool direct = c.bs % kLanes == 0;
+  for (int64_t ts = klo / kTile * kTile; ts <= khi; ts += kTile) {
+    const int64_t te = std::min(ts + kTile, khi + 1), n = te - ts;
+    // the tile's keys (transposed, [D, kTile]) and values ([kTile, D16]) as float32
+    std::fill(Kt.begin(), Kt.end(), 0.0f);
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      const int64_t key = ts + j0, block = table[key / c.bs], off = key % c.bs;
+      const char* kb = key_block(c, task.head, block);
+      if (direct && j0 + kLanes <= n) {
+        for (int64_t d = 0; d < D; ++d) vstore(&Kt[d * kTile + j0], load16(kb, d * c.bs + off, c.dt));
+      } else {
+        for (int64_t j = j0; j < std::min(n, j0 + kLanes); ++j) {
+          const int64_t kk = ts + j;
+          const char* b = key_block(c, task.head, table[kk / c.bs]);
+          for (int64_t d = 0; d < D; ++d) Kt[d * kTile + j] = to_float(b, d * c.bs + kk % c.bs, c.dt);
+        }
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t kk = ts + j;
+      const char* vb = value_block(c, task.head, table[kk / c.bs]) + (kk % c.bs) * D * c.esize;
+      float* vrow = &Vs[j * D16];
+      if (D % kLanes == 0) {
+        for (int64_t d = 0; d < D; d += kLanes) vstore(vrow + d, load16(vb, d, c.dt));
+      } else {
+        for (int64_t d = 0; d < D; ++d) vrow[d] = to_float(vb, d, c.dt);
+      }
+    }
+    // scores for every row and every key of the tile (a lane's value depends on its row and key only)
+    for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+      const int64_t rb = std::min(kRowBlock, R - r0);
+      vf a[kRowBlock][kTileVecs];
+      for (int64_t r = 0; r < kRowBlock; ++r)
+        for (int64_t v = 0; v < kTileVecs; ++v) a[r][v] = vf{};
+      if (rb == kRowBlock) {
+        for (int64_t d = 0; d < D; ++d) {
+          vf k[kTileVecs];
+          for (int64_t v = 0; v < kTileVecs; ++v) k[v] = vload(&Kt[d * kTile + v * kLanes]);
+          for (int64_t r = 0; r < kRowBlock; ++r) {
+            const vf qd = vset(Qs[(r0 + r) * D + d]);
+            for (int64_t v = 0; v < kTileVecs; ++v) a[r][v] = fmadd(qd, k[v], a[r][v]);
+          }
+        }
+      } else {
+        for (int64_t r = 0; r < rb; ++r)
+          for (int64_t d = 0; d < D; ++d) {
+            const vf qd = vset(Qs[(r0 + r) * D + d]);
+            for (int64_t v = 0; v < kTileVecs; ++v) a[r][v] = fmadd(qd, vload(&Kt[d * kTile + v * kLanes]), a[r][v]);
+          }
+      }
+      for (int64_t r = 0; r < rb; ++r)
+        for (int64_t v = 0; v < kTileVecs; ++v) vstore(&S[(r0 + r) * kTile + v * kLanes], a[r][v]);
+    }
+    // online softmax per row over its visible keys in this tile; S becomes p
+    for (int64_t r = 0; r < R; ++r) {
+      if (hi[r] < ts || lo[r] >= te) continue;  // the row sees nothing here: its state is untouched
+      const int64_t a = std::max(lo[r], ts) - ts, b = std::min(hi[r], te - 1) - ts;  // visible keys, tile offsets
+      float* s = &S[r * kTile];
+      vf mt = vset(-INFINITY);
+      for (int64_t v = a / kLanes; v <= b / kLanes; ++v)
+        mt = vmax(mt, visible(vload(s + v * kLanes), a - v * kLanes, b - v * kLanes, vset(-INFINITY)));
+      const float m_new = std::max(M[r], lane_max(mt));
+      const float alpha = vexp(vset(M[r] - m_new))[0];
+      const vf mv = vset(m_new);
+      vf ls = vf{};
+      for (int64_t v = a / kLanes; v <= b / kLanes; ++v) {
+        const vf p = visible(vexp(vload(s + v * kLanes) - mv), a - v * kLanes, b - v * kLanes, vf{});
+        vstore(s + v * kLanes, p);
+        ls = ls + p;
+      }
+      Lsum[r] = Lsum[r] * alpha + lane_sum(ls);
+      M[r] = m_new;
+      float* acc = &Acc[r * D16];
+      const vf av = vset(alpha);
+      for (int64_t d = 0; d < D16; d += kLanes) vstore(acc + d, vload(acc + d) * av);
+    }
+    // acc += p_j v_j, keys in order; rows that share a key range share the value loads
+    for (int64_t dc = 0; dc < D16; dc += kDimChunk) {
+      const Span sp{Acc.data(), S.data(), Vs.data(), lo.data(), hi.data(), D16, R, ts, te, dc};
+      switch (std::min(kDimChunk, D16 - dc) / kLanes) {
+        case 4: values_tile<4>(sp); break;
+        case 3: values_tile<3>(sp); break;
+        case 2: values_tile<2>(sp); break;
+        default: values_tile<1>(sp);
+      }
+    }
+  }
+  const int64_t Hq = c.Hkv * G;
+  for (int64_t i = 0; i < task.rows; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const int64_t base = ((task.row0 + i) * Hq + task.head * G + g) * D;
+      const float* acc = &Acc[r * D16];
+      const float l = Lsum[r];
+      for (int64_t d = 0; d < D; ++d) {
+        const float o = acc[d] / l;
+        switch (c.dt) {
+          case kBF16: reinterpret_cast<c10::BFloat16*>(c.out)[base + d] = c10::BFloat16(o); break;
+          case kF16: reinterpret_cast<c10::Half*>(c.out)[base + d] = c10::Half(o); break;
+          default: reinterpret_cast<float*>(c.out)[base + d] = o;
+        }
+      }
+    }
+  }
+}
+
+// The same body compiled three times; `isa()` picks one per process, so a host always runs the same code.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void task_avx512(const Ctx& c, const Task& t) { task_body(c, t); }
+__attribute__((target("avx2,fma,f16c"))) void task_avx2(const Ctx& c, const Task& t) { task_body(c, t); }
+void task_baseline(const Ctx& c, const Task& t) { task_body(c, t); }
+
+int64_t best_isa() {  // 3 AVX-512, 2 AVX2 with FMA, 1 baseline x86-64
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq")) return 3;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 2;
+  return 1;
+}
+
+std::atomic<int64_t> g_isa{0};  // 0 until first use: the best this CPU has
+
+int64_t isa() {
+  if (g_isa.load() == 0) g_isa.store(best_isa());
+  return g_isa.load();
+}
+
+// Tests run every code path this CPU can: level 1..3, capped at what it has; 0 returns to the best.
+int64_t use_isa(int64_t level) {
+  g_isa.store(level <= 0 ? best_isa() : std::min(level, best_isa()));
+  return g_isa.load();
+}
+
+int dtype_code(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kF32;
+    case at::kBFloat16: return kBF16;
+    case at::kHalf: return kF16;
+    default: TORCH_CHECK(false, "invariant attention: float32, bfloat16 or float16, not ", t.scalar_type());
+  }
+}
+
+// q [T, Hq, D], k/v [T, Hkv, D] or [0, ...] (rows and heads may be strided, D contiguous); kv [2, Hkv, NB, bs, D]
+// contiguous; slots [T] int64; tables [S, max_blocks] int32; row_seq, row_pos [T] int32.
+at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
+                               const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& row_seq,
+                               const at::Tensor& row_pos, double scale, int64_t window, int64_t group) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv.dim() == 5, "invariant attention: bad ranks");
+  TORCH_CHECK(kv.is_contiguous() && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "invariant attention: layout");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type(),
+              "invariant attention: q, k, v and the cache must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && row_seq.scalar_type() == at::kInt &&
+              row_pos.scalar_type() == at::kInt && tables.is_contiguous() && slots.is_contiguous() &&
+              row_seq.is_contiguous() && row_pos.is_contiguous(), "invariant attention: index dtypes");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kv.size(1), NB = kv.size(2), bs = kv.size(3);
+  TORCH_CHECK(kv.size(4) == D && Hq == Hkv * group, "invariant attention: shapes");
+  TORCH_CHECK(k.size(0) == 0 || (k.size(0) == T && v.size(0) == T && k.size(1) == Hkv && v.size(1) == Hkv && slots.size(0) == T),
+              "invariant attention: the keys and values to write");
+  {  // every index the op will follow stays inside its tensor
+    const int64_t S = tables.size(0), W = tables.size(1);
+    const int32_t* tb = tables.data_ptr<int32_t>();
+    const int32_t* rs = row_seq.data_ptr<int32_t>();
+    const int32_t* rp = row_pos.data_ptr<int32_t>();
+    TORCH_CHECK(row_seq.size(0) == T && row_pos.size(0) == T, "invariant attention: one sequence and position per row");
+    for (int64_t i = 0; i < S * W; ++i) TORCH_CHECK(tb[i] >= 0 && tb[i] < NB, "invariant attention: a block id outside the cache");
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(rs[t] >= 0 && rs[t] < S && rp[t] >= 0 && rp[t] / bs < W, "invariant attention: a position past its block table");
+    if (k.size(0) > 0) {
+      const int64_t* sl = slots.data_ptr<int64_t>();
+      for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < NB * bs, "invariant attention: a slot outside the cache");
+    }
+  }
+  const int dt = dtype_code(kv);
+  const int64_t es = kv.element_size();
+  char* cache = static_cast<char*>(kv.data_ptr());
+  // write the step's keys (transposed within their block) and values; none given: the cache is written
+  if (k.size(0) > 0) {
+    const char* kp = static_cast<const char*>(k.data_ptr());
+    const char* vp = static_cast<const char*>(v.data_ptr());
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t block = sl[t] / bs, off = sl[t] % bs;
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const char* ks = kp + (t * k.stride(0) + h * k.stride(1)) * es;
+          const char* vs = vp + (t * v.stride(0) + h * v.stride(1)) * es;
+          char* kb = cache + ((h * NB + block) * bs * D) * es;
+          char* vb = cache + (((Hkv + h) * NB + block) * bs * D + off * D) * es;
+          for (int64_t d = 0; d < D; ++d) std::memcpy(kb + (d * bs + off) * es, ks + d * es, es);
+          std::memcpy(vb, vs, D * es);
+        }
+      }
+    });
+  }
+  at::Tensor out = at::empty({T, Hq, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (T == 0) return out;
+  Ctx c{static_cast<const char*>(q.data_ptr()), q.stride(0), q.stride(1), cache, Hkv, NB, bs, D, (D + kLanes - 1) / kLanes * kLanes,
+        group, tables.data_ptr<int32_t>(), tables.size(1), row_seq.data_ptr<int32_t>(), row_pos.data_ptr<int32_t>(),
+        static_cast<float>(scale), window, dt, es, static_cast<char*>(out.data_ptr())};
+  // tasks: runs of rows of one sequence (a decode is a run of one), at most kPositionsPerTask long, times KV heads
+  std::vector<Task> runs;
+  for (int64_t t = 0; t < T;) {
+    int64_t e = t + 1;
+    while (e < T && e - t < kPositionsPerTask && c.row_seq[e] == c.row_seq[t]) ++e;
+    runs.push_back({t, e - t, 0});
+    t = e;
+  }
+  const int64_t n = static_cast<int64_t>(runs.size()) * Hkv;
+  const int64_t level = isa();
+  void (*run_task)(const Ctx&, const Task&) = level == 3 ? task_avx512 : level == 2 ? task_avx2 : task_baseline;
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      Task task = runs[i / Hkv];
+      task.head = i % Hkv;
+      run_task(c, task);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(shoal_kernels, m) {
+  m.def("invariant_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv, Tensor slots, Tensor tables, Tensor row_seq, "
+        "Tensor row_pos, float scale, int window, int group) -> Tensor");
+  m.def("isa() -> int", &isa);
+  m.def("use_isa(int level) -> int", &use_isa);
+}
+
+TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) { m.impl("invariant_attention", &invariant_attention); }

@@ -1,0 +1,157 @@
+"""shoal's native CPU kernels (`shoal/kernels/`): the invariant attention op on its own.
+
+On every code path this CPU has (baseline x86-64, AVX2, AVX-512), on random
+shapes (head dims that are not multiples of 16, block sizes below, at and above
+16, grouped and plain heads, sliding windows) and in bfloat16, float16 and float32:
+- the op matches a float64 softmax attention over the same keys;
+- a row's output is the same bits whatever rows share the call (decodes of other
+  sequences, longer contexts, chunks cut anywhere);
+- what it writes into the cache is what the backend's `write_kv` writes.
+How the engine uses it is tests/test_invariance.py (every step shape, real model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from shoal import kernels
+from shoal.model.attention import SeqSpan
+from shoal.model.attention.common import slot_mapping
+from shoal.model.attention.invariant import InvariantAttention
+
+from conftest import require_native_kernels
+
+ATOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+# (KV heads, query heads per KV head, head dim, block size, window)
+SHAPES = [(3, 3, 64, 16, None), (2, 2, 16, 4, None), (1, 4, 24, 3, 20), (2, 1, 40, 32, None), (1, 2, 128, 16, 70),
+          (2, 3, 8, 1, None), (1, 1, 72, 48, 33)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    require_native_kernels()
+
+
+@pytest.fixture(params=[3, 2, 1], ids=["avx512", "avx2", "baseline"])
+def isa(request):
+    """Each code path the CPU has (a request above it runs the best one below, already covered)."""
+    got = kernels.use_isa(request.param)
+    if got != kernels.ISA_NAMES[request.param]:
+        pytest.skip(f"this CPU has no {kernels.ISA_NAMES[request.param]}")
+    yield got
+    kernels.use_isa(0)
+
+
+class Sequences:
+    """Sequences with fixed queries, keys and values at every position, in one shuffled paged cache."""
+
+    def __init__(self, shape, dtype, lengths, seed=0):
+        self.hkv, self.g, self.d, self.bs, self.window = shape
+        gen = torch.Generator().manual_seed(seed)
+        self.dtype, self.lengths = dtype, lengths
+        blocks = [-(-n // self.bs) for n in lengths]
+        perm = torch.randperm(sum(blocks), generator=gen).tolist()
+        self.tables = [tuple(perm[sum(blocks[:i]) : sum(blocks[: i + 1])]) for i in range(len(lengths))]
+        self.q = [torch.randn(n, self.hkv * self.g, self.d, generator=gen).to(dtype) for n in lengths]
+        self.k = [torch.randn(n, self.hkv, self.d, generator=gen).to(dtype) for n in lengths]
+        self.v = [torch.randn(n, self.hkv, self.d, generator=gen).to(dtype) for n in lengths]
+        self.null = sum(blocks)
+        self.backend = InvariantAttention(block_size=self.bs, num_kv_heads=self.hkv, group_size=self.g,
+                                          sliding_window=self.window, null_block=self.null, device=torch.device("cpu"),
+                                          dtype=dtype, native=True)
+        self.kv = torch.zeros(2, self.hkv, self.null + 1, self.bs, self.d, dtype=dtype)
+        self.scale = self.d**-0.5
+
+    def step(self, decodes, chunks):
+        """decodes [(seq, pos)], chunks [(seq, start, length)] -> {(seq, pos): [Hq, D]}; the step's own keys and
+        values go in through the op, as in a forward (earlier positions must have been written)."""
+        spans = [SeqSpan(p, 1, self.tables[s]) for s, p in decodes] + [SeqSpan(a, n, self.tables[s]) for s, a, n in chunks]
+        rows = [(s, p) for s, p in decodes] + [(s, p) for s, a, n in chunks for p in range(a, a + n)]
+        meta = self.backend.prepare(spans[: len(decodes)], spans[len(decodes) :])
+        q = torch.stack([self.q[s][p] for s, p in rows])
+        k = torch.stack([self.k[s][p] for s, p in rows])
+        v = torch.stack([self.v[s][p] for s, p in rows])
+        out = meta.forward(q, k, v, self.kv, self.scale)
+        assert out.dtype == self.dtype and out.shape == q.shape
+        return dict(zip(rows, out))
+
+    def fill(self):
+        """Every position of every sequence, one whole-prompt chunk each."""
+        return self.step([], [(s, 0, n) for s, n in enumerate(self.lengths)])
+
+    def reference(self, seq, pos):
+        first = 0 if self.window is None else max(0, pos - self.window + 1)
+        k = self.k[seq][first : pos + 1].double().repeat_interleave(self.g, 1)
+        v = self.v[seq][first : pos + 1].double().repeat_interleave(self.g, 1)
+        s = torch.einsum("hd,khd->hk", self.q[seq][pos].double(), k) * self.scale
+        return torch.einsum("hk,khd->hd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"kv{h}xg{g}-d{d}-bs{b}-w{w}" for h, g, d, b, w in SHAPES])
+def test_attention_matches_float64_and_a_row_never_depends_on_the_call(isa, shape, dtype):
+    rng = random.Random(1)
+    seqs = Sequences(shape, dtype, [150, 1, 97, 64, 200])
+    whole = seqs.fill()
+    for (s, p), row in whole.items():
+        err = (row.double() - seqs.reference(s, p)).abs().max().item()
+        assert err < ATOL[dtype], f"{isa}: sequence {s} position {p}: {err}"
+    # the same rows again (rewriting the same keys), in other company: lone decodes, batches of decodes
+    # of other sequences, and chunks cut at random places
+    for s, p in rng.sample(sorted(whole), 12):
+        assert torch.equal(seqs.step([(s, p)], [])[s, p], whole[s, p]), f"{isa}: lone decode {s}/{p}"
+    for size in (2, 5, 17, 64):
+        batch = rng.sample(sorted(whole), min(size, len(whole)))
+        by_seq: dict[int, tuple[int, int]] = {}
+        for s, p in batch:  # one row per sequence in a decode batch
+            by_seq.setdefault(s, (s, p))
+        for key, row in seqs.step(list(by_seq.values()), []).items():
+            assert torch.equal(row, whole[key]), f"{isa}: decode {key} among {len(by_seq)}"
+    for s, n in enumerate(seqs.lengths):
+        cut = sorted(rng.sample(range(1, n), min(3, n - 1))) if n > 1 else []
+        bounds = [0, *cut, n]
+        others = [(o, seqs.lengths[o] - 1) for o in range(len(seqs.lengths)) if o != s][:2]
+        for a, b in zip(bounds, bounds[1:]):
+            for key, row in seqs.step(others, [(s, a, b - a)]).items():
+                assert torch.equal(row, whole[key]), f"{isa}: {key} in chunk [{a}, {b}) beside decodes"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_op_writes_the_cache_as_write_kv_does(dtype):
+    seqs = Sequences((2, 2, 24, 4, None), dtype, [37, 9])
+    seqs.fill()
+    written = torch.zeros_like(seqs.kv)
+    for s, n in enumerate(seqs.lengths):
+        slots = slot_mapping([SeqSpan(0, n, seqs.tables[s])], seqs.bs, torch.device("cpu"))
+        seqs.backend.write_kv(written, seqs.k[s], seqs.v[s], slots)
+    assert torch.equal(written, seqs.kv)
+    # the layout: a block's keys transposed ([D, block size]), its values as they are ([block size, D])
+    for s, n in enumerate(seqs.lengths):
+        for p in range(n):
+            block, off = seqs.tables[s][p // seqs.bs], p % seqs.bs
+            for h in range(seqs.hkv):
+                assert torch.equal(seqs.kv[0, h, block].view(seqs.d, seqs.bs)[:, off], seqs.k[s][p, h])
+                assert torch.equal(seqs.kv[1, h, block, off], seqs.v[s][p, h])
+    assert not seqs.kv[:, :, seqs.null].any()  # the null block is never written
+
+
+def test_bad_calls_raise_instead_of_reading_out_of_bounds():
+    seqs = Sequences((1, 2, 16, 4, None), torch.float32, [8])
+    meta = seqs.backend.prepare([], [SeqSpan(0, 8, seqs.tables[0])])
+    q = torch.randn(8, 2, 16)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        meta.forward(q.bfloat16(), q[:, :1], q[:, :1], seqs.kv, 0.25)
+    with pytest.raises(RuntimeError, match="shapes"):
+        meta.forward(torch.randn(8, 3, 16), q[:, :1], q[:, :1], seqs.kv, 0.25)
+    none = q.new_empty(0, 1, 16)  # nothing to write: the cache is read only
+    # a position past its sequence's block table, a block id outside the cache, a slot outside the cache
+    with pytest.raises(RuntimeError, match="block table"):
+        dataclasses.replace(meta, row_pos=meta.row_pos + 100).forward(q, none, none, seqs.kv, 0.25)
+    with pytest.raises(RuntimeError, match="block id outside"):
+        dataclasses.replace(meta, tables=meta.tables + seqs.null + 1).forward(q, none, none, seqs.kv, 0.25)
+    with pytest.raises(RuntimeError, match="slot outside"):
+        dataclasses.replace(meta, slot_mapping=meta.slot_mapping - 1000).forward(q, q[:, :1], q[:, :1], seqs.kv, 0.25)
