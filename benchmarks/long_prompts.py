@@ -62,16 +62,20 @@ class OneSlotLlamaServer(LlamaServer):
                 "-tb", str(THREADS), "-np", "1", "-c", str(CONTEXT), "--log-disable"]
 
 
+WARM_UP = 0  # the key of the warm-up prompt: as long as the first measured one, sharing none of its tokens' prefix
+
+
 def make_prompts(shoal: Server, rng: random.Random) -> dict[int, list[int]]:
-    """One unique prompt per length, as exactly that many of shoal's token ids."""
+    """One unique prompt per length, as exactly that many of shoal's token ids, and a warm-up prompt."""
     root = shoal.base_url.removesuffix("/v1")
     prompts = {}
-    for n in LENGTHS:
+    for key in (*LENGTHS, WARM_UP):
+        n = key or LENGTHS[0]
         text = " ".join(rng.choice(WORDS) for _ in range(n + 64))
         ids = httpx.post(f"{root}/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
         if len(ids) < n:
             raise RuntimeError(f"{n + 64} words made only {len(ids)} tokens")
-        prompts[n] = ids[:n]
+        prompts[key] = ids[:n]
     return prompts
 
 
@@ -114,7 +118,9 @@ def main() -> None:
                 try:
                     server.wait_ready()
                     prompts = prompts or make_prompts(server, rng)
-                    ttft(server, prompts[LENGTHS[0]][:64])  # warm-up: first-call allocations are not what we measure
+                    # warm-up: first-call allocations at a full step's shapes are not what we measure; a prompt of its
+                    # own, since a prefix of a measured one would be a prefix-cache hit for it
+                    ttft(server, prompts[WARM_UP])
                     for n in LENGTHS:
                         times[peer.name][n].append(ttft(server, prompts[n]))
                         bar.update()

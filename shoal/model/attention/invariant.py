@@ -140,16 +140,15 @@ class InvariantAttention:
         kv[1].view(h, nb * bs, d).index_copy_(1, slots, v.transpose(0, 1))
 
     def _native(self, spans: list[SeqSpan]) -> NativeMetadata:
-        width = max(len(s.block_table) for s in spans)
-        tables = [list(s.block_table) + [self.null_block] * (width - len(s.block_table)) for s in spans]
+        width = max((len(s.block_table) for s in spans), default=1)
+        tables = [list(s.block_table) + [self.null_block] * (width - len(s.block_table)) for s in spans] or [[self.null_block]]
         seq: list[int] = []
         pos: list[int] = []
         for i, s in enumerate(spans):
             seq.extend([i] * s.length)
             pos.extend(range(s.start_pos, s.context_len))
-        def ints(x):
-            return torch.tensor(x, dtype=torch.int32, device=self.device)
-        return NativeMetadata(self, slot_mapping(spans, self.block_size, self.device), ints(tables), ints(seq), ints(pos))
+        tables_t, seq_t, pos_t = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in (tables, seq, pos))
+        return NativeMetadata(self, slot_mapping(spans, self.block_size, self.device), tables_t, seq_t, pos_t)
 
     def _group(self, row_start: int, spans: list[SeqSpan], queries: int) -> _Group:
         T, bpt = self.tile, self.blocks_per_tile
