@@ -155,3 +155,59 @@ def test_bad_calls_raise_instead_of_reading_out_of_bounds():
         dataclasses.replace(meta, tables=meta.tables + seqs.null + 1).forward(q, none, none, seqs.kv, 0.25)
     with pytest.raises(RuntimeError, match="slot outside"):
         dataclasses.replace(meta, slot_mapping=meta.slot_mapping - 1000).forward(q, q[:, :1], q[:, :1], seqs.kv, 0.25)
+
+
+# ---------------------------------------------------------------- a decoder layer's row-wise ops
+
+ROW_TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-6}  # relative: a rounding of the dtype
+
+
+def _rows_alone_equal_batch(f, x: torch.Tensor) -> bool:
+    batch = f(x)
+    return all(torch.equal(f(x[i : i + 1]), batch[i : i + 1]) for i in range(len(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("n", [576, 64, 37])
+def test_add_rms_norm_is_hf_rmsnorm_of_the_sum_and_row_invariant(isa, dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x, delta = (torch.randn(33, n, generator=g) * 3).to(dtype), torch.randn(33, n, generator=g).to(dtype)
+    w = (1 + torch.randn(n, generator=g) / 4).to(dtype)
+    total, y = kernels.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(total, x + delta)  # the residual add rounds as torch's does
+    # HF: normalize in float32, cast back, scale in the dtype
+    want = w * torch.nn.functional.rms_norm(total.float(), (n,), eps=1e-5).to(dtype)
+    assert ((y.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item() <= 2 * ROW_TOL[dtype]
+    same, y0 = kernels.add_rms_norm(x, None, w, 1e-5)
+    assert same is x and torch.allclose(y0.float(), (w * torch.nn.functional.rms_norm(x.float(), (n,), eps=1e-5).to(dtype)).float(),
+                                        rtol=2 * ROW_TOL[dtype], atol=1e-3)
+    assert _rows_alone_equal_batch(lambda r: kernels.add_rms_norm(r, None, w, 1e-5)[1], x)
+    # strided rows, as views of a wider tensor
+    wide = torch.cat((x, x), dim=1)
+    assert torch.equal(kernels.add_rms_norm(wide[:, :n], None, w, 1e-5)[1], y0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_rope_and_silu_mul_match_torch_and_are_row_invariant(isa, dtype):
+    from shoal.model.layers import RopeTables, apply_rope
+
+    g = torch.Generator().manual_seed(3)
+    T, H, D, inter = 19, 5, 64, 1536 + 8
+    qkv = torch.randn(T, (H + 2) * D, generator=g).to(dtype)
+    cos, sin = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    x = qkv[:, : H * D].view(T, H, D)  # a strided view, as the model rotates q and k inside qkv
+    want = apply_rope(x.clone(), RopeTables(cos[:, None].to(dtype), sin[:, None].to(dtype), native=False))
+    got = kernels.rope_(x, cos, sin)
+    assert got.data_ptr() == x.data_ptr() and torch.equal(qkv[:, : H * D].view(T, H, D), got)  # in place
+    assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() <= 4 * ROW_TOL[dtype]
+    fresh = torch.randn(T, H, D, generator=g).to(dtype)
+    batch = kernels.rope_(fresh.clone(), cos, sin)
+    for i in range(T):  # a row rotated alone gets the same bits
+        assert torch.equal(kernels.rope_(fresh[i : i + 1].clone(), cos[i : i + 1].contiguous(), sin[i : i + 1].contiguous()), batch[i : i + 1])
+
+    gate_up = torch.randn(T, 2 * inter, generator=g).mul(4).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = kernels.silu_mul(gate_up)
+    assert ((got.float() - want).abs() / want.abs().clamp_min(1e-2)).max().item() <= 2 * ROW_TOL[dtype]
+    assert _rows_alone_equal_batch(kernels.silu_mul, gate_up)

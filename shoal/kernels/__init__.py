@@ -1,9 +1,14 @@
 """shoal's native CPU kernels: C++ built on this machine with its g++ against torch's headers.
 
-`attention.cpp` is the batch-invariant paged attention (`model/attention/invariant.py`):
-one op per layer that writes the step's keys and values into the cache and attends for
-every query row, each row by one fixed sequence of operations, without building score
-matrices. It picks AVX-512, AVX2 or baseline code per process.
+`cpu.cpp` holds:
+- the batch-invariant paged attention (`model/attention/invariant.py`): one op per layer
+  that writes the step's keys and values into the cache and attends for every query
+  row, each row by one fixed sequence of operations, without building score matrices;
+- a decoder layer's row-wise ops, each one call where torch makes several: the residual
+  add fused with the RMSNorm after it, rotary embedding in place, SiLU-and-multiply
+  (`model/layers.py` takes them on the CPU). Each row is computed on its own, so they
+  are row-invariant too.
+It picks AVX-512, AVX2 or baseline code per process.
 
 `make setup` builds the library once (`python -m shoal.kernels`, about 30 s); a process
 that finds it missing builds it on first use. It lives beside the virtual environment, or
@@ -30,7 +35,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("shoal.kernels")
-SOURCE = Path(__file__).with_name("attention.cpp")
+SOURCE = Path(__file__).with_name("cpu.cpp")
 ISA_NAMES = {1: "x86-64 baseline", 2: "AVX2", 3: "AVX-512"}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -53,6 +58,9 @@ def library_path() -> Path:
 
 def available() -> bool:
     """Whether the kernels are loaded (building them the first time)."""
+    ok = _state.get("ok")
+    if ok is not None:  # the answer, once known, without the lock: layers ask on every call
+        return bool(ok)
     with _lock:
         if "ok" not in _state:
             _state["ok"] = _load()
@@ -111,6 +119,26 @@ def use_isa(level: int) -> str:
     return ISA_NAMES[int(torch.ops.shoal_kernels.use_isa(level))]
 
 
+def native_for(x: torch.Tensor) -> bool:
+    """Whether a tensor's row-wise ops (RMSNorm, rotary, SiLU-and-multiply) take the native ops."""
+    return x.device.type == "cpu" and available()
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] (+ delta [T, N], in x's dtype) -> (the sum, or x; HF's RMSNorm of it with `weight`)."""
+    return torch.ops.shoal_kernels.add_rms_norm(x, delta, weight, eps)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated in place by its row's float32 cos and signed sin [T, D] (layers.Rotary)."""
+    return torch.ops.shoal_kernels.rope_(x, cos, signed_sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    return torch.ops.shoal_kernels.silu_mul(gate_up)
+
+
 def invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale: float, window: int, group: int) -> torch.Tensor:
-    """See attention.cpp: writes k/v into kv at `slots`, returns attention [T, Hq, D] in q's dtype."""
+    """See cpu.cpp: writes k/v into kv at `slots`, returns attention [T, Hq, D] in q's dtype."""
     return torch.ops.shoal_kernels.invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale, window, group)

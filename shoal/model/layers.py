@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal import kernels
 from shoal.model.config import ModelConfig
 
 # (fused parameter, checkpoint parameter, shard index): weight-name mapping as data.
@@ -223,6 +225,8 @@ class RMSNorm(Layer):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.native_for(x):  # one op where torch runs about fifteen
+            return kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[1].view(x.shape)
         # HF normalizes in float32 and casts back before scaling.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -239,23 +243,33 @@ class Rotary(Layer):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> (cos, signed sin), each [T, 1, D]: looked up once per step, used by every layer.
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """positions: [T] -> the step's cos and signed sin: looked up once per step, used by every layer.
 
         HF rotates x by x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
         That is roll(x, D/2) * cat(-sin1, sin2): the sign moves into the table,
         and the rotation is one roll instead of a chunk, a negation and a cat.
         """
-        sin = self.sin[positions]
+        sin = self.sin[positions].float()
         half = sin.shape[-1] // 2
         signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        return self.cos[positions].unsqueeze(1).to(dtype), signed.unsqueeze(1).to(dtype)
+        cos = self.cos[positions].float()
+        if kernels.native_for(cos):  # the native op takes float32 [T, D] and rounds once
+            return RopeTables(cos.contiguous(), signed, native=True)
+        return RopeTables(cos.unsqueeze(1).to(dtype), signed.unsqueeze(1).to(dtype), native=False)
 
 
-def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x: [T, H, D] rotated by its token's position (see Rotary.forward)."""
-    cos, signed_sin = rope
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+class RopeTables(NamedTuple):
+    cos: torch.Tensor  # [T, 1, D] in the model's dtype, or [T, D] float32 for the native op
+    signed_sin: torch.Tensor
+    native: bool
+
+
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """x: [T, H, D] rotated by its token's position (see Rotary.forward); in place on the native path."""
+    if rope.native:
+        return kernels.rope_(x, rope.cos, rope.signed_sin)
+    return torch.addcmul(x * rope.cos, x.roll(x.shape[-1] // 2, dims=-1), rope.signed_sin)
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -314,8 +328,12 @@ class MLP(Layer):
         self.down_proj = linear(config.intermediate_size, config.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if kernels.native_for(gate_up):
+            out = self.down_proj(kernels.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -349,9 +367,26 @@ class DecoderModel(Layer):
         """hidden: the previous pipeline stage's output, in place of embedding input_ids."""
         x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, hidden]
         rope = self.rotary(positions, x.dtype)
+        if kernels.native_for(x):
+            return self._forward_fused(x, rope, kv_caches, meta)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.norm(x) if self.last else x
+
+    def _forward_fused(self, x, rope, kv_caches, meta):
+        """The same layers with each residual add fused into the norm that follows it (native ops):
+        x <- x + delta and h <- RMSNorm(x) in one op, so a layer is norm, attention, add+norm, MLP."""
+        layers = self.layers
+        x, h = kernels.add_rms_norm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            x, h = kernels.add_rms_norm(x, layer.self_attn(h, rope, kv, meta), layer.post_attention_layernorm.weight,
+                                        layer.post_attention_layernorm.eps)
+            delta = layer.mlp(h)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm if self.last else None
+            if norm is None:  # a pipeline stage before the last: the residual stream goes on
+                return x + delta
+            x, h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+        return h
 
 
 class DecoderForCausalLM(nn.Module):

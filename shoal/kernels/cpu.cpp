@@ -1,5 +1,6 @@
-// Batch-invariant paged attention for the CPU: one fused op per layer that writes the
-// step's keys and values into the cache and attends, for every query row of the step.
+// shoal's CPU kernels. First, batch-invariant paged attention: one fused op per layer that
+// writes the step's keys and values into the cache and attends, for every query row of the
+// step. Then a decoder layer's row-wise ops (residual add + RMSNorm, rotary, SiLU-and-multiply).
 //
 // Invariance by construction. A query row (one position of one sequence, one query head)
 // is computed by the same sequence of floating-point operations whatever else is in the
@@ -347,6 +348,112 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void task
 __attribute__((target("avx2,fma,f16c"))) void task_avx2(const Ctx& c, const Task& t) { task_body(c, t); }
 void task_baseline(const Ctx& c, const Task& t) { task_body(c, t); }
 
+// ------------------------------------------------------------------ row-wise ops of a decoder layer
+// Each fuses what torch runs as several ops (RMSNorm alone is about 15 on the CPU), and each row is
+// computed on its own in one fixed order, so they are row-invariant like everything on this path.
+
+INL void store(char* p, int64_t i, float x, int dt) {
+  switch (dt) {
+    case kBF16: reinterpret_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(x); break;
+    case kF16: reinterpret_cast<c10::Half*>(p)[i] = c10::Half(x); break;
+    default: reinterpret_cast<float*>(p)[i] = x;
+  }
+}
+
+INL float round_to(float x, int dt) {  // x as the dtype would hold it
+  switch (dt) {
+    case kBF16: return static_cast<float>(c10::BFloat16(x));
+    case kF16: return static_cast<float>(c10::Half(x));
+    default: return x;
+  }
+}
+
+struct NormArgs {
+  const char* x; const char* delta; const char* w; char* sum; char* y;
+  int64_t n, x_row, delta_row; float eps; int dt;
+};
+
+// sum = x + delta in the dtype (when delta is given); y = w * dtype(s * rsqrt(mean(s^2) + eps)), as HF's RMSNorm
+INL void norm_row(const NormArgs& a, int64_t t, float* buf) {
+  const int64_t n = a.n;
+  for (int64_t i = 0; i < n; ++i) {
+    float v = to_float(a.x, t * a.x_row + i, a.dt);
+    if (a.delta != nullptr) {
+      v = round_to(v + to_float(a.delta, t * a.delta_row + i, a.dt), a.dt);
+      store(a.sum, t * n + i, v, a.dt);
+    }
+    buf[i] = v;
+  }
+  vf acc = vf{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf v = vload(buf + i);
+    acc = fmadd(v, v, acc);
+  }
+  float ss = lane_sum(acc);
+  for (; i < n; ++i) ss += buf[i] * buf[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + a.eps);
+  for (int64_t j = 0; j < n; ++j) store(a.y, t * n + j, round_to(to_float(a.w, j, a.dt) * round_to(buf[j] * r, a.dt), a.dt), a.dt);
+}
+
+INL void norm_rows(const NormArgs& a, int64_t b, int64_t e) {
+  std::vector<float> buf(a.n + kLanes);
+  for (int64_t t = b; t < e; ++t) norm_row(a, t, buf.data());
+}
+
+struct RopeArgs {
+  char* x; const float* cos; const float* sin;  // x [T, H, D] (rows strided); cos, signed sin [T, D] float32
+  int64_t H, D, x_row, x_head; int dt;
+};
+
+// x = x * cos + roll(x, D/2) * signed_sin, in place, one rounding
+INL void rope_rows(const RopeArgs& a, int64_t b, int64_t e) {
+  std::vector<float> buf(a.D);
+  const int64_t half = a.D / 2;
+  for (int64_t t = b; t < e; ++t)
+    for (int64_t h = 0; h < a.H; ++h) {
+      const int64_t base = t * a.x_row + h * a.x_head;
+      for (int64_t d = 0; d < a.D; ++d) buf[d] = to_float(a.x, base + d, a.dt);
+      for (int64_t d = 0; d < a.D; ++d) {
+        const float rolled = buf[(d + half) % a.D];
+        store(a.x, base + d, buf[d] * a.cos[t * a.D + d] + rolled * a.sin[t * a.D + d], a.dt);
+      }
+    }
+}
+
+struct SiluArgs {
+  const char* x; char* y;  // x [T, 2I] (gate | up), y [T, I]
+  int64_t I, x_row; int dt;
+};
+
+// y = silu(gate) * up, one rounding
+INL void silu_rows(const SiluArgs& a, int64_t b, int64_t e) {
+  std::vector<float> g(a.I + kLanes), u(a.I + kLanes);
+  for (int64_t t = b; t < e; ++t) {
+    for (int64_t i = 0; i < a.I; ++i) {
+      g[i] = to_float(a.x, t * a.x_row + i, a.dt);
+      u[i] = to_float(a.x, t * a.x_row + a.I + i, a.dt);
+    }
+    int64_t i = 0;
+    for (; i + kLanes <= a.I; i += kLanes) {
+      const vf gv = vload(&g[i]);
+      const vf sig = vset(1.0f) / (vset(1.0f) + vexp(vset(0.0f) - gv));
+      vstore(&g[i], gv * sig * vload(&u[i]));
+    }
+    for (; i < a.I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (int64_t j = 0; j < a.I; ++j) store(a.y, t * a.I + j, g[j], a.dt);
+  }
+}
+
+// The same bodies compiled per instruction set, as the attention's.
+#define SHOAL_ISA_VARIANTS(NAME, ARGS)                                                                          \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void NAME##_avx512(const ARGS& a, int64_t b, int64_t e) { NAME(a, b, e); } \
+  __attribute__((target("avx2,fma,f16c"))) void NAME##_avx2(const ARGS& a, int64_t b, int64_t e) { NAME(a, b, e); } \
+  void NAME##_baseline(const ARGS& a, int64_t b, int64_t e) { NAME(a, b, e); }
+SHOAL_ISA_VARIANTS(norm_rows, NormArgs)
+SHOAL_ISA_VARIANTS(rope_rows, RopeArgs)
+SHOAL_ISA_VARIANTS(silu_rows, SiluArgs)
+
 int64_t best_isa() {  // 3 AVX-512, 2 AVX2 with FMA, 1 baseline x86-64
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
@@ -455,6 +562,57 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
   return out;
 }
 
+template <typename Args>
+void run_rows(void (*avx512)(const Args&, int64_t, int64_t), void (*avx2)(const Args&, int64_t, int64_t),
+              void (*baseline)(const Args&, int64_t, int64_t), const Args& a, int64_t rows, int64_t grain) {
+  const int64_t level = isa();
+  auto f = level == 3 ? avx512 : level == 2 ? avx2 : baseline;
+  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { f(a, b, e); });
+}
+
+int64_t row_stride(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rows of contiguous elements expected");
+  return x.stride(0);
+}
+
+// x [T, N] -> y = RMSNorm(x) [T, N]; with delta [T, N]: (x + delta, RMSNorm(x + delta))
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta,
+                                                const at::Tensor& weight, double eps) {
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == N && weight.scalar_type() == x.scalar_type(), "rms norm: weight");
+  at::Tensor y = at::empty({T, N}, x.options());
+  at::Tensor sum = delta.has_value() ? at::empty({T, N}, x.options()) : at::Tensor();
+  if (delta.has_value())
+    TORCH_CHECK(delta->size(0) == T && delta->size(1) == N && delta->scalar_type() == x.scalar_type(), "rms norm: delta");
+  NormArgs a{static_cast<const char*>(x.data_ptr()), delta.has_value() ? static_cast<const char*>(delta->data_ptr()) : nullptr,
+             static_cast<const char*>(weight.data_ptr()), delta.has_value() ? static_cast<char*>(sum.data_ptr()) : nullptr,
+             static_cast<char*>(y.data_ptr()), N, row_stride(x), delta.has_value() ? row_stride(*delta) : 0,
+             static_cast<float>(eps), dtype_code(x)};
+  run_rows(norm_rows_avx512, norm_rows_avx2, norm_rows_baseline, a, T, 8);
+  return {delta.has_value() ? sum : x, y};
+}
+
+// x [T, H, D] rotated in place by its row's cos / signed sin [T, D] (float32), HF's rotate-half layout
+at::Tensor rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope: x [T, H, D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel(), "rope: float32 tables [T, D]");
+  RopeArgs a{static_cast<char*>(x.data_ptr()), cos.data_ptr<float>(), sin.data_ptr<float>(), x.size(1), x.size(2),
+             x.stride(0), x.stride(1), dtype_code(x)};
+  run_rows(rope_rows_avx512, rope_rows_avx2, rope_rows_baseline, a, x.size(0), 8);
+  return x;
+}
+
+// gate_up [T, 2I] -> silu(gate) * up [T, I]
+at::Tensor silu_mul(const at::Tensor& x) {
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_mul: [T, 2I]");
+  at::Tensor y = at::empty({T, I}, x.options());
+  SiluArgs a{static_cast<const char*>(x.data_ptr()), static_cast<char*>(y.data_ptr()), I, row_stride(x), dtype_code(x)};
+  run_rows(silu_rows_avx512, silu_rows_avx2, silu_rows_baseline, a, T, 4);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(shoal_kernels, m) {
@@ -462,6 +620,14 @@ TORCH_LIBRARY(shoal_kernels, m) {
         "Tensor row_pos, float scale, int window, int group) -> Tensor");
   m.def("isa() -> int", &isa);
   m.def("use_isa(int level) -> int", &use_isa);
+  m.def("add_rms_norm(Tensor x, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
+  m.def("silu_mul(Tensor x) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) { m.impl("invariant_attention", &invariant_attention); }
+TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
+  m.impl("invariant_attention", &invariant_attention);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
+}
