@@ -178,13 +178,16 @@ def test_add_rms_norm_is_hf_rmsnorm_of_the_sum_and_row_invariant(isa, dtype, n):
     # HF: normalize in float32, cast back, scale in the dtype
     want = w * torch.nn.functional.rms_norm(total.float(), (n,), eps=1e-5).to(dtype)
     assert ((y.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item() <= 2 * ROW_TOL[dtype]
-    same, y0 = kernels.add_rms_norm(x, None, w, 1e-5)
-    assert same is x and torch.allclose(y0.float(), (w * torch.nn.functional.rms_norm(x.float(), (n,), eps=1e-5).to(dtype)).float(),
-                                        rtol=2 * ROW_TOL[dtype], atol=1e-3)
-    assert _rows_alone_equal_batch(lambda r: kernels.add_rms_norm(r, None, w, 1e-5)[1], x)
+    y0 = kernels.rms_norm(x, w, 1e-5)
+    assert torch.allclose(y0.float(), (w * torch.nn.functional.rms_norm(x.float(), (n,), eps=1e-5).to(dtype)).float(),
+                          rtol=2 * ROW_TOL[dtype], atol=1e-3)
+    assert _rows_alone_equal_batch(lambda r: kernels.rms_norm(r, w, 1e-5), x)
+    for i in range(len(x)):  # a row alone: the same sum and norm as in the batch
+        s_i, y_i = kernels.add_rms_norm(x[i : i + 1], delta[i : i + 1], w, 1e-5)
+        assert torch.equal(s_i, total[i : i + 1]) and torch.equal(y_i, y[i : i + 1])
     # strided rows, as views of a wider tensor
     wide = torch.cat((x, x), dim=1)
-    assert torch.equal(kernels.add_rms_norm(wide[:, :n], None, w, 1e-5)[1], y0)
+    assert torch.equal(kernels.rms_norm(wide[:, :n], w, 1e-5), y0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])

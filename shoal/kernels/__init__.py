@@ -124,8 +124,13 @@ def native_for(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and available()
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, N] (+ delta [T, N], in x's dtype) -> (the sum, or x; HF's RMSNorm of it with `weight`)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, N] -> HF's RMSNorm of each row with `weight`."""
+    return torch.ops.shoal_kernels.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta [T, N] -> (x + delta rounded as torch rounds it, the RMSNorm of that): a residual add and the norm after it."""
     return torch.ops.shoal_kernels.add_rms_norm(x, delta, weight, eps)
 
 

@@ -575,21 +575,31 @@ int64_t row_stride(const at::Tensor& x) {
   return x.stride(0);
 }
 
-// x [T, N] -> y = RMSNorm(x) [T, N]; with delta [T, N]: (x + delta, RMSNorm(x + delta))
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta,
-                                                const at::Tensor& weight, double eps) {
+// y = RMSNorm(x) [T, N]; with delta [T, N], x is replaced by sum = x + delta first (a new tensor)
+at::Tensor norm_impl(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight, double eps, at::Tensor* sum) {
   const int64_t T = x.size(0), N = x.size(1);
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == N && weight.scalar_type() == x.scalar_type(), "rms norm: weight");
+  if (delta != nullptr)
+    TORCH_CHECK(delta->dim() == 2 && delta->size(0) == T && delta->size(1) == N && delta->scalar_type() == x.scalar_type(),
+                "rms norm: delta");
   at::Tensor y = at::empty({T, N}, x.options());
-  at::Tensor sum = delta.has_value() ? at::empty({T, N}, x.options()) : at::Tensor();
-  if (delta.has_value())
-    TORCH_CHECK(delta->size(0) == T && delta->size(1) == N && delta->scalar_type() == x.scalar_type(), "rms norm: delta");
-  NormArgs a{static_cast<const char*>(x.data_ptr()), delta.has_value() ? static_cast<const char*>(delta->data_ptr()) : nullptr,
-             static_cast<const char*>(weight.data_ptr()), delta.has_value() ? static_cast<char*>(sum.data_ptr()) : nullptr,
-             static_cast<char*>(y.data_ptr()), N, row_stride(x), delta.has_value() ? row_stride(*delta) : 0,
+  if (sum != nullptr) *sum = at::empty({T, N}, x.options());
+  NormArgs a{static_cast<const char*>(x.data_ptr()), delta != nullptr ? static_cast<const char*>(delta->data_ptr()) : nullptr,
+             static_cast<const char*>(weight.data_ptr()), sum != nullptr ? static_cast<char*>(sum->data_ptr()) : nullptr,
+             static_cast<char*>(y.data_ptr()), N, row_stride(x), delta != nullptr ? row_stride(*delta) : 0,
              static_cast<float>(eps), dtype_code(x)};
   run_rows(norm_rows_avx512, norm_rows_avx2, norm_rows_baseline, a, T, 8);
-  return {delta.has_value() ? sum : x, y};
+  return y;
+}
+
+// x [T, N] -> HF's RMSNorm of x
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return norm_impl(x, nullptr, weight, eps, nullptr); }
+
+// x, delta [T, N] -> (x + delta, RMSNorm(x + delta)): a residual add and the norm after it
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  at::Tensor sum;
+  at::Tensor y = norm_impl(x, &delta, weight, eps, &sum);
+  return {sum, y};
 }
 
 // x [T, H, D] rotated in place by its row's cos / signed sin [T, D] (float32), HF's rotate-half layout
@@ -620,13 +630,15 @@ TORCH_LIBRARY(shoal_kernels, m) {
         "Tensor row_pos, float scale, int window, int group) -> Tensor");
   m.def("isa() -> int", &isa);
   m.def("use_isa(int level) -> int", &use_isa);
-  m.def("add_rms_norm(Tensor x, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("silu_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
   m.impl("invariant_attention", &invariant_attention);
+  m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);

@@ -226,7 +226,7 @@ class RMSNorm(Layer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native_for(x):  # one op where torch runs about fifteen
-            return kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[1].view(x.shape)
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # HF normalizes in float32 and casts back before scaling.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -377,7 +377,7 @@ class DecoderModel(Layer):
         """The same layers with each residual add fused into the norm that follows it (native ops):
         x <- x + delta and h <- RMSNorm(x) in one op, so a layer is norm, attention, add+norm, MLP."""
         layers = self.layers
-        x, h = kernels.add_rms_norm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        h = layers[0].input_layernorm(x)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             x, h = kernels.add_rms_norm(x, layer.self_attn(h, rope, kv, meta), layer.post_attention_layernorm.weight,
                                         layer.post_attention_layernorm.eps)
