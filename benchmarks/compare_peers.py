@@ -119,6 +119,8 @@ class Shoal(Peer):
     def __init__(self, name: str, flags: tuple[str, ...] = ()) -> None:
         quant = next((f for f in ("int8", "int4") if f in flags), None)
         weights = f"{quant} weights, bfloat16 activations" if quant else f"dtype auto ({DTYPE} on this CPU)"
+        if quant is None and "bfloat16" in flags and "none" not in flags:
+            weights = "bfloat16 activations, --quantization auto (the GGUF's own Q4_1 codes), the invariant attention"
         if quant == "int4":
             weights += " (the GGUF's own Q4_1 codes; int8 head)"
         super().__init__(
@@ -193,6 +195,8 @@ class LlamaServer(Peer):
 def all_peers() -> list[Peer]:
     return [Shoal("shoal"), Shoal("shoal-no-prefix-cache", ("--no-prefix-cache",)),
             Shoal("shoal-bf16", ("--quantization", "none")), Shoal("shoal-int8", ("--quantization", "int8", "--dtype", "bfloat16")),
+            # on a CPU without native bf16: what such a CPU would run with bf16 activations (the file's int4, invariant attention)
+            Shoal("shoal-bf16-int4", ("--dtype", "bfloat16")),
             TransformersServe(True), TransformersServe(False), LlamaServer(), LlamaCppPython()]
 
 
