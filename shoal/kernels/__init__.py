@@ -87,14 +87,14 @@ def _build(target: Path, cxx: str) -> None:
 
 def _load() -> bool:
     if os.environ.get("SHOAL_NO_KERNELS") == "1":
-        log.info("SHOAL_NO_KERNELS=1: shoal's native kernels are off; attention runs on its pure-torch path")
+        log.info("SHOAL_NO_KERNELS=1: shoal's native kernels are off; attention and the row-wise ops take torch's paths")
         return False
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        log.info("shoal's native kernels are x86-64 only, not %s: attention runs on its pure-torch path", platform.machine())
+        log.info("shoal's native kernels are x86-64 only, not %s: attention and the row-wise ops take torch's paths", platform.machine())
         return False
     cxx = _compiler()
     if cxx is None:
-        log.warning("no C++ compiler (g++) here: shoal's native kernels are off and attention runs on its slower pure-torch path")
+        log.warning("no C++ compiler (g++) here: shoal's native kernels are off, and attention and the row-wise ops take torch's slower paths")
         return False
     target = library_path()
     try:
@@ -103,7 +103,7 @@ def _load() -> bool:
             _build(target, cxx)
         torch.ops.load_library(str(target))
     except Exception as exc:  # a failed build or load: the pure-torch paths remain
-        log.warning("shoal's native kernels are off (%s): attention runs on its slower pure-torch path", exc)
+        log.warning("shoal's native kernels are off (%s): attention and the row-wise ops take torch's slower paths", exc)
         return False
     return True
 

@@ -106,16 +106,15 @@ class InvariantAttention:
         self.window = sliding_window
         self.null_block = null_block
         self.device = device
+        # the native op (CPU, where it built): row-invariant by construction, needs neither setting below
+        self.native = device.type == "cpu" and (native is not False) and kernels.available()
+        torch_cpu = device.type == "cpu" and not self.native
         # where the host's GEMMs in this dtype are not row-invariant (MKL's float32 on AMD EPYC, emulated
-        # bfloat16): products in a wider dtype, rounded once (layers.wide_dtype)
-        self.wide = wide_dtype(dtype) if device.type == "cpu" else None
+        # bfloat16): products in a wider dtype, rounded once (layers.wide_dtype, a probe run once per dtype)
+        self.wide = wide_dtype(dtype) if torch_cpu else None
         # MKL's float32 and oneDNN's float16 batched GEMMs take another path for a single
         # row than for several (tests/test_invariance.py): such a matmul runs on the row twice.
-        self.pad_single_row = device.type == "cpu" and (self.wide or dtype) in (torch.float32, torch.float16)
-        # the native op (CPU, where it built): row-invariant by construction, needs neither of the above
-        self.native = device.type == "cpu" and (native is not False) and kernels.available()
-        if self.native:
-            self.wide, self.pad_single_row = None, False
+        self.pad_single_row = torch_cpu and (self.wide or dtype) in (torch.float32, torch.float16)
 
     # ------------------------------------------------------------ plan -> metadata
     def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan]) -> InvariantMetadata | NativeMetadata:
