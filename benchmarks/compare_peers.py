@@ -118,11 +118,15 @@ class Peer:
 class Shoal(Peer):
     def __init__(self, name: str, flags: tuple[str, ...] = ()) -> None:
         quant = next((f for f in ("int8", "int4") if f in flags), None)
-        weights = f"{quant} weights, bfloat16 activations" if quant else f"dtype auto ({DTYPE} on this CPU)"
-        if quant is None and "bfloat16" in flags and "none" not in flags:
-            weights = "bfloat16 activations, --quantization auto (the GGUF's own Q4_1 codes), the invariant attention"
-        if quant == "int4":
-            weights += " (the GGUF's own Q4_1 codes; int8 head)"
+        own = "--quantization auto (the GGUF's own Q4_1 codes, int8 head, on shoal's low-bit kernels), the invariant attention"
+        if quant:
+            weights = f"{quant} weights, bfloat16 activations"
+        elif "none" in flags:
+            weights = f"float weights (dtype auto: {DTYPE} on this CPU), sdpa attention"
+        elif "bfloat16" in flags:
+            weights = f"bfloat16 activations, {own}"
+        else:
+            weights = f"dtype auto ({DTYPE} on this CPU), {own}"
         super().__init__(
             name=name, label=" ".join(("shoal",) + flags), health_path="/health", available=True,
             settings=f"{weights}, torch threads {THREADS}, defaults (max 64 sequences, 512-token steps, 1 GiB KV)",

@@ -157,9 +157,6 @@ class EngineConfig:
             object.__setattr__(self, "quantization", "none")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
-        if self.quantization in ("int8", "int4") and self.dtype == "float32":
-            raise ValueError(f"{self.quantization} weights run with bfloat16 or float16 activations (--dtype bfloat16): "
-                             "torch's low-bit kernels are slower than plain float32 with float32 ones")
         if self.attention not in ("auto", "invariant", "sdpa"):
             raise ValueError(f"attention must be auto, invariant or sdpa, got {self.attention!r}")
         if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):

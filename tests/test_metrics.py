@@ -123,7 +123,9 @@ def test_metrics_count_exactly_what_a_script_of_requests_did(srv):
     assert m[("shoal:request_generation_tokens_sum", ())] == sum(r.usage.completion_tokens for r in done)
     assert m[("shoal:request_prompt_tokens_sum", ())] == sum(r.usage.prompt_tokens for r in done)
     assert m[("shoal:inter_token_latency_seconds_count", ())] == sum(r.usage.completion_tokens - 1 for r in done)
-    assert m[("shoal:prefix_cache_queries_total", ())] >= 4
+    # the three finished requests looked up the cache; the walked-away stream did too unless its abort came first
+    # (its first line can arrive before the engine admits it: seen once on a busy machine)
+    assert m[("shoal:prefix_cache_queries_total", ())] >= 3
     assert m[("shoal:model_loaded", ())] == 1 and m[("shoal:num_requests_running", ())] == 0
     info = next(k for k in m if k[0] == "shoal:build_info")
     assert dict(info[1])["dtype"] == "float32" and dict(info[1])["device"] == "cpu"

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from shoal import kernels
 from shoal.config import STRICT_MKL, EngineConfig
 from shoal.engine.engine import Engine
 from shoal.engine.shard_plan import plan_pipeline, plan_tensor_parallel
@@ -137,7 +138,8 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
                  "int8 logits head", weights.name, config.quantization, len(linears), exact)
     attention = config.attention if config.attention != "auto" else ("sdpa" if weights.name == "none" else "invariant")
     if attention == "invariant":
-        if device.type == "cpu" and dtype == torch.float32 and os.environ.get("MKL_CBWR") != STRICT_MKL:
+        float_linears = weights.name == "none"  # low-bit layers are row-invariant as they are
+        if device.type == "cpu" and dtype == torch.float32 and float_linears and os.environ.get("MKL_CBWR") != STRICT_MKL:
             log.warning("deterministic float32 on the CPU needs MKL_CBWR=%s in the environment before torch's first "
                         "float32 matmul (shoal serve --deterministic sets it at start-up); without it rows may differ "
                         "with the batch", STRICT_MKL)
@@ -191,15 +193,16 @@ def _threads_per_rank(ranks_here: int) -> int:
 
 
 def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The --quantization value the loader gets: "auto" (the default) becomes "none" where
-    torch's weight-only kernels do not run (they are CPU kernels for bfloat16/float16
-    activations); an explicit int8/int4 there is an error."""
-    lowbit_ok = device.type == "cpu" and dtype != torch.float32
-    if requested == "auto" and not lowbit_ok:
-        log.info("--quantization auto: float weights, because the int8/int4 kernels run on the CPU with bfloat16 or "
-                 "float16 activations and this is %s on %s", str(dtype).removeprefix("torch."), device)
+    """The --quantization value the loader gets. The int8/int4 layers run on the CPU: with shoal's native
+    kernels (model/quant.py) for any activation dtype, else with torch's, which want bfloat16 or float16.
+    Where they do not run, "auto" (the default) becomes "none" and an explicit int8/int4 is an error."""
+    if device.type == "cpu" and (dtype != torch.float32 or kernels.available()):
+        return requested
+    if requested == "auto":
+        log.info("--quantization auto: float weights, because the int8/int4 layers run on the CPU, with float32 activations "
+                 "only on shoal's native kernels, and this is %s on %s", str(dtype).removeprefix("torch."), device)
         return "none"
-    if requested in ("int8", "int4") and not lowbit_ok:
-        raise ValueError(f"{requested} weights need the CPU and bfloat16 or float16 activations, not {dtype} on {device} "
-                         "(--dtype auto picks float32 on a CPU without native bf16: pass --dtype bfloat16)")
+    if requested in ("int8", "int4"):
+        raise ValueError(f"{requested} weights need the CPU, and bfloat16 or float16 activations where shoal's native kernels "
+                         f"are not built, not {dtype} on {device} (pass --dtype bfloat16)")
     return requested

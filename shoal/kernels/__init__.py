@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("shoal.kernels")
-SOURCE = Path(__file__).with_name("cpu.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu.cpp", "lowbit.cpp"))
 ISA_NAMES = {1: "x86-64 baseline", 2: "AVX2", 3: "AVX-512"}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -49,7 +49,7 @@ def library_path() -> Path:
     """Where the built library is (or would be)."""
     cxx = _compiler() or ""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] if cxx else []
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((version, torch.__version__)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + repr((version, torch.__version__)).encode()).hexdigest()[:16]
     base = Path(sys.prefix) / "shoal-kernels"
     if not os.access(sys.prefix, os.W_OK):
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shoal" / "kernels"
@@ -74,7 +74,7 @@ def _build(target: Path, cxx: str) -> None:
     cmd = [cxx, "-O3", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-shared", "-Wno-psabi",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
-           str(SOURCE), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-fopenmp"]
+           *map(str, SOURCES), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-fopenmp"]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name

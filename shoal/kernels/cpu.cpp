@@ -643,3 +643,6 @@ TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
 }
+
+// the level the low-bit matmuls (lowbit.cpp) start from
+int64_t shoal_isa_level() { return isa(); }

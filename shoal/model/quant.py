@@ -1,27 +1,28 @@
 """Weight-only int8 and int4: CPU formats that cut the bytes a decode step streams.
 
 At one or a few sequences a decode step is bound by reading the weights, so
-fewer bytes per weight is fewer milliseconds per token. torch's
-`_weight_int8pack_mm` (int8 weights, one scale per output channel, bfloat16 or
-float16 activations) ran SmolLM2-135M's 120 layer projections in 5.8 ms against
-11.5 ms for bfloat16 at one sequence on this project's CPU, but 29 ms against
-20 ms at 32 sequences, where the matmuls are compute-bound and bf16's native dot
-products win (benchmarks/NOTES.md). So int8 is an opt-in for latency, not the
-default. With float32 activations the same kernel is several times slower than
-plain float32, so int8 refuses them.
+fewer bytes per weight is fewer milliseconds per token. A GGUF's Q4_0/Q4_1 and
+Q8_0 tensors are blocks of 32 codes with float16 scales (and, for Q4_1, a
+minimum), and those blocks are what a file's author shipped: from a GGUF file
+int4 and int8 serve the file's own codes instead of rounding a second time.
+Other weights (safetensors checkpoints, other GGUF types) are rounded into the
+same block formats: Q4_1's 16 levels between each group's minimum and maximum,
+Q8_0's 127 steps of each group's largest magnitude.
 
-int4 (`_weight_int4pack_mm_for_cpu`: 4-bit codes in groups of 32 along the
-input, each group with its own scale and offset) halves the bytes again: 2.9 ms
-for the same projections at one sequence, 4.2 at four, 24.5 at 32. A GGUF's
-Q4_0/Q4_1 tensors already are this format (ggml blocks of 32 codes with a
-scale and a minimum), so from a GGUF file int4 serves the file's own weights
-instead of a second rounding: the codes are copied as they are, and only the
-group scales and offsets are rounded to the activation dtype. Other weights
-(safetensors checkpoints, other GGUF types) are rounded to the nearest of 16
-levels between each group's minimum and maximum, as ggml's Q4_1 does.
+Where shoal's native kernels are built (`shoal.kernels`, `lowbit.cpp`) the
+layers multiply with them, as llama.cpp does: each activation row is rounded to
+int8 per block of 32, the products with the codes are summed exactly in
+integers (AVX-512 VNNI, AVX2 or scalar code, the same integers), and each block
+is scaled into a float32 sum in input order. That is row-invariant by
+construction, the same bits on every instruction set, and faster than float32
+and bfloat16 at every batch size measured (benchmarks/NOTES.md, eleventh
+round), so it serves float32 activations too.
 
-Activations are not quantized: every row is computed on its own, so results do
-not depend on what else is in the batch.
+Without them (SHOAL_NO_KERNELS=1, no compiler, not x86-64) the layers take
+torch's weight-only kernels: `_weight_int4pack_mm_for_cpu` (groups of 32 with a
+bf16 scale and offset) and `_weight_int8pack_mm` (one scale per output row),
+with unrounded activations; those are slow with float32 activations, so the
+builder asks for bfloat16 or float16 there.
 """
 
 from __future__ import annotations
@@ -31,9 +32,76 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shoal import kernels
 from shoal.model.layers import Layer, Linear
 
-GROUP_SIZE = 32  # ggml's Q4 block: codes and scales map across unchanged
+GROUP_SIZE = 32  # ggml's Q4 and Q8 block: codes and scales map across unchanged
+PANEL = 16  # outputs the native kernels keep side by side (lowbit.cpp)
+
+
+def native_packing(in_features: int) -> bool:
+    """Whether a layer with `in_features` inputs is packed for shoal's native kernels."""
+    return in_features % GROUP_SIZE == 0 and kernels.available()
+
+
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] padded with zero rows to a multiple of PANEL: padded outputs compute zeros and are never stored."""
+    pad = -t.shape[0] % PANEL
+    return torch.cat((t, t.new_zeros(pad, *t.shape[1:]))) if pad else t
+
+
+def _half_bytes(v: torch.Tensor) -> torch.Tensor:
+    """Per-group numbers [N, B] -> [P, B, 32]: each panel's 16 float16s per group, as bytes."""
+    p = _panels(v.float()).to(torch.float16)
+    return p.view(-1, PANEL, p.shape[1]).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def _unhalf(b: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of _half_bytes: [P, B, 32] bytes -> [n, B] float32."""
+    return b.contiguous().view(torch.float16).transpose(1, 2).reshape(-1, b.shape[1])[:n].float()
+
+
+def pack_q4(q: Q4Codes) -> torch.Tensor:
+    """Q4 codes and group scales -> lowbit.cpp's q4 panels [P, B, 320] uint8 (scale and low as float16)."""
+    n, k = q.codes.shape
+    c = _panels(q.codes.to(torch.uint8)).view(-1, PANEL, k // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)  # [P, B, quad, out, 4]
+    lines = (c[:, :, 0::2] | (c[:, :, 1::2] << 4)).reshape(c.shape[0], c.shape[1], 256)
+    return torch.cat((lines, _half_bytes(q.scale), _half_bytes(q.low)), dim=2).contiguous()
+
+
+def unpack_q4(packed: torch.Tensor, n: int) -> Q4Codes:
+    """The codes and float16 scales a q4 panel tensor holds (references and tests)."""
+    p, b = packed.shape[:2]
+    lines = packed[..., :256].reshape(p, b, 4, 1, PANEL, 4)
+    c = torch.cat((lines & 0x0F, lines >> 4), dim=3).reshape(p, b, 8, PANEL, 4)  # [P, B, quad, out, 4]
+    codes = c.permute(0, 3, 1, 2, 4).reshape(p * PANEL, b * GROUP_SIZE)[:n]
+    return Q4Codes(codes, _unhalf(packed[..., 256:288], n), _unhalf(packed[..., 288:320], n))
+
+
+def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] and group scales [N, K / 32] -> lowbit.cpp's q8 panels [P, B, 544] uint8 (codes + 128)."""
+    n, k = codes.shape
+    c = (_panels(codes.to(torch.int8)).view(torch.uint8) ^ 0x80).view(-1, PANEL, k // GROUP_SIZE, 8, 4)
+    lines = c.permute(0, 2, 3, 1, 4).reshape(c.shape[0], c.shape[2], 512)
+    return torch.cat((lines, _half_bytes(scale)), dim=2).contiguous()
+
+
+def unpack_q8(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [n, K], scales float32 [n, K / 32]) of a q8 panel tensor."""
+    p, b = packed.shape[:2]
+    c = (packed[..., :512] ^ 0x80).reshape(p, b, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, b * GROUP_SIZE)
+    return c[:n].contiguous().view(torch.int8), _unhalf(packed[..., 512:544], n)
+
+
+def round_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of ggml's Q8_0 rounding: each group of 32 to 127 steps of its largest magnitude, the
+    scale a float16. A Q8_0 tensor's dequantized values round back to its own codes exactly."""
+    w = weight.detach().float()
+    groups = w.view(w.shape[0], -1, GROUP_SIZE)
+    amax = groups.abs().amax(dim=-1)
+    scale = (amax / torch.full_like(amax, 127.0)).clamp(min=2.0**-24, max=65504.0).half().float()  # IEEE division
+    codes = torch.round(groups / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(w.shape)
+    return codes, scale
 
 
 @dataclass
@@ -115,7 +183,12 @@ class PartLoader:
 
 
 class Int8Linear(PartLoader, Layer):
-    """y = x @ (q * scale).T + bias, with q int8 [out, in] and one scale per output channel (symmetric)."""
+    """y = x @ w.T + bias with int8 weights.
+
+    Native: ggml's Q8_0, a float16 scale per group of 32 inputs (`round_q8`),
+    multiplied by lowbit.cpp's q8 kernel. torch's path: one scale per output
+    row (symmetric), multiplied by `_weight_int8pack_mm`.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self._start_loading(weight.shape[1], weight.shape[0], False, (weight.shape[0],), weight.dtype)
@@ -126,6 +199,10 @@ class Int8Linear(PartLoader, Layer):
         self._pack(torch.cat([self._float(p) for p in self._take_parts()]))
 
     def _pack(self, weight: torch.Tensor) -> None:
+        self.native = native_packing(self.in_features)
+        if self.native:
+            self.register_buffer("packed", pack_q8(*round_q8(weight)))
+            return
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
         self.register_buffer("weight", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
@@ -133,22 +210,29 @@ class Int8Linear(PartLoader, Layer):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by (for references and tests)."""
+        if self.native:
+            codes, scale = unpack_q8(self.packed, self.out_features)
+            return (codes.float().view(self.out_features, -1, GROUP_SIZE) * scale[..., None]).view(codes.shape)
         return self.weight.float() * self.scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the model's activations are [tokens, features] already
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-        y = torch._weight_int8pack_mm(x, self.weight, self.scale)  # [rows, out]
+        if self.native:
+            y = torch.ops.shoal_kernels.q8_linear(x, self.packed, self.out_features)
+        else:
+            y = torch._weight_int8pack_mm(x, self.weight, self.scale)  # [rows, out]
         return y if self.bias is None else y + self.bias
 
 
 class Int4Linear(PartLoader, Layer):
     """y = x @ w.T + bias, w[r, c] = codes[r, c] * scale[r, g] + low[r, g] for group g = c // 32.
 
-    torch's kernel takes the codes packed, and per group (scale, zero) with
-    w = (code - 8) * scale + zero, so zero = low + 8 * scale. Parts that arrive
-    as a GGUF's Q4 codes are packed as they are (`from_codes` counts them);
-    float parts are rounded like ggml's Q4_1.
+    Native: lowbit.cpp's q4 panels, scale and low as float16 (a GGUF's d and m
+    exactly). torch's path: its kernel takes the codes packed, and per group
+    (scale, zero) in the activation dtype with w = (code - 8) * scale + zero, so
+    zero = low + 8 * scale. Parts that arrive as a GGUF's Q4 codes are packed as
+    they are (`from_codes` counts them); float parts are rounded like ggml's Q4_1.
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -175,6 +259,10 @@ class Int4Linear(PartLoader, Layer):
         out_features, in_features = codes.shape
         if in_features % GROUP_SIZE or scale.shape != (out_features, in_features // GROUP_SIZE) or low.shape != scale.shape:
             raise ValueError(f"int4 needs groups of {GROUP_SIZE} along the input: codes {tuple(codes.shape)}, scales {tuple(scale.shape)}")
+        self.native = native_packing(in_features)
+        if self.native:
+            self.register_buffer("packed", pack_q4(q))
+            return
         pad = -out_features % 16  # the kernel packs 16 output rows at a time: padded rows compute zeros, sliced off
         if pad:
             codes, scale, low = (torch.cat((t, t.new_zeros(pad, t.shape[1]))) for t in (codes, scale, low))
@@ -184,17 +272,22 @@ class Int4Linear(PartLoader, Layer):
         self.register_buffer("scales_and_zeros", torch.stack((scale.float(), zero), dim=-1).transpose(0, 1).contiguous().to(self.dtype))
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight this layer multiplies by (for references and tests): the identity's product."""
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        """The float32 weight this layer multiplies by (for references and tests)."""
+        if self.native:
+            return unpack_q4(self.packed, self.out_features).dequantized()
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)  # torch's path: the identity's product
         y = torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scales_and_zeros)
         return y[:, : self.out_features].float().T.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        if y.shape[1] != self.out_features:
-            y = y[:, : self.out_features]
+        if self.native:
+            y = torch.ops.shoal_kernels.q4_linear(x, self.packed, self.out_features)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+            if y.shape[1] != self.out_features:
+                y = y[:, : self.out_features]
         return y if self.bias is None else y + self.bias
 
 
@@ -203,7 +296,9 @@ def round_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     w = weight.detach().float()
     groups = w.view(w.shape[0], -1, GROUP_SIZE)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    # float16 scale and minimum, as a GGUF stores them (and the native kernel reads them)
+    scale = ((high - low) / 15).clamp(min=2.0**-24, max=65504.0).half().float()
+    low = low.clamp(min=-65504.0, max=65504.0).half().float()
     codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(w.shape)
     return codes, scale, low
 

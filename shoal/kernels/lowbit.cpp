@@ -1,0 +1,336 @@
+// shoal's low-bit matmuls: y = x @ W.T with W in a GGUF's own block formats, as llama.cpp
+// computes them. Each row of x is cut into blocks of 32 along the input and rounded to int8
+// with one float scale per block (ggml's Q8 activations); each block's products with the
+// weights' codes are summed exactly in int32 (AVX-512 VNNI `vpdpbusd`, or AVX2's
+// `vpmaddubsw` + `vpmaddwd`, or scalar code: the same integers), then scaled into a float32
+// accumulator, block after block in input order.
+//
+//   q4: w = d * c + m per block (c a 4-bit code, d and m float16): Q4_1 as stored; Q4_0 is
+//       m = -8 d. A block adds (d * d_x) * sum(c * q_x), then m * sum(x): the exact float
+//       sum of the block's inputs, so the minimum's term carries no activation rounding.
+//   q8: w = d * c (c int8): Q8_0 as stored. A block adds (d * d_x) * sum(c * q_x).
+//
+// Row invariance by construction: one output of one row is the same sequence of integer
+// sums and float operations whatever the other rows are, whichever thread computes it and
+// whichever instruction set: the integer sums are exact, and the float operations (one
+// multiply, one or two fused multiply-adds per block) are the same on every path.
+//
+// The weights are packed at load (model/quant.py) in panels of 16 outputs, a panel's
+// blocks one after another, so a thread streams its panels' bytes in order:
+//   q4: per (panel, block) 320 bytes: 4 lines of 64 bytes, line L holding the codes of
+//       inputs 8L..8L+3 in its low nibbles and 8L+4..8L+7 in its high nibbles, output o's
+//       four codes at bytes 4o..4o+3 (vpdpbusd's layout); then d[16], m[16] as float16.
+//   q8: per (panel, block) 544 bytes: 8 lines of 64 bytes, line j holding inputs 4j..4j+3,
+//       each code stored plus 128 (vpdpbusd multiplies unsigned by signed bytes: the extra
+//       128 * sum(q_x) is taken off again, exactly); then d[16] as float16.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+int64_t shoal_isa_level();  // cpu.cpp: 3 AVX-512, 2 AVX2 with FMA, 1 baseline
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kPanel = 16;
+constexpr int64_t kQ4Bytes = 4 * 64 + 2 * kPanel * 2;
+constexpr int64_t kQ8Bytes = 8 * 64 + kPanel * 2;
+constexpr int64_t kRows = 4;
+constexpr int64_t kPrefetch = 2048;  // bytes ahead of the block being read  // rows of x sharing one pass over a panel's weights
+
+enum Kind : int { kQ4 = 0, kQ8 = 1 };
+
+// Activations rounded per block: codes, the scale d_x, the exact float sum, the codes' sum.
+struct Quantized {
+  const int8_t* q;
+  const float* d;
+  const float* sum;
+  const int32_t* qsum;
+  int64_t K, B;
+};
+
+struct Args {
+  Quantized x;
+  const uint8_t* w;
+  float* y;  // [M, N] float32
+  int64_t M, N, P;
+  int kind;
+};
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+inline float input(const void* x, int64_t i, at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(x)[i]);
+    case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(x)[i]);
+    default: return static_cast<const float*>(x)[i];
+  }
+}
+
+// One row's blocks: amax / 127 as the scale, round to nearest even, the float sum in input order.
+void quantize_rows(const char* x, int64_t stride_bytes, at::ScalarType t, int64_t r0, int64_t r1, int8_t* q, float* d,
+                   float* sum, int32_t* qsum, int64_t K) {
+  const int64_t B = K / kBlock;
+  float v[kBlock];
+  for (int64_t r = r0; r < r1; ++r) {
+    const void* row = x + r * stride_bytes;
+    for (int64_t b = 0; b < B; ++b) {
+      float amax = 0.0f, s = 0.0f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        v[i] = input(row, b * kBlock + i, t);
+        amax = std::max(amax, std::fabs(v[i]));
+        s += v[i];
+      }
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t qs = 0;
+      int8_t* out = q + r * K + b * kBlock;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const float z = std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inv)));
+        out[i] = static_cast<int8_t>(z);
+        qs += out[i];
+      }
+      d[r * B + b] = amax / 127.0f;
+      sum[r * B + b] = s;
+      qsum[r * B + b] = qs;
+    }
+  }
+}
+
+// ---- scalar: every CPU; the reference the vector paths equal bit for bit ----
+
+void panel_scalar(const Args& a, int64_t p, int64_t r0, int64_t nr) {
+  const int64_t B = a.x.B;
+  const int64_t bytes = a.kind == kQ4 ? kQ4Bytes : kQ8Bytes;
+  for (int64_t r = r0; r < r0 + nr; ++r) {
+    float acc[kPanel] = {0};
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* blk = a.w + (p * B + b) * bytes;
+      const int8_t* xq = a.x.q + r * a.x.K + b * kBlock;
+      const float dx = a.x.d[r * B + b];
+      for (int64_t o = 0; o < kPanel; ++o) {
+        int32_t s = 0;
+        if (a.kind == kQ4) {
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const uint8_t byte = blk[(i / 8) * 64 + 4 * o + i % 4];
+            s += static_cast<int32_t>(i % 8 < 4 ? byte & 0x0F : byte >> 4) * xq[i];
+          }
+          const float t = half_to_float(blk + 256 + 2 * o) * dx;
+          acc[o] = std::fma(t, static_cast<float>(s), acc[o]);
+          acc[o] = std::fma(half_to_float(blk + 288 + 2 * o), a.x.sum[r * B + b], acc[o]);
+        } else {
+          for (int64_t i = 0; i < kBlock; ++i) s += (static_cast<int32_t>(blk[(i / 4) * 64 + 4 * o + i % 4]) - 128) * xq[i];
+          const float t = half_to_float(blk + 512 + 2 * o) * dx;
+          acc[o] = std::fma(t, static_cast<float>(s), acc[o]);
+        }
+      }
+    }
+    const int64_t n = std::min(kPanel, a.N - p * kPanel);
+    std::memcpy(a.y + r * a.N + p * kPanel, acc, n * sizeof(float));
+  }
+}
+
+// ---- AVX2 (and AVX-512 CPUs without VNNI): two halves of 8 outputs ----
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET inline __m256i dot4_u8s8(__m256i u, __m256i s) {  // per 32-bit lane: sum of 4 u8 * s8 products, exact here
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+template <int R>
+AVX2_TARGET void panel_avx2(const Args& a, int64_t p, int64_t r0) {
+  const int64_t B = a.x.B, K = a.x.K;
+  const int64_t bytes = a.kind == kQ4 ? kQ4Bytes : kQ8Bytes;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = a.w + (p * B + b) * bytes;
+    for (int h = 0; h < 2; ++h) {
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      if (a.kind == kQ4) {
+        for (int L = 0; L < 4; ++L) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * L + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock + 8 * L;
+            int32_t x0, x1;
+            std::memcpy(&x0, xq, 4);
+            std::memcpy(&x1, xq + 4, 4);
+            isum[r] = _mm256_add_epi32(isum[r], dot4_u8s8(lo, _mm256_set1_epi32(x0)));
+            isum[r] = _mm256_add_epi32(isum[r], dot4_u8s8(hi, _mm256_set1_epi32(x1)));
+          }
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h)), bias);
+          const __m256i aw = _mm256_sign_epi8(w, w);
+          for (int r = 0; r < R; ++r) {
+            int32_t x0;
+            std::memcpy(&x0, a.x.q + (r0 + r) * K + b * kBlock + 4 * j, 4);
+            isum[r] = _mm256_add_epi32(isum[r], dot4_u8s8(aw, _mm256_sign_epi8(_mm256_set1_epi32(x0), w)));
+          }
+        }
+      }
+      const int64_t scales = a.kind == kQ4 ? 256 : 512;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + scales + 16 * h)));
+      const __m256 m = a.kind == kQ4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)))
+                                     : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * B + b;
+        const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.x.d[i]));
+        acc[r][h] = _mm256_fmadd_ps(t, _mm256_cvtepi32_ps(isum[r]), acc[r][h]);
+        if (a.kind == kQ4) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.x.sum[i]), acc[r][h]);
+      }
+    }
+  }
+  const int64_t n = std::min(kPanel, a.N - p * kPanel);
+  for (int r = 0; r < R; ++r) {
+    float out[kPanel];
+    _mm256_storeu_ps(out, acc[r][0]);
+    _mm256_storeu_ps(out + 8, acc[r][1]);
+    std::memcpy(a.y + (r0 + r) * a.N + p * kPanel, out, n * sizeof(float));
+  }
+}
+
+// ---- AVX-512 with VNNI: one panel in a vector, vpdpbusd ----
+
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+
+template <int R>
+VNNI_TARGET void panel_vnni(const Args& a, int64_t p, int64_t r0) {
+  const int64_t B = a.x.B, K = a.x.K;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const bool q4 = a.kind == kQ4;
+  const int64_t bytes = q4 ? kQ4Bytes : kQ8Bytes;
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = a.w + (p * B + b) * bytes;
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    if (q4) {
+      for (int L = 0; L < 4; ++L) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * L);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock + 8 * L;
+          int32_t x0, x1;
+          std::memcpy(&x0, xq, 4);
+          std::memcpy(&x1, xq + 4, 4);
+          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(x0));
+          isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(x1));
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_loadu_si512(blk + 64 * j);
+        for (int r = 0; r < R; ++r) {
+          int32_t x0;
+          std::memcpy(&x0, a.x.q + (r0 + r) * K + b * kBlock + 4 * j, 4);
+          isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(x0));
+        }
+      }
+      for (int r = 0; r < R; ++r)  // the stored codes are c + 128: take off 128 * sum(q_x)
+        isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(128 * a.x.qsum[(r0 + r) * B + b]));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (q4 ? 256 : 512))));
+    const __m512 m = q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288))) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * B + b;
+      const __m512 t = _mm512_mul_ps(d, _mm512_set1_ps(a.x.d[i]));
+      acc[r] = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(isum[r]), acc[r]);
+      if (q4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x.sum[i]), acc[r]);
+    }
+  }
+  const int64_t n = std::min(kPanel, a.N - p * kPanel);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(a.y + (r0 + r) * a.N + p * kPanel, static_cast<__mmask16>((1u << n) - 1), acc[r]);
+}
+
+// a panel for rows [r0, r0 + nr), nr <= kRows, on the chosen path
+void panel(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
+  if (path == 3) {
+    switch (nr) {
+      case 4: return panel_vnni<4>(a, p, r0);
+      case 3: return panel_vnni<3>(a, p, r0);
+      case 2: return panel_vnni<2>(a, p, r0);
+      default: return panel_vnni<1>(a, p, r0);
+    }
+  }
+  if (path == 2) {
+    switch (nr) {
+      case 4: return panel_avx2<4>(a, p, r0);
+      case 3: return panel_avx2<3>(a, p, r0);
+      case 2: return panel_avx2<2>(a, p, r0);
+      default: return panel_avx2<1>(a, p, r0);
+    }
+  }
+  panel_scalar(a, p, r0, nr);
+}
+
+int matmul_path() {  // 3: AVX-512 VNNI, 2: AVX2, 1: scalar; capped by the process's level (use_isa)
+  const int64_t level = shoal_isa_level();
+  if (level >= 3 && __builtin_cpu_supports("avx512vnni")) return 3;
+  return level >= 2 ? 2 : 1;
+}
+
+// x [M, K] (rows of contiguous elements; float32, bfloat16 or float16), w packed [P, B, bytes] -> [M, N] in x's dtype
+at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int kind) {
+  const char* name = kind == kQ4 ? "q4_linear" : "q8_linear";
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [rows, inputs] with contiguous rows");
+  const at::ScalarType t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, name, ": float32, bfloat16 or float16 inputs, not ", t);
+  const int64_t M = x.size(0), K = x.size(1), B = K / kBlock, P = (N + kPanel - 1) / kPanel;
+  const int64_t bytes = kind == kQ4 ? kQ4Bytes : kQ8Bytes;
+  TORCH_CHECK(K % kBlock == 0, name, ": inputs must be a multiple of ", kBlock, ", not ", K);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == P && w.size(1) == B &&
+                  w.size(2) == bytes, name, ": packed weights [", P, ", ", B, ", ", bytes, "] expected");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y.to(t);
+  // the rounded activations in one scratch buffer: scales, sums and codes' sums per block, then the codes
+  at::Tensor scratch = at::empty({M * B * 12 + M * K}, x.options().dtype(at::kByte));
+  float* xd = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
+  int32_t* xqs = reinterpret_cast<int32_t*>(xd + 2 * M * B);
+  int8_t* xq = reinterpret_cast<int8_t*>(xqs + M * B);
+  Args a{{xq, xd, xd + M * B, xqs, K, B}, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, P, kind};
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t stride = x.stride(0) * x.element_size();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { quantize_rows(xp, stride, t, r0, r1, xq, xd, xd + M * B, xqs, K); });
+  const int path = matmul_path();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = 0; r < M; r += kRows) panel(a, p, r, std::min(kRows, M - r), path);
+  });
+  return t == at::kFloat ? y : y.to(t);
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) { return lowbit_linear(x, w, n, kQ4); }
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) { return lowbit_linear(x, w, n, kQ8); }
+
+int64_t matmul_isa() { return matmul_path(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
+  m.def("q4_linear(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("matmul_isa() -> int", &matmul_isa);
+}
+
+TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}

@@ -1,0 +1,157 @@
+"""shoal's low-bit matmuls (`shoal/kernels/lowbit.cpp`, packed by `model/quant.py`) on their own.
+
+- packing: codes and float16 scales come back out of the panels exactly, for sizes that are
+  not multiples of the panel;
+- the kernels compute exactly the arithmetic lowbit.cpp describes (activations rounded to
+  int8 per block of 32, exact integer sums, one float32 sum per output in block order):
+  checked against that arithmetic in float64, on every code path this CPU has;
+- every code path gives the same bits (integer sums are exact, the float operations are
+  the same), each row gives the same bits alone and in any batch (1 to 64 rows), in
+  float32, bfloat16 and float16;
+- and the result is close to the float product with the dequantized weights.
+How the model uses them is tests/test_quant.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal import kernels
+from shoal.model.gguf_loader import Q4Codes
+from shoal.model.quant import pack_q4, pack_q8, round_q8, unpack_q4, unpack_q8
+
+from conftest import require_native_kernels
+
+# (outputs, inputs): the model's shapes, odd output counts, one block of inputs
+SHAPES = [(960, 576), (17, 64), (33, 32), (576, 1536), (5, 96)]
+ROWS = [1, 2, 3, 4, 5, 7, 16, 33, 64]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    require_native_kernels()
+
+
+def q4_weights(n: int, k: int, seed: int) -> Q4Codes:
+    g = torch.Generator().manual_seed(seed)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    low = (-torch.rand(n, k // 32, generator=g) * 0.15).half().float()
+    return Q4Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), scale, low)
+
+
+def q8_weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+
+
+def rounded_activations(x: torch.Tensor):
+    """lowbit.cpp's rounding of each block of 32: codes, scale amax / 127, and the exact block sums."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1)
+    # tensor / tensor: IEEE division (a scalar numerator goes through a reciprocal, rounded twice)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return q.double(), (amax / 127.0).double(), xb.double().sum(-1)
+
+
+def model_q4(x: torch.Tensor, w: Q4Codes) -> torch.Tensor:
+    q, d, s = rounded_activations(x)
+    c = w.codes.double().view(w.codes.shape[0], -1, 32)
+    return torch.einsum("mbk,nbk,nb,mb->mn", q, c, w.scale.double(), d) + torch.einsum("nb,mb->mn", w.low.double(), s)
+
+
+def model_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    q, d, _ = rounded_activations(x)
+    return torch.einsum("mbk,nbk,nb,mb->mn", q, codes.double().view(codes.shape[0], -1, 32), scale.double(), d)
+
+
+def every_path(fn):
+    """fn() on each matmul path this CPU has (VNNI, AVX2, scalar), each path once."""
+    out, seen = {}, set()
+    try:
+        for level in (3, 2, 1):
+            kernels.use_isa(level)
+            path = int(torch.ops.shoal_kernels.matmul_isa())
+            if path not in seen:
+                seen.add(path)
+                out[path] = fn()
+    finally:
+        kernels.use_isa(0)
+    return out
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_packing_keeps_codes_and_float16_scales_exactly(n, k):
+    w = q4_weights(n, k, 0)
+    back = unpack_q4(pack_q4(w), n)
+    assert torch.equal(back.codes, w.codes) and torch.equal(back.scale, w.scale) and torch.equal(back.low, w.low)
+    assert pack_q4(w).shape == (-(-n // 16), k // 32, 320)
+    codes, scale = q8_weights(n, k, 1)
+    got_codes, got_scale = unpack_q8(pack_q8(codes, scale), n)
+    assert torch.equal(got_codes, codes) and torch.equal(got_scale, scale)
+
+
+def test_q8_rounding_gives_a_q8_0_tensor_its_own_codes_back():
+    codes, scale = q8_weights(40, 96, 2)
+    codes[:, ::32] = 127  # ggml's Q8_0: every block reaches +-127
+    dequantized = (codes.float().view(40, 3, 32) * scale[..., None]).view(40, 96)
+    again, again_scale = round_q8(dequantized)
+    assert torch.equal(again, codes) and torch.equal(again_scale, scale)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernels_compute_the_described_arithmetic_on_every_path_with_the_same_bits(n, k, dtype):
+    w4 = q4_weights(n, k, 3)
+    c8, s8 = q8_weights(n, k, 4)
+    p4, p8 = pack_q4(w4), pack_q8(c8, s8)
+    x = (torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
+    x[3, :32] = 0  # an all-zero block: scale 0, no division by it
+    outs = every_path(lambda: (torch.ops.shoal_kernels.q4_linear(x, p4, n), torch.ops.shoal_kernels.q8_linear(x, p8, n)))
+    first = next(iter(outs.values()))
+    for path, (y4, y8) in outs.items():
+        assert y4.dtype == dtype and y4.shape == (x.shape[0], n)
+        assert torch.equal(y4, first[0]) and torch.equal(y8, first[1]), f"path {path} differs"
+    tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]  # float32 sums; the output's rounding
+    for got, want in ((first[0], model_q4(x, w4)), (first[1], model_q8(x, c8, s8))):
+        assert ((got.double() - want).abs() <= tol * want.abs().amax()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_bits_alone_and_in_any_batch(dtype):
+    n, k = 100, 192
+    p4 = pack_q4(q4_weights(n, k, 6))
+    p8 = pack_q8(*q8_weights(n, k, 7))
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(8)).to(dtype)
+    for op, w in ((torch.ops.shoal_kernels.q4_linear, p4), (torch.ops.shoal_kernels.q8_linear, p8)):
+        alone = torch.cat([op(x[i : i + 1], w, n) for i in range(x.shape[0])])
+        for m in ROWS:
+            assert torch.equal(op(x[:m], w, n), alone[:m]), m
+        strided = torch.zeros(x.shape[0], 2 * k, dtype=dtype)
+        strided[:, k:] = x
+        assert torch.equal(op(strided[:, k:], w, n), alone)  # rows with a stride of their own
+
+
+def test_close_to_the_float_product_with_the_dequantized_weights():
+    n, k = 256, 576
+    w4 = q4_weights(n, k, 9)
+    c8, s8 = q8_weights(n, k, 10)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(11))
+    for got, w in ((torch.ops.shoal_kernels.q4_linear(x, pack_q4(w4), n), w4.dequantized()),
+                   (torch.ops.shoal_kernels.q8_linear(x, pack_q8(c8, s8), n), (c8.float().view(n, -1, 32) * s8[..., None]).view(n, k))):
+        exact = x.double() @ w.double().T
+        assert ((got.double() - exact).norm() / exact.norm()).item() < 0.01  # int8 activations: about 0.5%
+
+
+def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
+    p4 = pack_q4(q4_weights(32, 64, 12))
+    with pytest.raises(RuntimeError, match="packed weights"):
+        torch.ops.shoal_kernels.q4_linear(torch.randn(2, 96), p4, 32)  # inputs that do not match the panels
+    with pytest.raises(RuntimeError, match="packed weights"):
+        torch.ops.shoal_kernels.q4_linear(torch.randn(2, 64), p4, 48)  # more outputs than the panels hold
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.shoal_kernels.q8_linear(torch.randn(2, 40), p4, 32)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.shoal_kernels.q4_linear(torch.ones(2, 64, dtype=torch.int32), p4, 32)
+    assert torch.ops.shoal_kernels.q4_linear(torch.randn(0, 64), p4, 32).shape == (0, 32)
