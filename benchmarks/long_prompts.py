@@ -48,7 +48,7 @@ class LongShoal(Shoal):
         self.label = " ".join(("shoal", *flags))
         self.settings = self.settings.replace("defaults (", f"defaults but --max-model-len {CONTEXT} (")
         if flags:
-            self.settings = "bfloat16 (emulated here) with the GGUF's int4 and the invariant attention: what a CPU with native bf16 runs by default; " + self.settings
+            self.settings = "bfloat16 activations (emulated here): what a CPU with native bf16 runs by default; " + self.settings
 
 
 class OneSlotLlamaServer(LlamaServer):
@@ -105,7 +105,7 @@ def main() -> None:
     gguf = Path(resolve_model_path("smollm2")).resolve()
     native_bf16 = "avx512_bf16" in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
     peers = [LongShoal(), OneSlotLlamaServer()]
-    if not native_bf16:  # the other CPU kind's default: its attention backend differs (Determinism)
+    if not native_bf16:  # the other CPU kind's default: the same weights and attention, bf16 activations
         peers.insert(1, LongShoal("shoal-bf16", ("--dtype", "bfloat16")))
     rng = random.Random(a.seed)
     times: dict[str, dict[int, list[float]]] = {p.name: {n: [] for n in LENGTHS} for p in peers}

@@ -54,7 +54,8 @@ def make_prompts(n: int) -> list[str]:
 
 def run_shoal(prompts: list[str], max_tokens: int, in_flight: int) -> dict:
     # max_num_seqs caps requests in flight; everything else waits in the queue.
-    llm = LLM("smollm2", max_model_len=2048, max_num_seqs=in_flight)
+    # float weights like transformers' (the default would serve the file's int4: not the same weights)
+    llm = LLM("smollm2", max_model_len=2048, max_num_seqs=in_flight, quantization="none")
     llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t = time.perf_counter()

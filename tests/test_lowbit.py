@@ -50,7 +50,7 @@ def rounded_activations(x: torch.Tensor):
     xb = x.float().view(x.shape[0], -1, 32)
     amax = xb.abs().amax(-1)
     # tensor / tensor: IEEE division (a scalar numerator goes through a reciprocal, rounded twice)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 1e-30, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127)
     return q.double(), (amax / 127.0).double(), xb.double().sum(-1)
 
@@ -142,6 +142,17 @@ def test_close_to_the_float_product_with_the_dequantized_weights():
                    (torch.ops.shoal_kernels.q8_linear(x, pack_q8(c8, s8), n), (c8.float().view(n, -1, 32) * s8[..., None]).view(n, k))):
         exact = x.double() @ w.double().T
         assert ((got.double() - exact).norm() / exact.norm()).item() < 0.01  # int8 activations: about 0.5%
+
+
+def test_a_non_finite_input_makes_its_row_non_finite_and_leaves_the_others_alone():
+    n, k = 40, 96
+    p4, p8 = pack_q4(q4_weights(n, k, 13)), pack_q8(*q8_weights(n, k, 14))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(15))
+    x[1, 50], x[2, 3] = float("nan"), float("inf")
+    for op, w in ((torch.ops.shoal_kernels.q4_linear, p4), (torch.ops.shoal_kernels.q8_linear, p8)):
+        y = op(x, w, n)
+        assert not y[1].isfinite().any() and not y[2].isfinite().any()
+        assert y[0].isfinite().all() and torch.equal(y[3], op(x[3:], w, n)[0])
 
 
 def test_bad_inputs_raise_instead_of_reading_out_of_bounds():

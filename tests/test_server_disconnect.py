@@ -38,7 +38,9 @@ def test_streaming_client_that_leaves_after_two_chunks_is_aborted_at_the_next_st
                     break
         # The response is closed: the server notices, closes the stream, queues the abort.
         srv.wait_until(lambda: srv.state.counters.client_disconnects >= 1, what="the server to see the disconnect")
-        assert gate.blocked.is_set()
+        # the engine is held in its third step, or (when it was between steps as the abort came) already dropped the
+        # request; seen on a busy machine: the disconnect arrived before the engine thread entered the held step
+        srv.wait_until(lambda: gate.blocked.is_set() or stats.requests_aborted == aborted + 1, what="the held step or the abort")
         gate.open()
         srv.wait_until(lambda: stats.requests_aborted == aborted + 1, what="the abort")
     srv.wait_until(lambda: _settled(srv, baseline_free), what="the blocks to return")

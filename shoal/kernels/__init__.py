@@ -8,6 +8,9 @@
   add fused with the RMSNorm after it, rotary embedding in place, SiLU-and-multiply
   (`model/layers.py` takes them on the CPU). Each row is computed on its own, so they
   are row-invariant too.
+`lowbit.cpp` holds the int4/int8 matmuls of `model/quant.py`: a GGUF's Q4/Q8 blocks
+times int8-rounded activations, summed exactly in integers (AVX-512 VNNI, AVX2 or
+scalar code, the same bits on each), as llama.cpp computes them.
 It picks AVX-512, AVX2 or baseline code per process.
 
 `make setup` builds the library once (`python -m shoal.kernels`, about 30 s); a process
@@ -87,14 +90,14 @@ def _build(target: Path, cxx: str) -> None:
 
 def _load() -> bool:
     if os.environ.get("SHOAL_NO_KERNELS") == "1":
-        log.info("SHOAL_NO_KERNELS=1: shoal's native kernels are off; attention and the row-wise ops take torch's paths")
+        log.info("SHOAL_NO_KERNELS=1: shoal's native kernels are off; attention, the row-wise ops and the low-bit matmuls take torch's paths")
         return False
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        log.info("shoal's native kernels are x86-64 only, not %s: attention and the row-wise ops take torch's paths", platform.machine())
+        log.info("shoal's native kernels are x86-64 only, not %s: attention, the row-wise ops and the low-bit matmuls take torch's paths", platform.machine())
         return False
     cxx = _compiler()
     if cxx is None:
-        log.warning("no C++ compiler (g++) here: shoal's native kernels are off, and attention and the row-wise ops take torch's slower paths")
+        log.warning("no C++ compiler (g++) here: shoal's native kernels are off, and attention, the row-wise ops and the low-bit matmuls take torch's slower paths")
         return False
     target = library_path()
     try:
@@ -103,7 +106,7 @@ def _load() -> bool:
             _build(target, cxx)
         torch.ops.load_library(str(target))
     except Exception as exc:  # a failed build or load: the pure-torch paths remain
-        log.warning("shoal's native kernels are off (%s): attention and the row-wise ops take torch's slower paths", exc)
+        log.warning("shoal's native kernels are off (%s): attention, the row-wise ops and the low-bit matmuls take torch's slower paths", exc)
         return False
     return True
 

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 int64_t shoal_isa_level();  // cpu.cpp: 3 AVX-512, 2 AVX2 with FMA, 1 baseline
 
@@ -78,30 +79,62 @@ inline float input(const void* x, int64_t i, at::ScalarType t) {
   }
 }
 
-// One row's blocks: amax / 127 as the scale, round to nearest even, the float sum in input order.
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef int8_t vb16 __attribute__((vector_size(16)));
+
+inline vf16 vload16(const float* p) { vf16 v; std::memcpy(&v, p, sizeof v); return v; }
+
+inline float tree_sum(vf16 v) {  // across lanes by halves, one fixed tree
+  v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  v = v + __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+  return v[0];
+}
+
+// One row's blocks: amax / 127 as the scale, codes rounded to nearest even, the block's float sum
+// as (x[i] + x[i + 16]) added across lanes by one fixed tree. Compiled once for every CPU (GCC
+// lowers the 16-lane vectors to what the baseline has), so every path rounds the same codes.
+// No contraction: x * inv is rounded before it is rounded to an integer, as the tests' model does.
+__attribute__((optimize("fp-contract=off")))
 void quantize_rows(const char* x, int64_t stride_bytes, at::ScalarType t, int64_t r0, int64_t r1, int8_t* q, float* d,
                    float* sum, int32_t* qsum, int64_t K) {
   const int64_t B = K / kBlock;
-  float v[kBlock];
+  std::vector<float> buf(t == at::kFloat ? 0 : K);
+  const vf16 magic = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
+                      12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};
   for (int64_t r = r0; r < r1; ++r) {
-    const void* row = x + r * stride_bytes;
+    const char* row = x + r * stride_bytes;
+    const float* v = reinterpret_cast<const float*>(row);
+    if (t != at::kFloat) {
+      for (int64_t i = 0; i < K; ++i) buf[i] = input(row, i, t);
+      v = buf.data();
+    }
     for (int64_t b = 0; b < B; ++b) {
-      float amax = 0.0f, s = 0.0f;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        v[i] = input(row, b * kBlock + i, t);
-        amax = std::max(amax, std::fabs(v[i]));
-        s += v[i];
-      }
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t qs = 0;
+      const vf16 v0 = vload16(v + b * kBlock), v1 = vload16(v + b * kBlock + 16);
+      const vf16 a0 = v0 < 0 ? -v0 : v0, a1 = v1 < 0 ? -v1 : v1;
+      vf16 m = a0 > a1 ? a0 : a1;
+      float amax = 0.0f;
+      for (int i = 0; i < 16; ++i) amax = std::max(amax, m[i]);  // exact in any order
+      // below 1e-30 a block counts as zeros (127 / amax would overflow near float's smallest numbers)
+      const float inv = amax > 1e-30f ? 127.0f / amax : 0.0f;
+      vf16 y0 = v0 * inv, y1 = v1 * inv;
+      y0 = (y0 + magic) - magic;  // round to nearest even (|y| <= 127)
+      y1 = (y1 + magic) - magic;
+      const vi16 c0 = __builtin_convertvector(y0, vi16), c1 = __builtin_convertvector(y1, vi16);
+      const vb16 b0 = __builtin_convertvector(c0, vb16), b1 = __builtin_convertvector(c1, vb16);
       int8_t* out = q + r * K + b * kBlock;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        const float z = std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inv)));
-        out[i] = static_cast<int8_t>(z);
-        qs += out[i];
-      }
-      d[r * B + b] = amax / 127.0f;
-      sum[r * B + b] = s;
+      std::memcpy(out, &b0, 16);
+      std::memcpy(out + 16, &b1, 16);
+      const vi16 cs = c0 + c1;
+      int32_t qs = 0;
+      for (int i = 0; i < 16; ++i) qs += cs[i];
+      const float total = tree_sum(v0 + v1);
+      // a NaN or infinity in the block reaches its sum: the scale carries it into every output, so the
+      // row's logits are not finite and the sampler fails that request alone (never laundered into codes)
+      d[r * B + b] = std::isfinite(total) ? amax / 127.0f : total;
+      sum[r * B + b] = total;
       qsum[r * B + b] = qs;
     }
   }
@@ -209,65 +242,88 @@ AVX2_TARGET void panel_avx2(const Args& a, int64_t p, int64_t r0) {
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
-template <int R>
+// NP adjacent panels at once: each broadcast of four activation bytes feeds NP vpdpbusd, which
+// halves the loads per product with two panels (loads, not arithmetic, bound this loop).
+template <int R, int NP>
 VNNI_TARGET void panel_vnni(const Args& a, int64_t p, int64_t r0) {
   const int64_t B = a.x.B, K = a.x.K;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[NP][R];
+  for (int q = 0; q < NP; ++q)
+    for (int r = 0; r < R; ++r) acc[q][r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const bool q4 = a.kind == kQ4;
   const int64_t bytes = q4 ? kQ4Bytes : kQ8Bytes;
   for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* blk = a.w + (p * B + b) * bytes;
-    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    const uint8_t* blk[NP];
+    for (int q = 0; q < NP; ++q) {
+      blk[q] = a.w + ((p + q) * B + b) * bytes;
+      for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[q] + kPrefetch + l), _MM_HINT_T0);
+    }
+    __m512i isum[NP][R];
+    for (int q = 0; q < NP; ++q)
+      for (int r = 0; r < R; ++r) isum[q][r] = _mm512_setzero_si512();
     if (q4) {
       for (int L = 0; L < 4; ++L) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 * L);
-        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        __m512i lo[NP], hi[NP];
+        for (int q = 0; q < NP; ++q) {
+          const __m512i v = _mm512_loadu_si512(blk[q] + 64 * L);
+          lo[q] = _mm512_and_si512(v, low4);
+          hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock + 8 * L;
           int32_t x0, x1;
           std::memcpy(&x0, xq, 4);
           std::memcpy(&x1, xq + 4, 4);
-          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(x0));
-          isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(x1));
+          const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+          for (int q = 0; q < NP; ++q) {
+            isum[q][r] = _mm512_dpbusd_epi32(isum[q][r], lo[q], b0);
+            isum[q][r] = _mm512_dpbusd_epi32(isum[q][r], hi[q], b1);
+          }
         }
       }
     } else {
       for (int j = 0; j < 8; ++j) {
-        const __m512i w = _mm512_loadu_si512(blk + 64 * j);
+        __m512i w[NP];
+        for (int q = 0; q < NP; ++q) w[q] = _mm512_loadu_si512(blk[q] + 64 * j);
         for (int r = 0; r < R; ++r) {
           int32_t x0;
           std::memcpy(&x0, a.x.q + (r0 + r) * K + b * kBlock + 4 * j, 4);
-          isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(x0));
+          const __m512i b0 = _mm512_set1_epi32(x0);
+          for (int q = 0; q < NP; ++q) isum[q][r] = _mm512_dpbusd_epi32(isum[q][r], w[q], b0);
         }
       }
-      for (int r = 0; r < R; ++r)  // the stored codes are c + 128: take off 128 * sum(q_x)
-        isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(128 * a.x.qsum[(r0 + r) * B + b]));
+      for (int r = 0; r < R; ++r) {  // the stored codes are c + 128: take off 128 * sum(q_x)
+        const __m512i off = _mm512_set1_epi32(128 * a.x.qsum[(r0 + r) * B + b]);
+        for (int q = 0; q < NP; ++q) isum[q][r] = _mm512_sub_epi32(isum[q][r], off);
+      }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (q4 ? 256 : 512))));
-    const __m512 m = q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288))) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * B + b;
-      const __m512 t = _mm512_mul_ps(d, _mm512_set1_ps(a.x.d[i]));
-      acc[r] = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(isum[r]), acc[r]);
-      if (q4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x.sum[i]), acc[r]);
+    for (int q = 0; q < NP; ++q) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[q] + (q4 ? 256 : 512))));
+      const __m512 m = q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[q] + 288))) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * B + b;
+        const __m512 t = _mm512_mul_ps(d, _mm512_set1_ps(a.x.d[i]));
+        acc[q][r] = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(isum[q][r]), acc[q][r]);
+        if (q4) acc[q][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x.sum[i]), acc[q][r]);
+      }
     }
   }
-  const int64_t n = std::min(kPanel, a.N - p * kPanel);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(a.y + (r0 + r) * a.N + p * kPanel, static_cast<__mmask16>((1u << n) - 1), acc[r]);
+  for (int q = 0; q < NP; ++q) {
+    const int64_t n = std::min(kPanel, a.N - (p + q) * kPanel);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.N + (p + q) * kPanel, static_cast<__mmask16>((1u << n) - 1), acc[q][r]);
+  }
 }
 
 // a panel for rows [r0, r0 + nr), nr <= kRows, on the chosen path
 void panel(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
   if (path == 3) {
     switch (nr) {
-      case 4: return panel_vnni<4>(a, p, r0);
-      case 3: return panel_vnni<3>(a, p, r0);
-      case 2: return panel_vnni<2>(a, p, r0);
-      default: return panel_vnni<1>(a, p, r0);
+      case 4: return panel_vnni<4, 1>(a, p, r0);
+      case 3: return panel_vnni<3, 1>(a, p, r0);
+      case 2: return panel_vnni<2, 1>(a, p, r0);
+      default: return panel_vnni<1, 1>(a, p, r0);
     }
   }
   if (path == 2) {
@@ -279,6 +335,20 @@ void panel(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
     }
   }
   panel_scalar(a, p, r0, nr);
+}
+
+// two panels [p, p + 2) for rows [r0, r0 + nr): on VNNI one pass, elsewhere one panel after the other
+void panel_pair(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
+  if (path == 3) {
+    switch (nr) {
+      case 4: return panel_vnni<4, 2>(a, p, r0);
+      case 3: return panel_vnni<3, 2>(a, p, r0);
+      case 2: return panel_vnni<2, 2>(a, p, r0);
+      default: return panel_vnni<1, 2>(a, p, r0);
+    }
+  }
+  panel(a, p, r0, nr, path);
+  panel(a, p + 1, r0, nr, path);
 }
 
 int matmul_path() {  // 3: AVX-512 VNNI, 2: AVX2, 1: scalar; capped by the process's level (use_isa)
@@ -310,9 +380,14 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, in
   const int64_t stride = x.stride(0) * x.element_size();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { quantize_rows(xp, stride, t, r0, r1, xq, xd, xd + M * B, xqs, K); });
   const int path = matmul_path();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t r = 0; r < M; r += kRows) panel(a, p, r, std::min(kRows, M - r), path);
+  // threads take pairs of panels (a thread's share stays contiguous in memory)
+  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t p = 2 * q0; p < std::min(P, 2 * q1); p += 2)
+      for (int64_t r = 0; r < M; r += kRows) {
+        const int64_t nr = std::min(kRows, M - r);
+        if (p + 1 < P) panel_pair(a, p, r, nr, path);
+        else panel(a, p, r, nr, path);
+      }
   });
   return t == at::kFloat ? y : y.to(t);
 }

@@ -188,10 +188,10 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def projection_format(tensors: Iterable[gguf.ReaderTensor]) -> str:
     """The weight format that serves a file's decoder projections as stored:
-    "int4" when every one is Q4_0/Q4_1 (torch's int4 layout), "int8" when every
-    one is Q8_0 (re-scaled per output row: torch's int8 kernel has one scale per
-    row, Q8_0 one per 32 weights), else "none" (float, as today for F16/BF16/F32
-    and the K-quants, which no torch kernel reads)."""
+    "int4" when every one is Q4_0/Q4_1, "int8" when every one is Q8_0 (its own
+    codes and per-32 scales on shoal's kernels; re-scaled per output row on
+    torch's, which have one scale per row), else "none" (float, for F16/BF16/F32
+    and the K-quants, which no kernel here reads)."""
     kinds = {t.tensor_type for t in tensors if _is_projection(hf_tensor_name(t.name))}
     if kinds and kinds <= set(Q4_TYPES):
         return "int4"
