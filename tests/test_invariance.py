@@ -378,7 +378,7 @@ def assert_same_as_alone(got: list[tuple], alone: list[tuple], what: str) -> Non
 
 
 def _smollm(**kwargs) -> LLM:
-    return LLM("smollm2", dtype="bfloat16", attention="invariant", **{"max_model_len": MAX_LEN, **kwargs})
+    return LLM("smollm2", **{"dtype": "bfloat16", "attention": "invariant", "max_model_len": MAX_LEN, **kwargs})
 
 
 class Reference:
@@ -492,9 +492,18 @@ def test_a_seeded_choice_is_the_same_alone_in_a_batch_and_after_cache_hits(seede
     assert again.seeded == seeded_alone, "after a full prefix-cache hit"
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+QUANT_CONFIGS = {  # bf16 with each low-bit format, and the default configuration (on a CPU without native bf16:
+    # float32 activations with the file's int4 on shoal's kernels)
+    "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}, "default": {"dtype": "auto", "quantization": "auto"},
+}
+
+
+@pytest.fixture(scope="module", params=list(QUANT_CONFIGS))
 def quantized(request, default_gguf_path) -> Reference:
-    return Reference([CONVERSATIONS[i] for i in QUANT_PROMPTS], QUANT_GREEDY, quantization=request.param, num_blocks=512)
+    ref = Reference([CONVERSATIONS[i] for i in QUANT_PROMPTS], QUANT_GREEDY, num_blocks=512, **QUANT_CONFIGS[request.param])
+    ref.config = QUANT_CONFIGS[request.param]
+    assert ref.llm.engine.weight_format in ("int8", "int4")
+    return ref
 
 
 @slow
@@ -506,7 +515,7 @@ def test_quantized_batch_matches_alone(quantized):
 @slow
 def test_quantized_chunks_and_cache_hits_match_alone(quantized):
     # with the prefix cache: the prompts admitted later also find the system prompt's first block cached
-    llm = _smollm(quantization=quantized.llm.engine.config.quantization, max_num_batched_tokens=32, num_blocks=512)
+    llm = _smollm(max_num_batched_tokens=32, num_blocks=512, **quantized.config)
     chunked = llm.generate(quantized.prompts, QUANT_GREEDY)
     assert_same_as_alone(_first_choices(chunked), quantized.alone, "prefill in chunks of 32 tokens")
     again = llm.generate(quantized.prompts, QUANT_GREEDY)

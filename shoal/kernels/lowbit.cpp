@@ -6,8 +6,8 @@
 // accumulator, block after block in input order.
 //
 //   q4: w = d * c + m per block (c a 4-bit code, d and m float16): Q4_1 as stored; Q4_0 is
-//       m = -8 d. A block adds (d * d_x) * sum(c * q_x), then m * sum(x): the exact float
-//       sum of the block's inputs, so the minimum's term carries no activation rounding.
+//       m = -8 d. A block adds (d * d_x) * sum(c * q_x), then m * sum(x): the float sum of
+//       the block's unrounded inputs, so the minimum's term carries no activation rounding.
 //   q8: w = d * c (c int8): Q8_0 as stored. A block adds (d * d_x) * sum(c * q_x).
 //
 // Row invariance by construction: one output of one row is the same sequence of integer
@@ -43,8 +43,8 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kPanel = 16;
 constexpr int64_t kQ4Bytes = 4 * 64 + 2 * kPanel * 2;
 constexpr int64_t kQ8Bytes = 8 * 64 + kPanel * 2;
-constexpr int64_t kRows = 4;
-constexpr int64_t kPrefetch = 2048;  // bytes ahead of the block being read  // rows of x sharing one pass over a panel's weights
+constexpr int64_t kRows = 4;         // rows of x sharing one pass over a panel's weights (two panels on VNNI)
+constexpr int64_t kPrefetch = 2048;  // bytes ahead of the block being read
 
 enum Kind : int { kQ4 = 0, kQ8 = 1 };
 

@@ -14,9 +14,10 @@ layers multiply with them, as llama.cpp does: each activation row is rounded to
 int8 per block of 32, the products with the codes are summed exactly in
 integers (AVX-512 VNNI, AVX2 or scalar code, the same integers), and each block
 is scaled into a float32 sum in input order. That is row-invariant by
-construction, the same bits on every instruction set, and faster than float32
-and bfloat16 at every batch size measured (benchmarks/NOTES.md, eleventh
-round), so it serves float32 activations too.
+construction, the same bits on every instruction set, 2-4x faster than torch's
+int4 kernel at every batch size measured, and faster than float32 at 1 and 32
+rows (about even at 512; benchmarks/NOTES.md, eleventh round), so it serves
+float32 activations too.
 
 Without them (SHOAL_NO_KERNELS=1, no compiler, not x86-64) the layers take
 torch's weight-only kernels: `_weight_int4pack_mm_for_cpu` (groups of 32 with a
