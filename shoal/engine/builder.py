@@ -134,8 +134,9 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     if weights.name != "none" and rank == 0:
         linears = [m for m in model.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
         exact = sum(getattr(m, "from_codes", False) for m in linears)
+        on = "shoal's low-bit kernels" if all(m.native for m in linears) else "torch's weight-only kernels"
         log.info("%s weights (--quantization %s): %d projections, %d of them the checkpoint's own 4-bit codes; "
-                 "int8 logits head", weights.name, config.quantization, len(linears), exact)
+                 "int8 logits head; on %s", weights.name, config.quantization, len(linears), exact, on)
     attention = config.attention if config.attention != "auto" else ("sdpa" if weights.name == "none" else "invariant")
     if attention == "invariant":
         float_linears = weights.name == "none"  # low-bit layers are row-invariant as they are

@@ -377,22 +377,6 @@ void task_baseline(const Ctx& c, const Task& t) { task_body(c, t); }
 // Each fuses what torch runs as several ops (RMSNorm alone is about 15 on the CPU), and each row is
 // computed on its own in one fixed order, so they are row-invariant like everything on this path.
 
-INL void store(char* p, int64_t i, float x, int dt) {
-  switch (dt) {
-    case kBF16: reinterpret_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(x); break;
-    case kF16: reinterpret_cast<c10::Half*>(p)[i] = c10::Half(x); break;
-    default: reinterpret_cast<float*>(p)[i] = x;
-  }
-}
-
-INL float round_to(float x, int dt) {  // x as the dtype would hold it
-  switch (dt) {
-    case kBF16: return static_cast<float>(c10::BFloat16(x));
-    case kF16: return static_cast<float>(c10::Half(x));
-    default: return x;
-  }
-}
-
 // A row's elements as floats, and back: one dtype switch per row, so the loops vectorize.
 INL void load_row(const char* p, int64_t n, int dt, float* out) {
   switch (dt) {
