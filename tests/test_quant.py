@@ -16,6 +16,7 @@ from shoal.model.quant import Int4Linear, Int8Linear, unpack_q8
 from tiny_models import make_tiny_model
 
 from conftest import require_native_kernels
+from test_lowbit import rounded_activations
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -159,11 +160,9 @@ def tiny_pair(request, tmp_path_factory):
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """lowbit.cpp's activation rounding: each group of 32 to 127 steps of its largest magnitude."""
-    groups = x.view(*x.shape[:-1], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(groups * inv) * (amax / 127.0)).view(x.shape)
+    """lowbit.cpp's activation rounding (test_lowbit.rounded_activations), as the values it stands for."""
+    q, scale, _ = rounded_activations(x.reshape(-1, x.shape[-1]))
+    return (q * scale[..., None]).to(x.dtype).view(x.shape)
 
 
 def like_the_kernel(x: torch.Tensor, weight: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("shoal.kernels")
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu.cpp", "lowbit.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu.cpp", "lowbit.cpp"))  # compiled
+HEADERS = (Path(__file__).with_name("vec.h"),)  # included: part of the library's hash
 ISA_NAMES = {1: "x86-64 baseline", 2: "AVX2", 3: "AVX-512"}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -52,7 +53,7 @@ def library_path() -> Path:
     """Where the built library is (or would be)."""
     cxx = _compiler() or ""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] if cxx else []
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + repr((version, torch.__version__)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + repr((version, torch.__version__)).encode()).hexdigest()[:16]
     base = Path(sys.prefix) / "shoal-kernels"
     if not os.access(sys.prefix, os.W_OK):
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shoal" / "kernels"

@@ -42,6 +42,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -51,22 +53,10 @@ constexpr int64_t kPositionsPerTask = 32;  // a chunk's positions per task (time
 constexpr int64_t kRowBlock = 4;       // rows sharing key/value loads in the inner loops
 constexpr int64_t kDimChunk = 64;      // head-dimension lanes a row keeps in registers at once
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
 
 enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-#define INL static inline __attribute__((always_inline))
-
-INL vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-INL void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-// a broadcast, written as a shuffle: GCC turns a 16-element initializer into 16 masked inserts
-INL vf vset(float x) { const vf v = {x}; return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
-INL vi viset(int32_t x) { const vi v = {x}; return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
-INL vf fmadd(vf a, vf b, vf c) { return a * b + c; }  // contracted to one FMA where the ISA has it
-INL vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 // x in lanes lo..hi (which may reach past either end), `fill` elsewhere
 INL vf visible(vf x, int64_t lo, int64_t hi, vf fill) {
@@ -100,22 +90,6 @@ INL vf vexp(vf x) {
   return y * (vf)e;
 }
 
-// Across lanes by halves, always the same tree: lane i adds lane i + 8, then i + 4, i + 2, i + 1.
-INL float lane_sum(vf v) {
-  v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  v = v + __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-  return v[0];
-}
-
-INL float lane_max(vf v) {  // exact in any order
-  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
-  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
-  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
-  return v[0];
-}
 
 INL float to_float(const void* p, int64_t i, int dt) {
   switch (dt) {

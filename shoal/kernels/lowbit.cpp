@@ -35,6 +35,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 int64_t shoal_isa_level();  // cpu.cpp: 3 AVX-512, 2 AVX2 with FMA, 1 baseline
 
 namespace {
@@ -79,19 +81,7 @@ inline float input(const void* x, int64_t i, at::ScalarType t) {
   }
 }
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef int8_t vb16 __attribute__((vector_size(16)));
-
-inline vf16 vload16(const float* p) { vf16 v; std::memcpy(&v, p, sizeof v); return v; }
-
-inline float tree_sum(vf16 v) {  // across lanes by halves, one fixed tree
-  v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  v = v + __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-  return v[0];
-}
 
 // One row's blocks: amax / 127 as the scale, codes rounded to nearest even, the block's float sum
 // as (x[i] + x[i + 16]) added across lanes by one fixed tree. Compiled once for every CPU (GCC
@@ -102,8 +92,7 @@ void quantize_rows(const char* x, int64_t stride_bytes, at::ScalarType t, int64_
                    float* sum, int32_t* qsum, int64_t K) {
   const int64_t B = K / kBlock;
   std::vector<float> buf(t == at::kFloat ? 0 : K);
-  const vf16 magic = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
-                      12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};
+  const vf magic = vset(12582912.0f);  // 1.5 * 2^23
   for (int64_t r = r0; r < r1; ++r) {
     const char* row = x + r * stride_bytes;
     const float* v = reinterpret_cast<const float*>(row);
@@ -112,25 +101,23 @@ void quantize_rows(const char* x, int64_t stride_bytes, at::ScalarType t, int64_
       v = buf.data();
     }
     for (int64_t b = 0; b < B; ++b) {
-      const vf16 v0 = vload16(v + b * kBlock), v1 = vload16(v + b * kBlock + 16);
-      const vf16 a0 = v0 < 0 ? -v0 : v0, a1 = v1 < 0 ? -v1 : v1;
-      vf16 m = a0 > a1 ? a0 : a1;
-      float amax = 0.0f;
-      for (int i = 0; i < 16; ++i) amax = std::max(amax, m[i]);  // exact in any order
+      const vf v0 = vload(v + b * kBlock), v1 = vload(v + b * kBlock + 16);
+      const vf a0 = v0 < 0 ? -v0 : v0, a1 = v1 < 0 ? -v1 : v1;
+      const float amax = lane_max(vmax(a0, a1));
       // below 1e-30 a block counts as zeros (127 / amax would overflow near float's smallest numbers)
       const float inv = amax > 1e-30f ? 127.0f / amax : 0.0f;
-      vf16 y0 = v0 * inv, y1 = v1 * inv;
+      vf y0 = v0 * inv, y1 = v1 * inv;
       y0 = (y0 + magic) - magic;  // round to nearest even (|y| <= 127)
       y1 = (y1 + magic) - magic;
-      const vi16 c0 = __builtin_convertvector(y0, vi16), c1 = __builtin_convertvector(y1, vi16);
+      const vi c0 = __builtin_convertvector(y0, vi), c1 = __builtin_convertvector(y1, vi);
       const vb16 b0 = __builtin_convertvector(c0, vb16), b1 = __builtin_convertvector(c1, vb16);
       int8_t* out = q + r * K + b * kBlock;
       std::memcpy(out, &b0, 16);
       std::memcpy(out + 16, &b1, 16);
-      const vi16 cs = c0 + c1;
+      const vi cs = c0 + c1;
       int32_t qs = 0;
       for (int i = 0; i < 16; ++i) qs += cs[i];
-      const float total = tree_sum(v0 + v1);
+      const float total = lane_sum(v0 + v1);
       // a NaN or infinity in the block reaches its sum: the scale carries it into every output, so the
       // row's logits are not finite and the sampler fails that request alone (never laundered into codes)
       d[r * B + b] = std::isfinite(total) ? amax / 127.0f : total;
@@ -316,16 +303,20 @@ VNNI_TARGET void panel_vnni(const Args& a, int64_t p, int64_t r0) {
   }
 }
 
+// NP panels from p for rows [r0, r0 + nr), nr <= kRows, in one VNNI pass
+template <int NP>
+void panels_vnni(const Args& a, int64_t p, int64_t r0, int64_t nr) {
+  switch (nr) {
+    case 4: return panel_vnni<4, NP>(a, p, r0);
+    case 3: return panel_vnni<3, NP>(a, p, r0);
+    case 2: return panel_vnni<2, NP>(a, p, r0);
+    default: return panel_vnni<1, NP>(a, p, r0);
+  }
+}
+
 // a panel for rows [r0, r0 + nr), nr <= kRows, on the chosen path
 void panel(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
-  if (path == 3) {
-    switch (nr) {
-      case 4: return panel_vnni<4, 1>(a, p, r0);
-      case 3: return panel_vnni<3, 1>(a, p, r0);
-      case 2: return panel_vnni<2, 1>(a, p, r0);
-      default: return panel_vnni<1, 1>(a, p, r0);
-    }
-  }
+  if (path == 3) return panels_vnni<1>(a, p, r0, nr);
   if (path == 2) {
     switch (nr) {
       case 4: return panel_avx2<4>(a, p, r0);
@@ -339,14 +330,7 @@ void panel(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
 
 // two panels [p, p + 2) for rows [r0, r0 + nr): on VNNI one pass, elsewhere one panel after the other
 void panel_pair(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
-  if (path == 3) {
-    switch (nr) {
-      case 4: return panel_vnni<4, 2>(a, p, r0);
-      case 3: return panel_vnni<3, 2>(a, p, r0);
-      case 2: return panel_vnni<2, 2>(a, p, r0);
-      default: return panel_vnni<1, 2>(a, p, r0);
-    }
-  }
+  if (path == 3) return panels_vnni<2>(a, p, r0, nr);
   panel(a, p, r0, nr, path);
   panel(a, p + 1, r0, nr, path);
 }
