@@ -37,8 +37,9 @@ import httpx
 import openai
 from tqdm import tqdm
 
+from publish import machine, machine_line, publish, table
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 SYSTEM = "You are a careful coding agent working in a repository. Use the tools to inspect and change files; explain briefly."
 
 
@@ -149,7 +150,6 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    RESULTS.mkdir(exist_ok=True)
     server = Server()
     try:
         oa = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -173,15 +173,15 @@ def main() -> None:
         rows.append({"protocol": proto, "ttft_tools_ms": with_tools, "ttft_plain_ms": plain, "ratio": with_tools / plain,
                      "uncached_tools": statistics.median(n for _, n in samples[(proto, True)]),
                      "uncached_plain": statistics.median(n for _, n in samples[(proto, False)])})
-    (RESULTS / "agent_tools.json").write_text(json.dumps({"turns": args.turns, "rounds": args.rounds, "rows": rows,
-                                                          "samples": {f"{p}-{'tools' if t else 'plain'}": v for (p, t), v in samples.items()}}, indent=2))
+    doc = {"turns": args.turns, "rounds": args.rounds, "machine": machine(), "rows": rows,
+           "samples": {f"{p}-{'tools' if t else 'plain'}": v for (p, t), v in samples.items()}}
     lines = [f"# Agent loop with 6 tools, {args.turns} turns of call -> result, {args.rounds} rounds (`shoal serve`, default configuration)", "",
-             "| protocol | median TTFT from turn 2, with tools | same loop without tools | ratio | prompt tokens computed per turn (median): tools / without |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['protocol']} | {r['ttft_tools_ms']:.0f} ms | {r['ttft_plain_ms']:.0f} ms | {r['ratio']:.2f} | {r['uncached_tools']:.0f} / {r['uncached_plain']:.0f} |"
-              for r in rows]
-    (RESULTS / "agent_tools.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+             f"On {machine_line(doc['machine'])}.", ""]
+    lines += table(["protocol", "median TTFT from turn 2, with tools", "same loop without tools", "ratio",
+                    "prompt tokens computed per turn (median): tools / without"],
+                   [[r["protocol"], f"{r['ttft_tools_ms']:.0f} ms", f"{r['ttft_plain_ms']:.0f} ms", f"{r['ratio']:.2f}",
+                     f"{r['uncached_tools']:.0f} / {r['uncached_plain']:.0f}"] for r in rows])
+    publish("agent_tools", doc, lines)
 
 
 if __name__ == "__main__":

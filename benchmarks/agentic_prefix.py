@@ -14,7 +14,6 @@ Writes benchmarks/results/agentic_prefix.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from publish import machine, machine_line, publish, table  # noqa: E402
 from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.runner.model_runner import resolve_dtype  # noqa: E402
 from shoal.types import GenerationRequest  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DTYPE = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # what LLM() below runs in
 
 TOOLS = [
@@ -127,25 +126,22 @@ def main() -> None:
     later_on = statistics.median(x for t in range(1, args.turns) for x in on["ttft_by_turn"][t])
     later_off = statistics.median(x for t in range(1, args.turns) for x in off["ttft_by_turn"][t])
     share = on["cached_tokens"] / on["prompt_tokens"]
+    doc = {"machine": machine(), "cache_on": on, "cache_off": off}
     md = [
         f"# Agentic prefix-cache benchmark ({time.strftime('%Y-%m-%d')})",
         "",
         f"SmolLM2-135M-Instruct (GGUF Q4_1 → {DTYPE}, shoal's `auto` on this machine), {args.conversations} interleaved conversations x {args.turns} turns, "
         f"a shared {on['system_tokens']}-token system prompt with tool definitions, {args.max_tokens} output tokens per turn, "
-        "requests one at a time, cache on and off in the same run.",
+        f"requests one at a time, cache on and off in the same run, on {machine_line(doc['machine'])}.",
         "",
-        "| turn | median TTFT, cache off (ms) | median TTFT, cache on (ms) | speed-up |",
-        "|---:|---:|---:|---:|",
-    ] + [f"| {t} | {a * 1000:.0f} | {b * 1000:.0f} | {r:.1f}x |" for t, a, b, r in rows] + [
+        *table(["turn", "median TTFT, cache off (ms)", "median TTFT, cache on (ms)", "speed-up"],
+               [[t, f"{a * 1000:.0f}", f"{b * 1000:.0f}", f"{r:.1f}x"] for t, a, b, r in rows], align="rrrr"),
         "",
         f"- Turns 2+: median TTFT {later_off * 1000:.0f} ms off vs {later_on * 1000:.0f} ms on: **{later_off / later_on:.1f}x** lower with the cache.",
         f"- Prompt tokens served from the cache: **{share:.1%}** ({on['cached_tokens']} of {on['prompt_tokens']}); "
         f"prefill tokens computed: {on['computed_prompt_tokens']} with the cache, {off['computed_prompt_tokens']} without.",
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "agentic_prefix.json").write_text(json.dumps({"cache_on": on, "cache_off": off}, indent=2, default=str))
-    (RESULTS / "agentic_prefix.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    publish("agentic_prefix", doc, md)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -42,13 +41,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shoal.bench import BenchConfig, machine_info, run  # noqa: E402
+from publish import RESULTS, machine, machine_line, publish, table  # noqa: E402
+from shoal.bench import BenchConfig, run  # noqa: E402
 
 PEERS_DIR = ROOT / ".peers"
 PEERS_PY = PEERS_DIR / "venv" / "bin" / "python"
 LLAMA_SERVER = PEERS_DIR / "llama-server"
 HF_EXPORT = PEERS_DIR / "smollm2-hf"
-RESULTS = ROOT / "benchmarks" / "results"
 THREADS = os.cpu_count() or 1
 
 
@@ -370,29 +369,26 @@ def targets(results: dict) -> list[dict]:
     return rows
 
 
-def markdown(doc: dict) -> str:
+def markdown(doc: dict) -> list[str]:
     m, res = doc["machine"], doc["results"]
     lines = [
         "# shoal against its peers",
         "",
-        f"Measured {m['time']} on {m['cores']} cores ({m['cpu_model']}), {m['platform']}; "
+        f"Measured {m['time']} on {machine_line(m)}, {m['platform']}; "
         f"model {doc['model']}. Reproduce with `{doc['command']}` (after `make bench-peers` has installed the peers).",
         "Servers ran one at a time on the same machine; every number on this page comes from this one run."
         + (f" They took turns {doc['rounds']} times (round after round, so a slow spell of the shared machine hits"
            " several servers); each row is that server's round with the median headline metric, and every round's"
            " value is listed under the table." if doc.get("rounds", 1) > 1 else ""),
         "",
-        "| peer | settings | ready after |",
-        "|---|---|---|",
+        *table(["peer", "settings", "ready after"],
+               [[p["label"], p["settings"], f"{p['ready_s']:.1f} s" if p.get("ready_s") is not None else f"not run: {p.get('skipped', '')}"]
+                for p in doc["peers"]]),
     ]
-    for p in doc["peers"]:
-        status = f"{p['ready_s']:.1f} s" if p.get("ready_s") is not None else f"not run: {p.get('skipped', '')}"
-        lines.append(f"| {p['label']} | {p['settings']} | {status} |")
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()), ""]
-    lines += ["## Targets", "", "| target | ratio | met |", "|---|---|---|"]
-    for t in doc["targets"]:
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {_f(t['ratio'], 2)} | {met} |")
+    met = {None: "-", True: "yes", False: "**no**"}
+    lines += ["## Targets", "",
+              *table(["target", "ratio", "met"], [[t["target"], _f(t["ratio"], 2), met[t["met"]]] for t in doc["targets"]])]
     for s in doc["scenarios"]:
         name = s["name"]
         lines += ["", f"## {name}: {s['what']}", ""]
@@ -400,7 +396,7 @@ def markdown(doc: dict) -> str:
         head = ["peer", "ok/fail", "out tok/s", "shoal ÷ peer", "TTFT p50 ms", "TTFT p90", "TPOT p50 ms", "TPOT p90", "ITL p50 ms"]
         if agentic:
             head += ["TTFT p50 turn>=2", "peer ÷ shoal"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        rows = []
         base = res.get("shoal", {}).get(name)
         for p in doc["peers"]:
             r = res.get(p["name"], {}).get(name)
@@ -414,14 +410,15 @@ def markdown(doc: dict) -> str:
                 t2 = (r.get("ttft_ms_turn2_on") or {}).get("p50")
                 b2 = ((base or {}).get("ttft_ms_turn2_on") or {}).get("p50")
                 row += [_f(t2), _f(_ratio(b2, t2, False), 1)]
-            lines.append("| " + " | ".join(row) + " |")
+            rows.append(row)
             notes = []
             if r["errors"]:
                 notes.append("errors: " + "; ".join(f"{n}× {e}" for e, n in r["errors"].items()))
             if r.get("requests_without_usage"):
                 notes.append(f"{r['requests_without_usage']} requests had no usage: output tokens counted as chunks")
-            if notes:
-                lines.append(f"| ↳ {p['label']}: " + "; ".join(notes) + " |" + " |" * (len(head) - 1))
+            if notes:  # a row of its own under the peer's, in the first column
+                rows.append([f"↳ {p['label']}: " + "; ".join(notes)] + [""] * (len(head) - 1))
+        lines += table(head, rows)
         if doc.get("rounds", 1) > 1:
             each = [f"{p['label']} " + ", ".join(_f(v, 2) for v in res[p["name"]][name]["rounds"])
                     for p in doc["peers"] if name in res.get(p["name"], {})]
@@ -430,7 +427,7 @@ def markdown(doc: dict) -> str:
               "*peer ÷ shoal* is the peer's median TTFT from turn 2 on over shoal's (above 1: shoal answers sooner). "
               "TPOT is (end-to-end − TTFT) / (output tokens − 1) per request; ITL is the gap between streamed chunks. "
               "Output tokens come from each server's usage report."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # ---------------------------------------------------------------- main
@@ -516,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])
     doc = {
-        "machine": {**machine_info(), "torch_threads": THREADS, "python_build": platform.python_build()[0]},
+        "machine": machine(),
         "versions": versions(),
         "model": gguf.name,
         "command": f".venv/bin/python benchmarks/compare_peers.py {argv_text}".strip(),
@@ -527,14 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     doc["targets"] = targets(results)
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for runs in results.values():  # per-request records stay out of the committed file: the summaries are the result
         for r in runs.values():
             r.pop("requests", None)
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-    md = markdown(doc)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    publish(out.name, doc, markdown(doc), where=out.parent)
     return 0
 
 

@@ -21,8 +21,6 @@ alone. Writes benchmarks/results/determinism_cost.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -33,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from agentic_prefix import USER_TURNS, system_prompt  # noqa: E402
+from publish import machine, machine_line, publish, table  # noqa: E402
 from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.runner.model_runner import resolve_dtype  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BACKENDS = ("invariant", "sdpa")
 LONG = (500, 2000, 4000, 8000)
 WORDS = ("river stone market garden engine lantern orbit violet copper meadow signal harbor "
@@ -109,11 +107,7 @@ def main() -> None:
         sdpa = statistics.median(r["sdpa"][k] for r in rounds)
         ratio = statistics.median(r["invariant"][k] / r["sdpa"][k] for r in rounds)
         summary[k] = {"invariant": inv, "sdpa": sdpa, "ratio": ratio}
-    cpu = platform.processor() or platform.machine()
-    flags = [f for f in ("avx512_bf16", "amx_tile", "avx512f", "avx2") if f in Path("/proc/cpuinfo").read_text()]
-    meta = {"dtype": dtype, "rounds": args.rounds, "threads": torch.get_num_threads(), "cpu": cpu, "cpu_flags": flags}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "determinism_cost.json").write_text(json.dumps({"meta": meta, "summary": summary, "rounds": rounds}, indent=2))
+    doc = {"meta": {"dtype": dtype, "rounds": args.rounds}, "machine": machine(), "summary": summary, "rounds": rounds}
     labels = {
         "tok_s_1": "output tok/s, 1 stream", "tok_s_32": "output tok/s, 32 streams",
         "agentic_ttft_s": "agentic TTFT, turns 2-6 (s, lower is better)",
@@ -122,18 +116,15 @@ def main() -> None:
     lines = [
         "# Cost of batch-invariant decoding",
         "",
-        f"`benchmarks/determinism_cost.py`, {args.rounds} rounds, {dtype}, {meta['threads']} threads, CPU flags: {', '.join(flags)}.",
+        f"`benchmarks/determinism_cost.py`, {args.rounds} rounds, {dtype}, on {machine_line(doc['machine'])}.",
         "invariant: `--deterministic` (batch-invariant decoding); sdpa: the default, shape-picked SDPA/eager paths.",
         "Ratio: median over rounds of invariant / sdpa (above 1 is faster, except TTFT where below 1 is faster).",
         "",
-        "| measure | invariant | sdpa | ratio |",
-        "|---|---:|---:|---:|",
+        *table(["measure", "invariant", "sdpa", "ratio"],
+               [[labels[k], f"{s['invariant']:.3g}", f"{s['sdpa']:.3g}", f"{s['ratio']:.2f}"] for k, s in summary.items()],
+               align="lrrr"),
     ]
-    for k in keys:
-        s = summary[k]
-        lines.append(f"| {labels[k]} | {s['invariant']:.3g} | {s['sdpa']:.3g} | {s['ratio']:.2f} |")
-    (RESULTS / "determinism_cost.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish("determinism_cost", doc, lines)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from publish import machine, machine_line, publish, table  # noqa: E402
 from shoal import LLM, SamplingParams  # noqa: E402
 
 
@@ -107,18 +108,17 @@ def run(folder: Path, device: str, dtype: str, batches: list[int], input_len: in
               f"ratio {rows[-1]['ratio']:.2f}", flush=True)
     name = torch.cuda.get_device_properties(0).name if device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
     doc = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__, "dtype": dtype,
-           "input_len": input_len, "max_tokens": max_tokens, "rows": rows}
+           "input_len": input_len, "max_tokens": max_tokens, "machine": machine(), "rows": rows}
     md = [f"# GPU throughput ({time.strftime('%Y-%m-%d')}, {name})", "",
           f"SmolLM2-135M shapes (random weights), {dtype}, {input_len}-token prompts x {max_tokens} output tokens, "
-          f"greedy, torch {torch.__version__}, transformers {transformers.__version__}. Same run, same device.", "",
-          "| requests at once | shoal tok/s | transformers generate tok/s | shoal ÷ transformers |", "|---:|---:|---:|---:|"]
-    md += [f"| {r['batch']} | {r['shoal']['tok_per_s']:.0f} | {r['transformers']['tok_per_s']:.0f} | {r['ratio']:.2f} |"
-           for r in rows]
-    print("\n".join(md))
+          f"greedy, transformers {transformers.__version__}. Same run, same device. Host: {machine_line(doc['machine'])}.", "",
+          *table(["requests at once", "shoal tok/s", "transformers generate tok/s", "shoal ÷ transformers"],
+                 [[r["batch"], f"{r['shoal']['tok_per_s']:.0f}", f"{r['transformers']['tok_per_s']:.0f}", f"{r['ratio']:.2f}"]
+                  for r in rows], align="rrrr")]
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-        out.with_suffix(".md").write_text("\n".join(md) + "\n")
+        publish(out.name, doc, md, where=out.parent)
+    else:
+        print("\n".join(md))
 
 
 def main() -> None:

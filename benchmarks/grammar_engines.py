@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+from publish import machine, machine_line, publish, table
+
 BATCH = 16
 
 SCHEMA = {
@@ -161,19 +161,17 @@ def main() -> None:
     rows.append(bench_llguidance(tok, vocab, tokens))
     for r in rows:
         r["version"] = md.version(r["engine"])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "grammar_engines.json").write_text(json.dumps({"document_tokens": len(tokens), "batch": BATCH, "rows": rows}, indent=2))
-    cols = list(rows[0])[1:-1]
+    doc = {"document_tokens": len(tokens), "batch": BATCH, "machine": machine(), "rows": rows}
+    cols = list(rows[0])[1:-1]  # the timings: every key but "engine" and "version"
     lines = [
         f"# Grammar engines on this CPU ({BATCH} sequences, the default model's tokenizer, a {len(tokens)}-token JSON document)",
         "",
-        "| engine | " + " | ".join(c.replace("_", " ") for c in cols) + " |",
-        "|---|" + "---|" * len(cols),
+        f"On {machine_line(doc['machine'])}.",
+        "",
+        *table(["engine", *(c.replace("_", " ") for c in cols)],
+               [[f"{r['engine']} {r['version']}", *(f"{r[c]:.2f}" for c in cols)] for r in rows]),
     ]
-    for r in rows:
-        lines.append(f"| {r['engine']} {r['version']} | " + " | ".join(f"{r[c]:.2f}" for c in cols) + " |")
-    (RESULTS / "grammar_engines.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish("grammar_engines", doc, lines)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ issue's long-prompt target), and llama-server's TTFT over shoal's.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -33,7 +32,8 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import LLAMA_SERVER, RESULTS, THREADS, LlamaServer, Server, Shoal, machine_info  # noqa: E402
+from compare_peers import LLAMA_SERVER, THREADS, LlamaServer, Server, Shoal  # noqa: E402
+from publish import cpu_flags, machine, machine_line, publish, table  # noqa: E402
 
 LENGTHS = (500, 2000, 4000, 6000, 8000)  # the README table, and 6,000: the determinism issue's target
 CONTEXT = 8192  # the model's positions; room for the longest prompt and its token
@@ -103,7 +103,7 @@ def main() -> None:
     if not LLAMA_SERVER.exists():
         sys.exit("llama-server is missing: run `make peers` first")
     gguf = Path(resolve_model_path("smollm2")).resolve()
-    native_bf16 = "avx512_bf16" in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+    native_bf16 = cpu_flags().get("avx512_bf16", False)
     peers = [LongShoal(), OneSlotLlamaServer()]
     if not native_bf16:  # the other CPU kind's default: the same weights and attention, bf16 activations
         peers.insert(1, LongShoal("shoal-bf16", ("--dtype", "bfloat16")))
@@ -127,7 +127,7 @@ def main() -> None:
                 finally:
                     server.stop()
     bf16 = "native bf16 (avx512_bf16)" if native_bf16 else "no native bf16 (shoal's default dtype: float32)"
-    result = {"machine": {**machine_info(), "bf16": bf16}, "rounds": a.rounds, "lengths": LENGTHS,
+    result = {"machine": {**machine(), "bf16": bf16}, "rounds": a.rounds, "lengths": LENGTHS,
               "peers": {p.name: {"label": p.label, "settings": p.settings} for p in peers},
               "ttft_s": {name: {str(n): v for n, v in per.items()} for name, per in times.items()}}
     write(result)
@@ -137,22 +137,19 @@ def write(result: dict) -> None:
     med = {name: {int(n): statistics.median(v) for n, v in per.items()} for name, per in result["ttft_s"].items()}
     llama = med["llama-server"]
     shoals = [name for name in med if name != "llama-server"]
-    lines = [f"# Long prompts: time to first token, median of {result['rounds']} rounds", "",
-             f"Machine: {result['machine'].get('cpu_model', '?')}, {result['machine'].get('cores', '?')} cores, {result['machine']['bf16']}. "
-             + " ".join(f"{p['label']}: {p['settings']}." for p in result["peers"].values()), "",
-             "For each shoal: TTFT, prefill tokens/s, that rate against its own 500-token rate, and its speed-up over llama-server.", "",
-             "| prompt tokens | llama-server TTFT | " + " | ".join(result["peers"][name]["label"] for name in shoals) + " |",
-             "|---|---|" + "---|" * len(shoals)]
+    rows = []
     for n in LENGTHS:
         cells = []
         for name in shoals:
             t, base = med[name][n], LENGTHS[0] / med[name][LENGTHS[0]]
             cells.append(f"{t * 1e3:.0f} ms, {n / t:.0f} tok/s, {n / t / base:.0%}, {llama[n] / t:.2f}x")
-        lines.append(f"| {n} | {llama[n] * 1e3:.0f} ms ({n / llama[n]:.0f} tok/s) | " + " | ".join(cells) + " |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "long_prompts.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / "long_prompts.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        rows.append([n, f"{llama[n] * 1e3:.0f} ms ({n / llama[n]:.0f} tok/s)", *cells])
+    lines = [f"# Long prompts: time to first token, median of {result['rounds']} rounds", "",
+             f"Machine: {machine_line(result['machine'])}, {result['machine']['bf16']}. "
+             + " ".join(f"{p['label']}: {p['settings']}." for p in result["peers"].values()), "",
+             "For each shoal: TTFT, prefill tokens/s, that rate against its own 500-token rate, and its speed-up over llama-server.", "",
+             *table(["prompt tokens", "llama-server TTFT", *(result["peers"][name]["label"] for name in shoals)], rows)]
+    publish("long_prompts", result, lines)
 
 
 if __name__ == "__main__":

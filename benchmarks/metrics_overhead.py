@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import statistics
 import subprocess
@@ -35,10 +34,10 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from publish import load, machine, machine_line, publish, table
 from shoal import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 STREAMS = 32
 OUTPUT = 128
 PROMPTS = [f"Write a short story about a {w} who learns to sail." for w in
@@ -126,9 +125,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--scrape-only", action="store_true", help="measure the scrape under load only (keep the offline figures)")
+    ap.add_argument("--report-only", action="store_true", help="write the report again from results/metrics_overhead.json")
     args = ap.parse_args()
-    if args.scrape_only:
-        result = json.loads((RESULTS / "metrics_overhead.json").read_text())
+    if args.report_only:
+        write(load("metrics_overhead"))
+        return
+    if args.scrape_only:  # the offline figures, and the machine they were measured on, stay as saved
+        result = load("metrics_overhead")
         result["scrape"] = scrape_under_load(_free_port())
         write(result)
         return
@@ -144,7 +147,7 @@ def main() -> None:
     del llm
     scrape = scrape_under_load(_free_port())
     write({"streams": STREAMS, "output_tokens": OUTPUT, "rounds": args.rounds, "tok_s_with_stats": on, "tok_s_without": off,
-           "ratio": statistics.median(on) / statistics.median(off), "scrape": scrape})
+           "ratio": statistics.median(on) / statistics.median(off), "scrape": scrape, "machine": machine()})
 
 
 def _free_port() -> int:
@@ -157,25 +160,23 @@ def _free_port() -> int:
 
 def write(result: dict) -> None:
     on, off, scrape = result["tok_s_with_stats"], result["tok_s_without"], result["scrape"]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "metrics_overhead.json").write_text(json.dumps(result, indent=2))
-    lines = [f"# Observability cost: {STREAMS} streams x {OUTPUT} tokens, default model and configuration",
-             "",
-             "| | output tok/s (median of rounds) |", "|---|---|",
-             f"| engine with timing records and per-step snapshot | {statistics.median(on):.1f} |",
-             f"| same engine, stats monitor off | {statistics.median(off):.1f} |",
-             f"| ratio | {result['ratio']:.3f} |",
-             "",
-             f"Scraped every 0.5 s under {STREAMS} streams on `shoal serve` ({scrape['load_tok_s']:.0f} output tok/s meanwhile), "
-             f"{scrape['scrapes']} scrapes:",
-             "",
-             "| request | median ms | max ms |", "|---|---|---|"]
-    for key, label in (("metrics", "`/metrics`, one kept-open connection (as Prometheus scrapes)"),
-                       ("metrics_new_connection", "`/metrics`, a new TCP connection each time"),
-                       ("health", "`/health` (does nothing), kept-open connection")):
-        lines.append(f"| {label} | {scrape[key]['median_ms']:.1f} | {scrape[key]['max_ms']:.1f} |")
-    (RESULTS / "metrics_overhead.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    lines = [f"# Observability cost: {STREAMS} streams x {OUTPUT} tokens, default model and configuration", ""]
+    if "machine" in result:  # results saved before the machine was recorded have none
+        lines += [f"On {machine_line(result['machine'])}.", ""]
+    lines += [*table(["", "output tok/s (median of rounds)"],
+                     [["engine with timing records and per-step snapshot", f"{statistics.median(on):.1f}"],
+                      ["same engine, stats monitor off", f"{statistics.median(off):.1f}"],
+                      ["ratio", f"{result['ratio']:.3f}"]]),
+              "",
+              f"Scraped every 0.5 s under {STREAMS} streams on `shoal serve` ({scrape['load_tok_s']:.0f} output tok/s meanwhile), "
+              f"{scrape['scrapes']} scrapes:",
+              "",
+              *table(["request", "median ms", "max ms"],
+                     [[label, f"{scrape[key]['median_ms']:.1f}", f"{scrape[key]['max_ms']:.1f}"]
+                      for key, label in (("metrics", "`/metrics`, one kept-open connection (as Prometheus scrapes)"),
+                                         ("metrics_new_connection", "`/metrics`, a new TCP connection each time"),
+                                         ("health", "`/health` (does nothing), kept-open connection"))])]
+    publish("metrics_overhead", result, lines)
 
 
 if __name__ == "__main__":

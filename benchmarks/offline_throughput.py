@@ -16,9 +16,6 @@ Writes benchmarks/results/offline_throughput.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,13 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from publish import machine, machine_line, publish, table  # noqa: E402
 from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.model.loader import resolve_model_path  # noqa: E402
 from shoal.runner.model_runner import resolve_dtype  # noqa: E402
 
 DTYPE = resolve_dtype("auto", torch.device("cpu"))  # both sides run in it
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 TOPICS = [
     "the water cycle", "how a CPU cache works", "the history of the printing press", "why the sky is blue",
@@ -115,10 +111,7 @@ def main() -> None:
     seq = results["transformers"]["sequential"]["tok_per_s"]
     pad = results["transformers"]["batch_32"]["tok_per_s"]
     results["machine"] = {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        **machine(),
         "dtype": str(DTYPE).removeprefix("torch."),
         "model": path.name,
         "num_prompts": args.num_prompts,
@@ -135,15 +128,12 @@ def main() -> None:
         f"# Offline throughput ({time.strftime('%Y-%m-%d')})",
         "",
         f"Model {path.name} in {str(DTYPE).removeprefix('torch.')} (both sides), {args.num_prompts} prompts x {args.max_tokens} output tokens (ignore_eos), "
-        f"{os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads. Same run, same machine.",
+        f"on {machine_line(results['machine'])}. Same run, same machine.",
         "",
-        "| runner | output tok/s | x transformers sequential | x transformers padded batch |",
-        "|---|---:|---:|---:|",
-    ] + [f"| {name} | {tps:.1f} | {r1:.2f} | {r2:.2f} |" for name, tps, r1, r2 in rows]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "offline_throughput.json").write_text(json.dumps(results, indent=2))
-    (RESULTS / "offline_throughput.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+        *table(["runner", "output tok/s", "x transformers sequential", "x transformers padded batch"],
+               [[name, f"{tps:.1f}", f"{r1:.2f}", f"{r2:.2f}"] for name, tps, r1, r2 in rows], align="lrrr"),
+    ]
+    publish("offline_throughput", results, md)
 
 
 if __name__ == "__main__":

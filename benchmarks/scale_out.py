@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -44,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch.distributed as dist  # noqa: E402
 
+from publish import load, machine, machine_line, publish, table  # noqa: E402
 from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.executor.distributed import WIRE, free_port, wire_bytes_per_token  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LOCAL = {  # name -> LLM keyword arguments
     "1 process": {},
     "TP=2, shared memory": {"tensor_parallel_size": 2},
@@ -212,12 +210,7 @@ STAGES = (2, 4, 8)
 
 def projection(token_s: float, weight_bytes: int) -> list[str]:
     """One stream's tokens/s through N stages, and a long prompt's time per hop (the model: see the text)."""
-    lines = [
-        "| model | wire | bytes per token per hop | " + " | ".join(f"N={n}, {g} Gbit/s" for n in STAGES for g in LINKS_GBIT) + " |",
-        "|---|---|---|" + "---|" * (len(STAGES) * len(LINKS_GBIT)),
-    ]
-    prompt = ["| model | wire | 4,096-token prompt per hop | " + " | ".join(f"{g} Gbit/s" for g in LINKS_GBIT) + " |",
-              "|---|---|---|" + "---|" * len(LINKS_GBIT)]
+    rows, prompt_rows = [], []
     for name, (hidden, _, layer_bytes) in SHAPES.items():
         # SmolLM2: the measured time per token; the 70B: scaled by its bf16 layers' bytes over the weights measured
         compute = token_s if name.startswith("SmolLM2") else token_s * layer_bytes / weight_bytes
@@ -229,21 +222,15 @@ def projection(token_s: float, weight_bytes: int) -> list[str]:
                 for g in LINKS_GBIT:
                     bw = g * 1e9 / 8
                     cells.append(f"{1 / (compute + (n - 1) * (HOP_LATENCY_S + hop / bw) + HOP_LATENCY_S + back / bw):.3g}")
-            lines.append(f"| {name} | {wire} | {hop:,} | " + " | ".join(cells) + " |")
-            prompt.append(f"| {name} | {wire} | {4096 * hop / 2**20:.1f} MiB | "
-                          + " | ".join(f"{1e3 * (HOP_LATENCY_S + 4096 * hop / (g * 1e9 / 8)):.0f} ms" for g in LINKS_GBIT) + " |")
-    return lines + ["", *prompt]
+            rows.append([name, wire, f"{hop:,}", *cells])
+            prompt_rows.append([name, wire, f"{4096 * hop / 2**20:.1f} MiB",
+                                *(f"{1e3 * (HOP_LATENCY_S + 4096 * hop / (g * 1e9 / 8)):.0f} ms" for g in LINKS_GBIT)])
+    return [*table(["model", "wire", "bytes per token per hop", *(f"N={n}, {g} Gbit/s" for n in STAGES for g in LINKS_GBIT)], rows),
+            "",
+            *table(["model", "wire", "4,096-token prompt per hop", *(f"{g} Gbit/s" for g in LINKS_GBIT)], prompt_rows)]
 
 
 # ---------------------------------------------------------------- report
-
-
-def _cpu() -> str:
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.machine()
-    return f"{name} ({os.cpu_count()} cores)"
 
 
 def main() -> int:
@@ -254,9 +241,10 @@ def main() -> int:
     p.add_argument("--report-only", action="store_true", help="write the report again from results/scale_out.json")
     a = p.parse_args()
     if a.report_only:
-        saved = json.loads((RESULTS / "scale_out.json").read_text())
+        saved = load("scale_out")
         a.rounds, a.dtype = saved["args"]["rounds"], saved["args"]["dtype"]
-        return report(a, saved["runs"], saved["link"], saved.get("cpu") or _cpu())
+        # results saved before the machine was recorded in full have only a "cpu" string, which machine_line reads
+        return report(a, saved["runs"], saved["link"], saved.get("machine") or {"cpu": saved.get("cpu")})
     runs: dict[str, list[dict]] = {name: [] for name in LOCAL}
     link_note = "skipped (--no-netns)"
     with contextlib.ExitStack() as stack:
@@ -271,29 +259,30 @@ def main() -> int:
                 fn = measure_shaped if name in SHAPED else measure
                 runs[name].append(fn({**LOCAL, **SHAPED}[name], a.dtype, r))
                 print(f"  {runs[name][-1]}", file=sys.stderr, flush=True)
-    return report(a, runs, link_note, _cpu())
+    return report(a, runs, link_note, machine())
 
 
-def report(a, runs: dict[str, list[dict]], link_note: str, cpu: str) -> int:
+def report(a, runs: dict[str, list[dict]], link_note: str, host: dict) -> int:
     med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "layers"} | {"layers": rs[0]["layers"]}
            for name, rs in runs.items()}
     base = med["1 process"]
     lines = [
         "# Scale-out: tensor and pipeline parallelism",
         "",
-        f"`benchmarks/scale_out.py --rounds {a.rounds} --dtype {a.dtype}` on {cpu}, default model, {TOKENS} greedy "
+        f"`benchmarks/scale_out.py --rounds {a.rounds} --dtype {a.dtype}` on {machine_line(host)}, default model, {TOKENS} greedy "
         "output tokens per request, offline, median over rounds. Ranks get one thread each; one process gets every core. "
         "Comm: rank 0's time in the step's broadcast, the per-layer sums and the pipeline's sends and receives (waiting "
         "for the other rank included: for pipeline stages, the wait for the other stage's compute) over its time in the "
         f"step. Shaped link: {link_note}.",
         "",
-        "| configuration | layers per rank | " + " | ".join(f"{n} streams tok/s (vs 1 process) | comm" for n in STREAMS) + " |",
-        "|---|---|" + "---|---|" * len(STREAMS),
     ]
+    rows = []
     for name, m in med.items():
-        cells = [f"{m[f'tok_s_{n}']:.1f} ({m[f'tok_s_{n}'] / base[f'tok_s_{n}']:.2f}x) | {m[f'comm_share_{n}']:.0%}" for n in STREAMS]
-        layers = ", ".join(f"{lo}-{hi - 1}" for lo, hi in m["layers"])
-        lines.append(f"| {name} | {layers} | " + " | ".join(cells) + " |")
+        cells = [cell for n in STREAMS
+                 for cell in (f"{m[f'tok_s_{n}']:.1f} ({m[f'tok_s_{n}'] / base[f'tok_s_{n}']:.2f}x)", f"{m[f'comm_share_{n}']:.0%}")]
+        rows.append([name, ", ".join(f"{lo}-{hi - 1}" for lo, hi in m["layers"]), *cells])
+    lines += table(["configuration", "layers per rank", *(h for n in STREAMS for h in (f"{n} streams tok/s (vs 1 process)", "comm"))],
+                   rows)
     lines += [
         "",
         "Each round against that round's one process (1 / 16 / 64 streams). The machine is shared, and the rounds "
@@ -301,12 +290,10 @@ def report(a, runs: dict[str, list[dict]], link_note: str, cpu: str) -> int:
         + ", ".join(f"{x['tok_s_1']:.1f}" for x in runs["1 process"]) + " tok/s at 1 stream in rounds "
         + ", ".join(str(r + 1) for r in range(len(runs["1 process"]))) + ".",
         "",
-        "| configuration | " + " | ".join(f"round {r + 1}" for r in range(len(runs["1 process"]))) + " |",
-        "|---|" + "---|" * len(runs["1 process"]),
+        *table(["configuration", *(f"round {r + 1}" for r in range(len(runs["1 process"])))],
+               [[name, *(" / ".join(f"{x[f'tok_s_{n}'] / b[f'tok_s_{n}']:.2f}" for n in STREAMS) for x, b in zip(rs, runs["1 process"]))]
+                for name, rs in runs.items()]),
     ]
-    for name, rs in runs.items():
-        lines.append(f"| {name} | " + " | ".join(" / ".join(f"{x[f'tok_s_{n}'] / b[f'tok_s_{n}']:.2f}" for n in STREAMS)
-                                              for x, b in zip(rs, runs["1 process"])) + " |")
     lines += [
         "",
         "## Bytes on the wire",
@@ -315,12 +302,10 @@ def report(a, runs: dict[str, list[dict]], link_note: str, cpu: str) -> int:
         "per token); the hop back to the logits is the model's dtype. Tensor parallelism sums each layer's two "
         "partial outputs instead: 2 sums x layers x hidden x 4 bytes per token per rank.",
         "",
-        "| model | " + " | ".join(WIRE) + " | TP sums per token |",
-        "|---|" + "---|" * (len(WIRE) + 1),
+        *table(["model", *WIRE, "TP sums per token"],
+               [[name, *(f"{wire_bytes_per_token(hidden, w):,}" for w in WIRE), f"{2 * layers * hidden * 4:,}"]
+                for name, (hidden, layers, _) in SHAPES.items()]),
     ]
-    for name, (hidden, layers, _) in SHAPES.items():
-        lines.append(f"| {name} | " + " | ".join(f"{wire_bytes_per_token(hidden, w):,}" for w in WIRE)
-                     + f" | {2 * layers * hidden * 4:,} |")
     token_s = 1 / base["tok_s_1"]
     lines += [
         "",
@@ -340,11 +325,8 @@ def report(a, runs: dict[str, list[dict]], link_note: str, cpu: str) -> int:
         "",
         *projection(token_s, base["weight_bytes"]),
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "scale_out.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "scale_out.json").write_text(json.dumps({"args": {"rounds": a.rounds, "dtype": a.dtype}, "cpu": cpu,
-                                                        "link": link_note, "runs": runs, "median": med}, indent=2))
-    print("\n".join(lines))
+    publish("scale_out", {"args": {"rounds": a.rounds, "dtype": a.dtype}, "machine": host, "link": link_note, "runs": runs,
+                          "median": med}, lines)
     return 0
 
 

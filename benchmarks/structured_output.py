@@ -22,15 +22,14 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from tqdm import tqdm
 
+from publish import machine, machine_line, publish, table
 from shoal import LLM, SamplingParams
 from shoal.engine.structured import GrammarCompiler
 from shoal.types import StructuredOutput
 
-RESULTS = Path(__file__).parent / "results"
 STREAMS = 16
 ROUNDS = 3
 MAX_TOKENS = 160
@@ -150,23 +149,21 @@ def main() -> None:
     free = summary["free"]["steady_tok_s"]
     for s in summary.values():
         s["vs_free"] = s["steady_tok_s"] / free
-    result = {"model": cfg.model, "dtype": cfg.dtype, "streams": STREAMS, "rounds": ROUNDS, "summary": summary,
+    result = {"model": cfg.model, "dtype": cfg.dtype, "streams": STREAMS, "rounds": ROUNDS, "machine": machine(), "summary": summary,
               "rounds_detail": rows, "compile": compile_times(llm)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "structured_output.json").write_text(json.dumps(result, indent=2))
     c = result["compile"]
     lines = [
         f"# Structured output: {STREAMS} streams, default model and configuration (median of {ROUNDS} rounds)",
         "",
-        "| batch | steady output tok/s | vs free | whole-run tok/s | documents that parse |",
-        "|---|---|---|---|---|",
+        f"On {machine_line(result['machine'])}.",
+        "",
+        *table(["batch", "steady output tok/s", "vs free", "whole-run tok/s", "documents that parse"],
+               [[name, f"{s['steady_tok_s']:.1f}", f"{s['vs_free']:.3f}", f"{s['wall_tok_s']:.1f}", s["valid_json"]]
+                for name, s in summary.items()]),
     ]
-    for name, s in summary.items():
-        lines.append(f"| {name} | {s['steady_tok_s']:.1f} | {s['vs_free']:.3f} | {s['wall_tok_s']:.1f} | {s['valid_json']} |")
     lines += ["", f"Compiling the schema: {c['compile_first_ms']:.1f} ms the first time, {c['compile_again_ms']:.3f} ms the second "
               f"(cached); the vocabulary index, once per model: {c['vocab_index_ms']:.0f} ms."]
-    (RESULTS / "structured_output.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish("structured_output", result, lines)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ ENGINE_OPTS = [
     Opt("--dtype", "auto", str, "weights and KV cache dtype (auto: bfloat16 where the device has native bf16 math, else float32)",
         choices=("auto", "float32", "bfloat16", "float16")),
     Opt("--quantization", "auto", str, "the projections' weight format: auto (default) serves a GGUF's own 4-bit or "
-        "8-bit weights as they are (CPU, bf16 activations), none dequantizes them; int8/int4 round any weights",
+        "8-bit weights as they are, none dequantizes them; int8/int4 round any weights",
         choices=("auto", "none", "int8", "int4")),
     Opt("--device", "auto", str, "cpu, cuda or auto (default)"),
     Opt("--max-model-len", None, int, "context length (default: the model's)"),
@@ -94,6 +94,8 @@ PARALLEL_OPTS = [
     Opt("--master-port", 0, int, "rank 0's rendezvous port (default: a free one; needed with --nnodes > 1)"),
     Opt("--restart-workers", False, None, "when a rank is lost, start the ranks again (and on other machines, "
         "`shoal worker --restart-workers` rejoins) and resume serving, instead of answering 503 until a restart", kind="flag"),
+    Opt("--heartbeat-timeout", 5.0, float, "seconds without a heartbeat from a rank before rank 0 takes it for hung "
+        "(stopped, stuck or cut off) and ends the steps waiting on it"),
 ]
 
 SERVER_OPTS = [

@@ -94,6 +94,7 @@ class ParallelConfig:
     timeout: float = 300.0  # seconds a collective may wait for a rank (loading included)
     shared_memory: bool = True  # ranks on one machine sum and broadcast through /dev/shm, not gloo (executor/shm.py)
     restart_workers: bool = False  # after a lost rank: start the ranks again and resume (else 503 until restarted)
+    heartbeat_timeout: float = 5.0  # seconds without a rank's heartbeat before rank 0 takes it for hung
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -112,6 +113,8 @@ class ParallelConfig:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.master_port:
             raise ValueError("several machines need an explicit --master-port that rank 0 listens on")
+        if not self.heartbeat_timeout >= 1.0:  # the ranks beat twice a second
+            raise ValueError(f"heartbeat_timeout must be at least 1 second, got {self.heartbeat_timeout}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
 

@@ -256,3 +256,27 @@ def test_auto_serves_the_files_own_4_bit_codes_where_the_low_bit_layers_run(tmp_
             lowbit = [m for m in model.modules() if isinstance(m, Int4Linear)]
             assert len(lowbit) == (4 * model.config.num_layers if want == "int4" else 0)
             assert all(m.native == native and m.from_codes for m in lowbit)
+
+
+def test_a_tied_q8_0_table_is_read_from_the_int8_head_bit_for_bit_and_the_float_table_is_dropped(tmp_path):
+    """With low-bit weights the head is an int8 copy of the tied embedding; where that copy gives the table back
+    exactly (a GGUF's Q8_0 table in float32; the default model in bfloat16 too: test_real_model), the embedding
+    reads its rows from it: every row the same bits as the float table's, and the float table no longer held.
+    A table that is not Q8_0 keeps its float embedding."""
+    from test_loader import Q, write_gguf
+
+    require_native_kernels()
+    folder = make_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=True)
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    write_gguf(folder, tmp_path / "q.gguf", "llama", {"token_embd": Q.Q8_0, **dict.fromkeys(kinds, Q.Q4_1)})
+    kw = dict(dtype="float32", num_blocks=16, block_size=4, max_model_len=64)
+    table = LLM(str(tmp_path / "q.gguf"), quantization="none", **kw).engine.runner.model.model.embed_tokens.weight
+    llm = LLM(str(tmp_path / "q.gguf"), **kw)
+    model = llm.engine.runner.model
+    embed = model.model.embed_tokens
+    assert isinstance(embed, quant.Int8Embedding) and llm.engine.weight_format == "int4"
+    ids = torch.arange(model.config.vocab_size)
+    assert torch.equal(embed(ids), table) and torch.equal(embed(ids.flip(0)[:7]), table.flip(0)[:7])
+    assert not any(p.shape == table.shape for p in [*model.parameters(), *model.buffers()])
+    llm8 = LLM(str(folder), quantization="int8", **kw)  # float weights rounded to int8: the copy is not the table
+    assert type(llm8.engine.runner.model.model.embed_tokens) is torch.nn.Embedding

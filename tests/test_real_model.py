@@ -99,7 +99,7 @@ def test_default_serves_the_gguf_own_4bit_weights(default_gguf_path, hf_default_
     import copy
 
     from shoal.model.loader import load_checkpoint
-    from shoal.model.quant import Int4Linear
+    from shoal.model.quant import Int4Linear, Int8Embedding
 
     llm = LLM(str(default_gguf_path), dtype=dtype, max_model_len=1024, check_integrity=True)
     model = llm.engine.runner.model
@@ -122,13 +122,18 @@ def test_default_serves_the_gguf_own_4bit_weights(default_gguf_path, hf_default_
             # shoal's kernels keep the file's float16 scales and minimums: the same weights, to float32's rounding;
             # torch's round them to bf16: well under one 4-bit step (~1/15 of a range)
             assert (got - want).abs().max() <= (1e-6 if native else 0.01) * want.abs().max(), names
+    if native:  # the embedding reads the file's Q8_0 table back from the int8 head, bit for bit
+        table = file_weights["model.embed_tokens.weight"].to(llm.engine.runner.dtype)
+        assert isinstance(model.model.embed_tokens, Int8Embedding)
+        for start in range(0, len(table), 8192):
+            assert torch.equal(model.model.embed_tokens(torch.arange(start, min(start + 8192, len(table)))), table[start:start + 8192])
     # The first differences must be near ties (each side's token in the other's top 5). "What is the capital of
     # France?" is one: its first token is "The" or "L'" at ~0.16 each, and int4's rounding can pick either.
     # The reference multiplies unrounded activations, shoal's kernels int8-rounded ones per block of 32 (as
     # llama.cpp does): SmolLM2's outlier channels make that 1-2% of a projection's output, so near ties tip apart
     # within the first tokens (measured: 1-2 of 8 to the end in float32, 0-1 in bfloat16). The issue's criterion is
     # the top-5 rule at every first difference, and that is what holds.
-    ref = copy.deepcopy(hf_default_model).to(model.model.embed_tokens.weight.dtype)
+    ref = copy.deepcopy(hf_default_model).to(llm.engine.runner.dtype)
     _assert_greedy_matches(llm, ref, PROMPTS[:8], min_exact=0)
 
 

@@ -15,11 +15,22 @@ Gathering costs (ranks - 1) times the bytes of a reduce, a few kilobytes per
 token for the models shoal runs on CPUs.
 
 Pipeline stages (`--pipeline-parallel-size P`) get the same broadcast; each runs
-its own range of layers on the hidden states the previous stage sends (send/recv,
-in the wire dtype), and the last sends its output back to rank 0 uncompressed.
+its own range of layers on the hidden states the previous stage sends (in the
+wire dtype), and the last sends its output back to rank 0 uncompressed. Each hop
+is a broadcast in a group of its two ranks rather than gloo's send/recv: a
+collective's completion can be polled (a send's or a receive's cannot, before
+it is waited for), so rank 0 can give up a wait and a stage can let go of what
+it sent.
 Both at once: stage s is ranks s*T .. s*T+T-1, which sum among themselves; each
 sends its (identical) output on to its counterpart in the next stage, and the
 last stage's first rank sends back to rank 0.
+
+Hangs: every other rank counts a heartbeat in rank 0's TCP store twice a second
+(a thread, so a rank that is stopped, cut off or stuck stops counting); rank 0
+watches the counts, and one that has not moved for --heartbeat-timeout seconds
+makes rank 0's waits give up (`RankGroup.lost`): it polls every collective it
+waits on, where gloo's own wait on a rank that never answers would last the
+whole collective timeout (gloo's abort does not end a wait already begun).
 
 Processes: `shoal serve --tensor-parallel-size N` on one machine starts ranks
 1..N-1 itself (`python -m shoal.executor.worker`); across machines the others
@@ -33,6 +44,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -51,6 +63,7 @@ from shoal.runner.model_runner import forward_batch
 log = logging.getLogger("shoal.executor")
 HEARTBEAT = "heartbeat"  # what rank 0 broadcasts when no step has gone out for HEARTBEAT_S (workers skip it)
 HEARTBEAT_S = 2.0
+BEAT_S = 0.5  # how often the other ranks count their heartbeat in rank 0's store
 
 
 class RankGroup:
@@ -65,6 +78,9 @@ class RankGroup:
         self.tp_group = None  # their process group, where it is not every rank
         self.shm: SharedMemoryChannel | None = None  # same-host broadcast (and sums), once open_shared_memory ran
         self.sum_shm: SharedMemoryChannel | None = None  # the same-host channel this rank's sums go through
+        self.hops: dict[tuple[int, int], object] = {}  # (from, to) rank: the two-rank group a pipeline hop goes through
+        self.watched = False  # rank 0 watching heartbeats: its waits poll, and give up once `lost` is set
+        self.lost: str | None = None  # why the waits give up: a rank has stopped answering (HeartbeatWatch)
 
     @classmethod
     def join(cls, rank: int, size: int, addr: str, port: int, timeout: float, device: str = "cpu") -> RankGroup:
@@ -113,14 +129,45 @@ class RankGroup:
                                 timeout=datetime.timedelta(seconds=timeout))
         return cls(rank, size, "gloo", timeout)
 
+    def store_client(self) -> dist.TCPStore:
+        """A connection of this thread's own to rank 0's store (ours, or the one torchrun's MASTER_ADDR:MASTER_PORT names)."""
+        host, port = self.address or (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout))
+
+    def start_beating(self) -> None:
+        """A rank other than 0: count this process's heartbeat in rank 0's store every BEAT_S, from a thread of
+        its own, for as long as the process lives (HeartbeatWatch reads the counts)."""
+
+        def beat() -> None:
+            key = f"shoal/beat/{self.rank}"
+            while True:
+                try:
+                    store = self.store_client()
+                    while True:
+                        store.add(key, 1)
+                        time.sleep(BEAT_S)
+                except Exception as e:  # noqa: BLE001 (rank 0 unreachable: connect again; the steps' collectives say what broke)
+                    log.debug("rank %d: heartbeat not counted (%s)", self.rank, first_line(e))
+                    time.sleep(BEAT_S)
+
+        threading.Thread(target=beat, name="shoal-heartbeat", daemon=True).start()
+
     def set_layout(self, tp: int) -> None:
-        """Collective: ranks s*tp .. s*tp+tp-1 are pipeline stage s's tensor-parallel ranks, and sum together."""
-        self.tp, self.tp_group = tp, None
+        """Collective: ranks s*tp .. s*tp+tp-1 are pipeline stage s's tensor-parallel ranks, and sum together.
+        Each pipeline hop (a rank to its counterpart in the next stage, and the last stage's first rank back to
+        rank 0) gets a group of its two ranks, for `send_hidden`."""
+        self.tp, self.tp_group, self.hops = tp, None, {}
+        stages = self.size // tp
         if 1 < tp < self.size:  # both kinds at once: a process group per stage (every rank makes every group)
-            for stage in range(self.size // tp):
+            for stage in range(stages):
                 group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
                 if self.rank // tp == stage:
                     self.tp_group = group
+        links = [(s * tp + i, (s + 1) * tp + i) for s in range(stages - 1) for i in range(tp)]
+        for link in links + ([((stages - 1) * tp, 0)] if stages > 1 else []):
+            group = dist.new_group(sorted(link))  # every rank makes every group, in the same order
+            if self.rank in link:
+                self.hops[link] = group
 
     def open_shared_memory(self, part_bytes: int, alive=None, message_bytes: int = 1 << 20, enabled: bool = True) -> bool:
         """Collective: where every rank runs on this machine (and on the CPU), move the per-step
@@ -150,7 +197,7 @@ class RankGroup:
         if self.sum_shm is not None and self.sum_shm.fits(partial):
             return self.sum_shm.reduce(partial)
         parts = [torch.empty_like(partial) for _ in range(self.tp)]
-        dist.all_gather(parts, partial.contiguous(), group=self.tp_group)
+        self.settle(dist.all_gather(parts, partial.contiguous(), group=self.tp_group, async_op=True))
         total = parts[0].float()
         for p in parts[1:]:
             total += p
@@ -166,22 +213,49 @@ class RankGroup:
                 ok, got = self.shm.receive()
                 if ok:
                     return got
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        # pickled, as broadcast_object_list does, but through collectives rank 0 can poll (settle)
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.long)
+        else:
+            size = torch.empty(1, dtype=torch.long)
+        self.settle(dist.broadcast(size, 0, async_op=True))
+        if self.rank != 0:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        self.settle(dist.broadcast(data, 0, async_op=True))
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def settle(self, work) -> None:
+        """Wait for a collective. Rank 0, once it watches heartbeats, polls instead, and gives up when a rank
+        is found hung (`lost`): gloo's wait on a rank that never answers lasts the whole collective timeout."""
+        if self.watched:
+            polls = 0
+            while not work.is_completed():
+                if self.lost is not None:
+                    raise RuntimeError(self.lost)
+                polls += 1
+                if polls < 64:
+                    os.sched_yield()
+                else:
+                    time.sleep(min(5e-4, 1e-5 * polls))
+        work.wait()  # done: raises the collective's error, if it failed
 
     def send_hidden(self, hidden: torch.Tensor, dst: int, wire: str | None) -> list:
-        """A pipeline stage's output to the next stage, in the wire dtype (int8: symmetric, a scale per row;
-        None: as it is, for the way back to the logits, which is never compressed). The sends are not waited
-        for (a stage goes on with the next micro-batch): wait for what it returns before it is dropped."""
-        return [_Send(t, dist.isend(t, dst)) for t in (p.contiguous() for p in encode_wire(hidden, wire))]
+        """A pipeline stage's output to rank `dst`, in the wire dtype (int8: symmetric, a scale per row; None: as
+        it is, for the way back to the logits, which is never compressed), as a broadcast in the hop's two-rank
+        group. The sends are not waited for (a stage goes on with the next micro-batch): settle what it
+        returns before it is dropped."""
+        hop = self.hops[(self.rank, dst)]
+        return [_Send(t, dist.broadcast(t, self.rank, group=hop, async_op=True))
+                for t in (p.contiguous() for p in encode_wire(hidden, wire))]
 
     def recv_hidden(self, rows: int, width: int, src: int, wire: str | None, dtype: torch.dtype) -> torch.Tensor:
         parts = [torch.empty(rows, width, dtype=WIRE[wire] if wire is not None else dtype)]
         if wire == "int8":
             parts.append(torch.empty(rows, 1, dtype=torch.float32))
+        hop = self.hops[(src, self.rank)]
         for t in parts:
-            dist.recv(t, src)
+            self.settle(dist.broadcast(t, src, group=hop, async_op=True))
         return decode_wire(parts, dtype)
 
     def agree_min(self, value: int) -> int:
@@ -202,7 +276,7 @@ class RankGroup:
         if self.shm is not None:
             self.shm.close(unlink=self.rank == 0)
             self.shm = None
-        self.tp_group = None
+        self.tp_group, self.hops = None, {}
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -216,11 +290,56 @@ class _Send:
     tensor: torch.Tensor  # kept alive until the send is done
     work: object
 
-    def wait(self) -> None:
-        self.work.wait()
-
     def done(self) -> bool:
         return self.work.is_completed()
+
+
+class HeartbeatWatch:
+    """Rank 0's watch over the other ranks' heartbeats (RankGroup.start_beating): a rank whose count has not
+    moved for `timeout` seconds is hung (stopped, cut off, stuck in a call), and the group's waits give up."""
+
+    def __init__(self, group: RankGroup, timeout: float) -> None:
+        self.group, self.timeout = group, timeout
+        self.silent: int | None = None  # the rank found hung
+        self.active = True  # False while the ranks restart (they load before they count again)
+        self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it last moved)
+        self._stop = threading.Event()
+        group.watched = True
+        threading.Thread(target=self._run, name="shoal-heartbeat-watch", daemon=True).start()
+
+    def reset(self) -> None:
+        """After a restart: every rank's silence is timed from now."""
+        self._seen, self.silent, self.group.lost = {}, None, None
+        self.active = True
+
+    def _run(self) -> None:
+        store = None
+        while not self._stop.wait(BEAT_S):
+            try:
+                store = store or self.group.store_client()
+                counts = {r: store.add(f"shoal/beat/{r}", 0) for r in range(1, self.group.size)}
+            except Exception as e:  # noqa: BLE001 (the store is this process's: a hiccup, try again)
+                log.debug("heartbeat counts not read (%s)", first_line(e))
+                store = None
+                continue
+            self.check(counts, time.monotonic())
+
+    def check(self, counts: dict[int, int], now: float) -> None:
+        """One look at the ranks' counts at monotonic time `now`."""
+        if not self.active:
+            self._seen = {}
+            return
+        for rank, count in counts.items():
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != count:
+                self._seen[rank] = (count, now)
+            elif now - seen[1] > self.timeout and self.group.lost is None:
+                self.silent = rank
+                self.group.lost = f"rank {rank} sent no heartbeat for {now - seen[1]:.0f} s (stopped, hung or cut off)"
+                log.error("%s: the steps waiting on it give up", self.group.lost)
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def first_line(e: BaseException) -> str:
@@ -292,6 +411,7 @@ class DistributedExecutor:
         self.failure: str | None = None  # why the ranks are out of step (for the log); None while they are well
         self.restarts = 0
         self._last_broadcast = time.monotonic()
+        self.watch: HeartbeatWatch | None = None  # started once every rank is ready (start_rank0)
 
     @property
     def depth(self) -> int:
@@ -321,8 +441,8 @@ class DistributedExecutor:
             if ticket.has_hidden:  # the last stage's output, in the model's dtype: logits never come from a compressed copy
                 last = (self.stages - 1) * self.tp  # the last stage's first rank
                 hidden = self.group.recv_hidden(ticket.rows, self.runner.config.hidden_size, last, None, self.runner.dtype)
-            for work in ticket.sends:
-                work.wait()
+            for send in ticket.sends:
+                self.group.settle(send.work)
         return self.runner.outputs(ticket.seqs, hidden)
 
     def _forward_everywhere(self, batch):
@@ -341,7 +461,7 @@ class DistributedExecutor:
         except BaseException as e:
             # The ranks run every collective in lockstep: after a failure mid-forward (a lost rank,
             # a timeout, an error in this rank's part) they no longer agree on where they are.
-            self._fail(first_line(e))
+            self._fail(self.group.lost or first_line(e))
             raise
 
     def _fail(self, why: str) -> None:
@@ -356,8 +476,10 @@ class DistributedExecutor:
         if self.failure is None:
             for w in self.workers:
                 if w.poll() is not None:
-                    self._fail(f"rank {w.args[-1]} exited with code {w.returncode}")
+                    self._fail(f"rank {w.rank} exited with code {w.returncode}")
                     break
+        if self.failure is None and self.group.lost is not None:
+            self._fail(self.group.lost)
         if self.failure is None and time.monotonic() - self._last_broadcast > HEARTBEAT_S:
             try:
                 with self._failing():
@@ -372,6 +494,9 @@ class DistributedExecutor:
         part with the plan it had. Rank 0 keeps its part and its KV pool, so the HTTP side never stops. The
         caller has ended every request and must forget the prefix cache: the other ranks' KV is gone."""
         log.warning("restarting the ranks that hold the model (%s)", self.failure)
+        if self.watch is not None:
+            self.watch.active = False
+        self.group.lost = None
         _stop(self.workers)
         self.group.leave()
         self.workers = _start_workers(self.config, self.group.address[1])
@@ -391,20 +516,26 @@ class DistributedExecutor:
             _stop(self.workers)
             raise
         self.failure = None
+        if self.watch is not None:
+            self.watch.reset()
         self.restarts += 1
         log.info("the ranks are back (restart %d): serving resumes", self.restarts)
 
     def _open_shared_memory(self) -> bool:
-        return self.group.open_shared_memory(part_bytes(self.config, self.runner), alive=lambda: all(w.poll() is None for w in self.workers),
-                                             enabled=self.config.parallel.shared_memory)
+        def alive() -> bool:
+            return self.group.lost is None and all(w.poll() is None for w in self.workers)
+
+        return self.group.open_shared_memory(part_bytes(self.config, self.runner), alive=alive, enabled=self.config.parallel.shared_memory)
 
     def cluster(self) -> dict:
         ranks = []
         for info in self.ranks:
             info = dict(info)
-            proc = next((w for w in self.workers if w.args[-1] == str(info["rank"])), None) if info["rank"] else None
+            proc = next((w for w in self.workers if w.rank == info["rank"]), None)
             if proc is not None and proc.poll() is not None:
                 info["state"] = f"exited ({proc.returncode})"
+            elif self.failure is not None and self.watch is not None and self.watch.silent == info["rank"]:
+                info["state"] = "not answering (no heartbeat)"
             elif self.failure is not None:
                 info["state"] = "unreachable"
             ranks.append(info)
@@ -416,15 +547,20 @@ class DistributedExecutor:
             "wire_dtype": self.wire if self.stages > 1 else str(self.runner.dtype).removeprefix("torch."),
             "wire_bytes_per_token": wire_bytes_per_token(self.runner.config.hidden_size, self.wire) if self.stages > 1 else None,
             "restart_workers": self.config.parallel.restart_workers, "restarts": self.restarts,
+            "heartbeat_timeout_s": self.config.parallel.heartbeat_timeout,
             "ranks": ranks,
         }
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         if self.failure is None and dist.is_initialized():
             try:
                 self.group.broadcast(None)  # the workers' signal to stop
             except RuntimeError:
                 pass
+        else:
+            _stop(self.workers)  # out of step (or hung): they cannot take the signal
         self.group.close()
         for w in self.workers:
             try:
@@ -455,6 +591,7 @@ def start_rank0(config: EngineConfig):
         executor = DistributedExecutor(part.runner, group, [], workers, config)
         shared = executor._open_shared_memory()
         executor.ranks = group.gather(rank_info(part.runner, group))
+        executor.watch = HeartbeatWatch(group, par.heartbeat_timeout)
     except BaseException:
         group.close()
         _stop(workers)
@@ -487,7 +624,9 @@ def spawn_worker(rank: int, size: int, addr: str, port: int, timeout: float, rej
     """`rejoin`: after losing the group, meet it again (a machine's own ranks under --restart-workers)."""
     cmd = [sys.executable, "-m", "shoal.executor.worker", "--world-size", str(size), "--master-addr", addr,
            "--master-port", str(port), "--timeout", str(timeout), *(["--rejoin"] if rejoin else []), "--rank", str(rank)]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    proc.rank = rank
+    return proc
 
 
 def free_port(addr: str) -> int:
@@ -510,6 +649,6 @@ def _watch(workers: list[subprocess.Popen]) -> None:
         for w in workers:
             code = w.wait()
             if code and not getattr(w, "stopping", False):
-                log.error("rank %s (a worker process) exited with code %d", w.args[-1], code)
+                log.error("rank %d (a worker process) exited with code %d", w.rank, code)
 
     threading.Thread(target=watch, name="shoal-tp-watch", daemon=True).start()

@@ -64,7 +64,7 @@ def serve_forwards(group: RankGroup) -> None:
             elif local == 0:
                 sending += group.send_hidden(out, 0, None)
     for s in sending:
-        s.wait()
+        s.work.wait()
     log.info("rank %d: stopped by rank 0", group.rank)
     group.close()
 
@@ -72,6 +72,7 @@ def serve_forwards(group: RankGroup) -> None:
 def run_rank(group: RankGroup, rejoin: bool) -> None:
     """Serve forwards until rank 0 says stop. `rejoin`: when the group breaks (another rank was lost, rank 0
     is restarting the ranks: --restart-workers), meet it again and reload, instead of exiting."""
+    group.start_beating()
     while True:
         try:
             serve_forwards(group)

@@ -226,6 +226,26 @@ class Int8Linear(PartLoader, Layer):
         return y if self.bias is None else y + self.bias
 
 
+class Int8Embedding(Layer):
+    """An embedding read from the logits head's int8 copy of the same (tied) table: a token's row is its codes
+    times their group scales. Used only where that gives the float table's values exactly (Model.finish_head
+    checks), so outputs do not change; what changes is memory: the float table is gone (113 MB of float32 for
+    SmolLM2-135M, half its weights, and all of it on pipeline stage 0)."""
+
+    def __init__(self, head: Int8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        object.__setattr__(self, "head", head)  # not a submodule: the model holds the head (its bytes count once)
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        codes, scale = unpack_q8(self.head.packed[ids // PANEL], len(ids) * PANEL)  # each token's panel of 16 rows
+        rows = torch.arange(len(ids), device=ids.device) * PANEL + ids % PANEL
+        codes, scale = codes[rows], scale[rows]
+        x = (codes.float().view(len(ids), -1, GROUP_SIZE) * scale[..., None]).view(len(ids), -1)
+        return x.to(self.dtype).view(*input_ids.shape, -1)
+
+
 class Int4Linear(PartLoader, Layer):
     """y = x @ w.T + bias, w[r, c] = codes[r, c] * scale[r, g] + low[r, g] for group g = c // 32.
 
@@ -333,8 +353,9 @@ class WeightFormat:
         """With low-bit projections, the logits head gets its own int8 copy of its (tied) weight.
 
         The head stays at 8 bits even with int4: it is the one matrix whose
-        rounding every logit sees directly. The embedding table stays as it
-        is: a lookup reads only the rows it needs.
+        rounding every logit sees directly. A tied embedding table that the
+        copy gives back exactly (a GGUF's Q8_0 table, in float32) is then read
+        from the copy (Int8Embedding), and the float table is dropped.
         """
         if self.name == "none":
             return
@@ -342,3 +363,5 @@ class WeightFormat:
         model.logits_head = Int8Linear(head)
         if not model.config.tie_word_embeddings:
             del model.lm_head
+        elif model.logits_head.native and torch.equal(model.logits_head.dequantized().to(head.dtype), head):
+            model.model.embed_tokens = Int8Embedding(model.logits_head, head.dtype)
