@@ -64,18 +64,23 @@ LINK = {"rate": "1gbit", "delay": "0.5ms"}
 
 
 class Clock:
-    """Seconds rank 0 spends inside `fn` calls."""
+    """Seconds rank 0 spends inside `fn` calls (a wrapped call inside another counts once)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.depth = 0
 
     def wrap(self, fn):
         def timed(*a, **k):
+            if self.depth:
+                return fn(*a, **k)
+            self.depth += 1
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 self.seconds += time.perf_counter() - t
+                self.depth -= 1
 
         return timed
 
@@ -90,7 +95,7 @@ def instrument(llm: LLM, comm: Clock, step: Clock) -> None:
     else:  # tensor parallel: the forward everywhere (the sampling after it is the same as one process's)
         ex._forward_everywhere = step.wrap(ex._forward_everywhere)
     group = ex.group
-    for name in ("broadcast", "send_hidden", "recv_hidden"):
+    for name in ("broadcast", "send_hidden", "recv_hidden", "settle"):  # settle: rank 0's waits for collectives
         setattr(group, name, comm.wrap(getattr(group, name)))
     if group.shm is not None:
         group.shm.reduce = comm.wrap(group.shm.reduce)
@@ -116,10 +121,12 @@ def measure(kwargs: dict, dtype: str, salt: int) -> dict:
                 out[f"tok_s_{n}"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
                 out[f"step_ms_{n}"] = 1000 * dt / TOKENS  # wall time per token of every stream
                 out[f"comm_share_{n}"] = comm.seconds / step.seconds if step.seconds else 0.0
-            out["layers"] = [r["layers"] for r in llm.engine.executor.cluster()["ranks"]]
+            ranks = llm.engine.executor.cluster()["ranks"]
+            out["layers"] = [r["layers"] for r in ranks]
             model = llm.engine.runner.model  # rank 0's weights: all of them in one process
             out["weight_bytes"] = sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
                                       if "rotary" not in name)
+            out["rank_weight_bytes"] = [r.get("weights_bytes", out["weight_bytes"]) for r in ranks]
             return out
     finally:
         dist.all_gather = real_all_gather
@@ -263,8 +270,9 @@ def main() -> int:
 
 
 def report(a, runs: dict[str, list[dict]], link_note: str, host: dict) -> int:
-    med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "layers"} | {"layers": rs[0]["layers"]}
-           for name, rs in runs.items()}
+    per_rank = ("layers", "rank_weight_bytes")  # the same every round
+    med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0] if k not in per_rank}
+           | {k: rs[0][k] for k in per_rank if k in rs[0]} for name, rs in runs.items()}
     base = med["1 process"]
     lines = [
         "# Scale-out: tensor and pipeline parallelism",
@@ -280,8 +288,9 @@ def report(a, runs: dict[str, list[dict]], link_note: str, host: dict) -> int:
     for name, m in med.items():
         cells = [cell for n in STREAMS
                  for cell in (f"{m[f'tok_s_{n}']:.1f} ({m[f'tok_s_{n}'] / base[f'tok_s_{n}']:.2f}x)", f"{m[f'comm_share_{n}']:.0%}")]
-        rows.append([name, ", ".join(f"{lo}-{hi - 1}" for lo, hi in m["layers"]), *cells])
-    lines += table(["configuration", "layers per rank", *(h for n in STREAMS for h in (f"{n} streams tok/s (vs 1 process)", "comm"))],
+        weights = ", ".join(f"{b / 2**20:.0f}" for b in m["rank_weight_bytes"]) if "rank_weight_bytes" in m else "–"
+        rows.append([name, ", ".join(f"{lo}-{hi - 1}" for lo, hi in m["layers"]), weights, *cells])
+    lines += table(["configuration", "layers per rank", "weights per rank, MiB", *(h for n in STREAMS for h in (f"{n} streams tok/s (vs 1 process)", "comm"))],
                    rows)
     lines += [
         "",
