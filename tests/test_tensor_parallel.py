@@ -43,6 +43,18 @@ def test_smollm2_splits_by_whole_kv_groups_over_two_ranks():
     assert [s.intermediate for s in plan_tensor_parallel(9, 3, 1536, 3)] == [(0, 512), (512, 1024), (1024, 1536)]
 
 
+def test_the_mlp_columns_make_up_for_an_uneven_head_split():
+    # SmolLM2 (head size 64): 3 query heads and a KV head against 6 and two are 512 and 1024 weights per hidden
+    # unit; 27 and 21 blocks of 32 columns (3 weights each) bring the ranks to 3,104 and 3,040
+    plan = plan_tensor_parallel(9, 3, 1536, 2, head_dim=64)
+    assert [(s.heads, s.kv_heads, s.intermediate) for s in plan] == [((0, 3), (0, 1), (0, 864)), ((3, 9), (1, 3), (864, 1536))]
+    # even heads: even columns, the larger share last, as without the head size
+    assert [s.intermediate for s in plan_tensor_parallel(9, 3, 1536, 3, head_dim=64)] == [(0, 512), (512, 1024), (1024, 1536)]
+    assert [s.intermediate for s in plan_tensor_parallel(6, 3, 100, 3, head_dim=8)] == [(0, 33), (33, 66), (66, 100)]
+    # a head split too uneven to make up: the lighter rank takes every column but the other's one unit
+    assert [s.intermediate for s in plan_tensor_parallel(9, 3, 64, 2, head_dim=64)] == [(0, 32), (32, 64)]
+
+
 def test_more_ranks_than_kv_heads_replicate_each_kv_head():
     plan = plan_tensor_parallel(9, 3, 1536, 6)
     assert [s.kv_heads for s in plan] == [(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 3)]
@@ -220,7 +232,7 @@ def test_default_gguf_over_two_ranks_keeps_its_codes_and_tracks_transformers(def
         assert llm.engine.weight_format == "int4"
         layers = llm.engine.runner.model.model.layers
         assert all(m.from_codes for m in llm.engine.runner.model.model.modules() if isinstance(m, Int4Linear))
-        assert layers[0].self_attn.o_proj.in_features == 3 * 64 and layers[0].mlp.down_proj.in_features == 768
+        assert layers[0].self_attn.o_proj.in_features == 3 * 64 and layers[0].mlp.down_proj.in_features == 864  # 27 blocks of 32
         ref = copy.deepcopy(hf_default_model).to(llm.engine.runner.model.model.norm.weight.dtype)
         _assert_greedy_matches(llm, ref, REAL_PROMPTS[:4], min_exact=1)
         # not France: with int4 weights its first token is a near tie that two ranks' partial sums can tip (README)

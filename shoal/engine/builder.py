@@ -104,7 +104,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
                     plan.update(free_bytes=room, layer_bytes=-(-one_layer // tp))
             layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **plan)[stage]
         if tp > 1:
-            shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, tp)[local]
+            shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, tp, head_dim=whole.head_dim)[local]
 
         def select(name):
             if layers is not None and stage_name(name, layers, layers[0] == 0) is None:

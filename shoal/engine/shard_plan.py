@@ -13,8 +13,12 @@ whole KV groups while there are at least as many KV heads as ranks; past that
 each rank holds one KV head (replicated on several ranks) and a share of its
 group's query heads. Intermediate columns move in units of `unit` (32, the
 4-bit formats' group along the input, so a GGUF's codes split without
-re-rounding). The smaller shares go to the lower ranks: rank 0 also serves HTTP
-and samples.
+re-rounding). Given the head size, the columns even out the ranks' projection
+weights, so an uneven head split is made up in the MLP: the ranks meet at a sum
+after every attention and every MLP, so a layer runs at its heaviest rank's
+pace (SmolLM2 over two ranks: 864 and 672 columns beside 3 and 6 query heads,
+where 768 each left rank 1 with 18% more to do). On a tie the smaller share
+goes to the lower rank: rank 0 also serves HTTP and samples.
 """
 
 from __future__ import annotations
@@ -60,8 +64,10 @@ def _ranges(sizes: list[int], scale: int = 1) -> list[tuple[int, int]]:
     return out
 
 
-def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, unit: int = 32) -> list[TensorShard]:
-    """One TensorShard per rank; a ValueError naming the shortfall when the model cannot be split `size` ways."""
+def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, unit: int = 32,
+                         head_dim: int = 0) -> list[TensorShard]:
+    """One TensorShard per rank; a ValueError naming the shortfall when the model cannot be split `size` ways.
+    head_dim: weigh the heads against the columns (0: split the columns evenly)."""
     if size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {size}")
     if num_heads % num_kv_heads:
@@ -86,7 +92,16 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: i
     step = unit if intermediate_size % unit == 0 and intermediate_size // unit >= size else 1
     if intermediate_size // step < size:
         raise ValueError(f"--tensor-parallel-size {size} exceeds the MLP's {intermediate_size} intermediate columns")
-    inter = _ranges(split_evenly(intermediate_size // step, size), step)
+    # Per rank, in weights per hidden unit: a query head has q and o rows of head_dim (2 d), a KV head k and v
+    # (2 d), a column gate, up and down (3). Every rank gets one unit of columns, then each next unit goes to
+    # the rank with the least so far (the highest such rank).
+    work = [2 * head_dim * ((b - a) + (kb - ka)) + 3 * step for (a, b), (ka, kb) in zip(heads, kv)]
+    units = [1] * size
+    for _ in range(intermediate_size // step - size):
+        r = min(range(size), key=lambda i: (work[i], -i))
+        units[r] += 1
+        work[r] += 3 * step
+    inter = _ranges(units, step)
     return [TensorShard(r, size, heads[r], kv[r], inter[r]) for r in range(size)]
 
 
