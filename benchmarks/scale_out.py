@@ -252,6 +252,7 @@ def main() -> int:
         a.rounds, a.dtype = saved["args"]["rounds"], saved["args"]["dtype"]
         # results saved before the machine was recorded in full have only a "cpu" string, which machine_line reads
         return report(a, saved["runs"], saved["link"], saved.get("machine") or {"cpu": saved.get("cpu")})
+    host = machine()  # before any configuration sets torch's threads for its ranks
     runs: dict[str, list[dict]] = {name: [] for name in LOCAL}
     link_note = "skipped (--no-netns)"
     with contextlib.ExitStack() as stack:
@@ -266,7 +267,7 @@ def main() -> int:
                 fn = measure_shaped if name in SHAPED else measure
                 runs[name].append(fn({**LOCAL, **SHAPED}[name], a.dtype, r))
                 print(f"  {runs[name][-1]}", file=sys.stderr, flush=True)
-    return report(a, runs, link_note, machine())
+    return report(a, runs, link_note, host)
 
 
 def report(a, runs: dict[str, list[dict]], link_note: str, host: dict) -> int:

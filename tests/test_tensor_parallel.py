@@ -240,6 +240,23 @@ def test_default_gguf_over_two_ranks_keeps_its_codes_and_tracks_transformers(def
     assert "Berlin" in capital[0].outputs[0].text
 
 
+def test_ranks_hold_their_part_of_the_default_model_and_no_more(default_gguf_path):
+    """Weights per rank on the default model in its default configuration: two tensor-parallel ranks hold one
+    model between them (rank 1 no logits head, nor a float copy of one for the invariant paths, and its
+    embedding read from an int8 copy of the Q8_0 table as on rank 0), and two pipeline stages about half each."""
+
+    def weights(**kw) -> list[int]:
+        with LLM(str(default_gguf_path), max_model_len=256, kv_cache_memory=64 * 2**20, **kw) as llm:
+            return [r.get("weights_bytes") for r in llm.engine.executor.cluster()["ranks"]]
+
+    with LLM(str(default_gguf_path), max_model_len=256, kv_cache_memory=64 * 2**20) as one:
+        model = one.engine.runner.model
+        whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    tp, pp = weights(tensor_parallel_size=2), weights(pipeline_parallel_size=2)
+    assert sum(tp) < 1.05 * whole and tp[1] < tp[0]  # rank 0 also holds the head
+    assert all(0.4 * whole < b < 0.6 * whole for b in pp) and sum(pp) < 1.05 * whole
+
+
 def _wait_loaded(srv: LiveServer) -> None:
     """Starting ranks is process start-up and a load each: give it more than a one-process server's 30 s."""
     srv.wait_until(lambda: srv.state.status != "loading", timeout=180, what="the ranks to load")

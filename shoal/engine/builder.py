@@ -129,8 +129,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     model.model.rotary = Rotary(model.config, max_model_len).to(device)
     model.load_weights(ckpt.state_dict)
     model = model.to(dtype).eval()
-    if rank == 0:  # only rank 0 computes logits
-        weights.finish_head(model)
+    weights.finish_head(model, logits=rank == 0)  # only rank 0 computes logits
     if weights.name != "none" and rank == 0:
         linears = [m for m in model.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
         exact = sum(getattr(m, "from_codes", False) for m in linears)
@@ -144,7 +143,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
             log.warning("deterministic float32 on the CPU needs MKL_CBWR=%s in the environment before torch's first "
                         "float32 matmul (shoal serve --deterministic sets it at start-up); without it rows may differ "
                         "with the batch", STRICT_MKL)
-        swapped = make_row_invariant(model, device, dtype)
+        swapped = make_row_invariant(model, device, dtype, head=rank == 0)
         if swapped and rank == 0:
             log.info("batch-invariant matmuls: %d linear layers split or padded for %s on %s", swapped, str(dtype).removeprefix("torch."), device)
     bind_attributes(model)  # last: the model is final now

@@ -171,9 +171,9 @@ class InvariantLinear(Layer):
         return y[:1] if single else y
 
 
-def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Swap the linear layers (and the logits head) whose GEMM is not row-invariant on this
-    device and dtype for InvariantLinear; returns how many were swapped.
+def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtype, head: bool = True) -> int:
+    """Swap the linear layers (and the logits head, where this rank computes logits: `head`) whose GEMM is
+    not row-invariant on this device and dtype for InvariantLinear; returns how many were swapped.
 
     bfloat16/float16 on the CPU: reductions longer than INVARIANT_K are split;
     float16 also pads single rows. float32 on the CPU needs nothing here where
@@ -189,7 +189,7 @@ def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtyp
         return 0
     pad = dtype == torch.float16 and wide is None
     swapped = 0
-    if model.logits_head is None and model.model.embed_tokens is not None:  # the head (stage 0's): F.linear over the embedding or lm_head
+    if head and model.logits_head is None and model.model.embed_tokens is not None:  # the head (rank 0's): F.linear over the embedding or lm_head
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
         if wide is not None or pad or head.shape[1] > INVARIANT_K:
             model.logits_head = InvariantLinear(head.detach(), None, pad, wide)

@@ -349,19 +349,27 @@ class WeightFormat:
         cls = Int8Linear if self.name == "int8" else Int4Linear
         return cls.empty(in_features, out_features, bias, parts or (out_features,), self.dtype)
 
-    def finish_head(self, model: nn.Module) -> None:
-        """With low-bit projections, the logits head gets its own int8 copy of its (tied) weight.
+    def finish_head(self, model: nn.Module, logits: bool = True) -> None:
+        """After loading: the logits head, on the rank that computes logits (`logits`; rank 0). The others
+        hold no head: an untied lm_head they loaded is dropped.
 
-        The head stays at 8 bits even with int4: it is the one matrix whose
-        rounding every logit sees directly. A tied embedding table that the
-        copy gives back exactly (a GGUF's Q8_0 table, in float32) is then read
-        from the copy (Int8Embedding), and the float table is dropped.
+        With low-bit projections the head is an int8 copy of its (tied) weight. It
+        stays at 8 bits even with int4: it is the one matrix whose rounding every
+        logit sees directly. A tied embedding table that such a copy gives back
+        exactly (a GGUF's Q8_0 table, in float32 or bf16) is then read from the
+        copy (Int8Embedding), on every rank that embeds, and the float table is dropped.
         """
-        if self.name == "none":
-            return
-        head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
-        model.logits_head = Int8Linear(head)
-        if not model.config.tie_word_embeddings:
+        tied = model.config.tie_word_embeddings
+        if not tied and hasattr(model, "lm_head") and (self.name != "none" or not logits):
+            head = model.lm_head.weight
             del model.lm_head
-        elif model.logits_head.native and torch.equal(model.logits_head.dequantized().to(head.dtype), head):
-            model.model.embed_tokens = Int8Embedding(model.logits_head, head.dtype)
+            if logits:
+                model.logits_head = Int8Linear(head)
+        if self.name == "none" or not tied or model.model.embed_tokens is None:
+            return
+        table = model.model.embed_tokens.weight
+        copy = Int8Linear(table)
+        if logits:
+            model.logits_head = copy
+        if copy.native and torch.equal(copy.dequantized().to(table.dtype), table):
+            model.model.embed_tokens = Int8Embedding(copy, table.dtype)
