@@ -240,6 +240,21 @@ def test_default_gguf_over_two_ranks_keeps_its_codes_and_tracks_transformers(def
     assert "Berlin" in capital[0].outputs[0].text
 
 
+def test_default_gguf_with_float_weights_answers_over_two_ranks_as_one_process(default_gguf_path):
+    """The default model's float weights (--quantization none, float32): two ranks give one process's greedy
+    answers, token for token. (In the default configuration each projection's input is rounded to int8 per
+    block of 32, and two ranks' partial sums, rounded apart, tip those roundings: answers then follow one
+    process only to a near tie, README, Scale-out.)"""
+    from test_real_model import PROMPTS as REAL_PROMPTS
+
+    def answers(**kw) -> list[list[int]]:
+        with LLM(str(default_gguf_path), max_model_len=512, dtype="float32", quantization="none", **kw) as llm:
+            ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in REAL_PROMPTS[:4]]
+            return [o.outputs[0].token_ids for o in llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=24))]
+
+    assert answers(tensor_parallel_size=2) == answers()
+
+
 def test_ranks_hold_their_part_of_the_default_model_and_no_more(default_gguf_path):
     """Weights per rank on the default model in its default configuration: two tensor-parallel ranks hold one
     model between them (rank 1 no logits head, nor a float copy of one for the invariant paths, and its
