@@ -227,7 +227,7 @@ class Int8Linear(PartLoader, Layer):
 
 
 class Int8Embedding(Layer):
-    """An embedding read from an int8 copy of its (tied) table, rank 0's logits head: a token's row is its
+    """An embedding read from an int8 copy of its (tied) table (on rank 0, the logits head): a token's row is its
     codes times their group scales. Used only where that gives the float table's values exactly
     (WeightFormat.finish_head checks), so outputs do not change; what changes is memory: the float table is
     gone (113 MB of float32 for SmolLM2-135M, more than its int4 layers and head together)."""
