@@ -527,6 +527,11 @@ class DistributedExecutor:
 
         return self.group.open_shared_memory(part_bytes(self.config, self.runner), alive=alive, enabled=self.config.parallel.shared_memory)
 
+    def down_ranks(self) -> list[int]:
+        """The ranks known to be gone (exited, or silent past the heartbeat timeout); empty while every rank is
+        well, or when only the group broke."""
+        return [info["rank"] for info in self.cluster()["ranks"] if info["state"] not in ("ready", "unreachable")]
+
     def cluster(self) -> dict:
         ranks = []
         for info in self.ranks:

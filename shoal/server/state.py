@@ -173,7 +173,9 @@ class ServerState:
     @property
     def cluster_down_message(self) -> str:
         then = "it is being started again; try again shortly" if self.engine.config.parallel.restart_workers else "the server must be restarted"
-        return f"a process holding part of the model (tensor or pipeline parallel) is unreachable: {then}"
+        down = self.engine.executor.down_ranks()
+        which = f" (rank {', '.join(map(str, down))})" if down else ""
+        return f"a process holding part of the model (tensor or pipeline parallel){which} is unreachable: {then}"
 
     def check_model(self, name: str | None) -> None:
         if name is None or name == "" or name in self.model_aliases:
