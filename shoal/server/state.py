@@ -173,9 +173,11 @@ class ServerState:
     @property
     def cluster_down_message(self) -> str:
         then = "it is being started again; try again shortly" if self.engine.config.parallel.restart_workers else "the server must be restarted"
+        what = "a process holding part of the model (tensor or pipeline parallel)"
         down = self.engine.executor.down_ranks()
-        which = f" (rank {', '.join(map(str, down))})" if down else ""
-        return f"a process holding part of the model (tensor or pipeline parallel){which} is unreachable: {then}"
+        if down:
+            what = f"rank {', '.join(map(str, down))}, {what},"
+        return f"{what} is unreachable: {then}"
 
     def check_model(self, name: str | None) -> None:
         if name is None or name == "" or name in self.model_aliases:
