@@ -322,7 +322,7 @@ def test_a_rank_that_stops_answering_is_found_by_its_heartbeat(tmp_path):
             os.kill(worker.pid, signal.SIGSTOP)
             stopped = time.monotonic()
             srv.wait_until(lambda: http.get("/health").status_code == 503, timeout=20, what="the hung rank to be found")
-            assert time.monotonic() - stopped < 2 + 3  # the timeout, a beat, the engine loop's look
+            assert time.monotonic() - stopped < 20  # the heartbeat timeout and a few looks, far short of the collective timeout (60 s)
             r = http.post("/v1/completions", json={"model": "m", "prompt": "Hello there", "max_tokens": 6})
             assert r.status_code == 503 and int(r.headers["retry-after"]) > 0 and r.json()["error"]["code"] == "cluster_unavailable"
             assert r.json()["error"]["message"].startswith("rank 1, a process holding part of the model (tensor or pipeline parallel), is unreachable")
