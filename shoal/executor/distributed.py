@@ -326,8 +326,7 @@ class HeartbeatWatch:
 
     def check(self, counts: dict[int, int], now: float) -> None:
         """One look at the ranks' counts at monotonic time `now`."""
-        if not self.active:
-            self._seen = {}
+        if not self.active:  # reset() starts the timing again
             return
         for rank, count in counts.items():
             seen = self._seen.get(rank)
