@@ -90,15 +90,14 @@ def instrument(llm: LLM, comm: Clock, step: Clock) -> None:
     if not hasattr(ex, "group"):
         llm.engine.runner.forward = step.wrap(llm.engine.runner.forward)
         return
-    if ex.stages > 1:  # pipeline: stage 0's part and the send (submit), the wait and the sampling (collect)
-        ex.submit, ex.collect = step.wrap(ex.submit), step.wrap(ex.collect)
-    else:  # tensor parallel: the forward everywhere (the sampling after it is the same as one process's)
-        ex._forward_everywhere = step.wrap(ex._forward_everywhere)
+    # tensor parallel: the whole step is submit; pipeline: stage 0's part and the send (submit), the wait and the
+    # sampling (collect)
+    ex.submit, ex.collect = step.wrap(ex.submit), step.wrap(ex.collect)
     group = ex.group
     for name in ("broadcast", "send_hidden", "recv_hidden", "settle"):  # settle: rank 0's waits for collectives
         setattr(group, name, comm.wrap(getattr(group, name)))
     if group.shm is not None:
-        group.shm.reduce = comm.wrap(group.shm.reduce)
+        group.shm.gather = comm.wrap(group.shm.gather)
     else:
         dist.all_gather = comm.wrap(dist.all_gather)
 

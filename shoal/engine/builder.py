@@ -16,7 +16,7 @@ from shoal.engine.shard_plan import plan_pipeline, plan_tensor_parallel
 from shoal.executor import LocalExecutor
 from shoal.model.config import ModelConfig
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint
-from shoal.model.layers import Rotary, bind_attributes, make_row_invariant, shard_slice, stage_name
+from shoal.model.layers import Rotary, TensorParallel, bind_attributes, make_row_invariant, shard_slice, stage_name
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
 from shoal.runner.host import keep_freed_memory
@@ -69,7 +69,7 @@ def _parallel_words(par) -> str:
 def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     """Load the checkpoint and build this process's part of the model: all of it, or global rank `rank`'s
     part: its pipeline stage's layers, and of those its tensor-parallel shard (ParallelConfig.place).
-    group: executor.distributed.RankGroup, which sums the row-parallel outputs within a stage and agrees
+    group: executor.distributed.RankGroup, which gathers the tensor-parallel parts within a stage and agrees
     on the KV pool's size, the smallest over the ranks."""
     size = group.size if group is not None else 1
     threads = config.num_threads or (_threads_per_rank(config.parallel.ranks_per_node) if size > 1 else None)
@@ -81,13 +81,13 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         keep_freed_memory()
     quantization = resolve_quantization(config.quantization, device, dtype)
     par = config.parallel
-    shard = layers = None
+    split = layers = None  # this rank's TensorParallel, its stage's layer range
     stage, local = par.place(rank)
     if group is not None:
         group.set_layout(par.tensor_parallel_size)
 
     def select_for(hf, weight_format):  # the loader asks once it has the config: read only what this rank holds
-        nonlocal shard, layers
+        nonlocal split, layers
         whole = ModelConfig.from_hf(hf)
         tp = par.tensor_parallel_size
         if par.pipeline_parallel_size > 1:
@@ -104,12 +104,15 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
                     plan.update(free_bytes=room, layer_bytes=-(-one_layer // tp))
             layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **plan)[stage]
         if tp > 1:
-            shard = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, tp, head_dim=whole.head_dim)[local]
+            vocab = whole.vocab_size if par.pipeline_parallel_size == 1 else 0  # the head is split where it is not only on rank 0
+            plan = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, whole.hidden_size, tp,
+                                        vocab_size=vocab)
+            split = TensorParallel(tuple(plan), local, group.gather_columns)
 
         def select(name):
             if layers is not None and stage_name(name, layers, layers[0] == 0) is None:
                 return False  # another stage's
-            return shard_slice(name, shard, whole.head_dim) if shard is not None else None
+            return shard_slice(name, split.shard, whole.head_dim) if split is not None else None
 
         return select
 
@@ -122,14 +125,14 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
 
     weights = WeightFormat(ckpt.weight_format, dtype)
     with torch.device("meta"):
-        model = model_class(hf.architectures)(hf, max_model_len, weights.linear, shard,
-                                              group.reduce if shard is not None else None, layers)
+        model = model_class(hf.architectures)(hf, max_model_len, weights.linear, split, layers)
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
     model.model.rotary = Rotary(model.config, max_model_len).to(device)
     model.load_weights(ckpt.state_dict)
     model = model.to(dtype).eval()
-    weights.finish_head(model, logits=rank == 0)  # only rank 0 computes logits
+    head = rank == 0 or model.vocab is not None  # rank 0 computes the logits, or every rank its slice of them
+    weights.finish_head(model, logits=head)
     if weights.name != "none" and rank == 0:
         linears = [m for m in model.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
         exact = sum(getattr(m, "from_codes", False) for m in linears)
@@ -143,7 +146,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
             log.warning("deterministic float32 on the CPU needs MKL_CBWR=%s in the environment before torch's first "
                         "float32 matmul (shoal serve --deterministic sets it at start-up); without it rows may differ "
                         "with the batch", STRICT_MKL)
-        swapped = make_row_invariant(model, device, dtype, head=rank == 0)
+        swapped = make_row_invariant(model, device, dtype, head=head)
         if swapped and rank == 0:
             log.info("batch-invariant matmuls: %d linear layers split or padded for %s on %s", swapped, str(dtype).removeprefix("torch."), device)
     bind_attributes(model)  # last: the model is final now

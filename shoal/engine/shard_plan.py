@@ -1,24 +1,33 @@
 """Which part of the model each tensor-parallel rank holds: plain bookkeeping, no torch.
 
-Megatron's split, as vLLM and SGLang use it: a rank holds a contiguous range
-of query heads with the KV heads they read, and a contiguous range of the MLP's
-intermediate columns. The q/k/v and gate/up projections are split by output
-rows (column-parallel), the attention output and down projections by input
-columns (row-parallel), and one sum across ranks follows each of the latter.
+A rank holds a contiguous range of query heads with the KV heads they read,
+a contiguous range of the MLP's intermediate columns, and a contiguous range
+of the hidden size. The q/k/v and gate/up projections are split by output
+rows, as in Megatron. The attention output and down projections are split by
+output rows too (the hidden range), not by input columns as in Megatron, vLLM
+and SGLang: their input is gathered whole on every rank first, and each rank
+computes its hidden range, which is gathered after. So no output of any
+projection is a sum of partial sums made on different ranks, and a rank adds
+up every output in the order one process does: tensor parallelism gives one
+process's bits (layers.TensorParallel; README, Scale-out). The cost is two
+gathers where Megatron has one sum, after each of those two projections.
 
 Unlike vLLM, which asks that the head counts divide by the rank count, a
 split here may be uneven: SmolLM2-135M has 9 query heads over 3 KV heads, so
 two ranks hold one KV group and two (3 and 6 query heads). Work is split by
 whole KV groups while there are at least as many KV heads as ranks; past that
 each rank holds one KV head (replicated on several ranks) and a share of its
-group's query heads. Intermediate columns move in units of `unit` (32, the
-4-bit formats' group along the input, so a GGUF's codes split without
-re-rounding). Given the head size, the columns even out the ranks' projection
-weights, so an uneven head split is made up in the MLP: the ranks meet at a sum
-after every attention and every MLP, so a layer runs at its heaviest rank's
-pace (SmolLM2 over two ranks: 864 and 672 columns beside 3 and 6 query heads,
-where 768 each left rank 1 with 18% more to do). On a tie the smaller share
-goes to the lower rank: rank 0 also serves HTTP and samples.
+group's query heads. Intermediate columns and hidden rows move in units of
+`unit` (32, the low-bit formats' group along the input, so a GGUF's codes
+split without re-rounding) and are split evenly: the ranks meet at a gather
+after every part of a layer, so no part can make up for another's imbalance.
+The larger shares go to the later ranks: rank 0 also serves HTTP and samples.
+
+Without pipeline stages the vocabulary is split too: each rank holds a range
+of the embedding's and the logits head's rows, embeds the tokens in its range
+and computes their logits, and the ranks gather both. SmolLM2-135M's head is a
+third of its weights; held on rank 0 alone, it left the other rank idle for
+that third of every step.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ class TensorShard:
     heads: tuple[int, int]  # query heads [first, end)
     kv_heads: tuple[int, int]  # KV heads [first, end)
     intermediate: tuple[int, int]  # MLP intermediate columns [first, end)
+    hidden: tuple[int, int]  # the attention output and down projections' output rows [first, end)
+    vocab: tuple[int, int] | None = None  # the embedding's and the logits head's rows [first, end); None: held whole
 
     @property
     def num_heads(self) -> int:
@@ -46,8 +57,13 @@ class TensorShard:
     def intermediate_size(self) -> int:
         return self.intermediate[1] - self.intermediate[0]
 
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden[1] - self.hidden[0]
+
     def describe(self) -> dict:
-        return {"heads": list(self.heads), "kv_heads": list(self.kv_heads), "intermediate": list(self.intermediate)}
+        return {"heads": list(self.heads), "kv_heads": list(self.kv_heads), "intermediate": list(self.intermediate),
+                "hidden": list(self.hidden), **({"vocab": list(self.vocab)} if self.vocab is not None else {})}
 
 
 def split_evenly(total: int, parts: int) -> list[int]:
@@ -64,10 +80,10 @@ def _ranges(sizes: list[int], scale: int = 1) -> list[tuple[int, int]]:
     return out
 
 
-def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int, unit: int = 32,
-                         head_dim: int = 0) -> list[TensorShard]:
+def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, hidden_size: int, size: int,
+                         unit: int = 32, vocab_size: int = 0) -> list[TensorShard]:
     """One TensorShard per rank; a ValueError naming the shortfall when the model cannot be split `size` ways.
-    head_dim: weigh the heads against the columns (0: split the columns evenly)."""
+    vocab_size: split the embedding and the logits head's rows too (0: every rank holds them whole)."""
     if size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {size}")
     if num_heads % num_kv_heads:
@@ -89,20 +105,18 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: i
             for a, b in _ranges(split_evenly(group, replicas)):
                 kv.append((h, h + 1))
                 heads.append((h * group + a, h * group + b))
-    step = unit if intermediate_size % unit == 0 and intermediate_size // unit >= size else 1
-    if intermediate_size // step < size:
-        raise ValueError(f"--tensor-parallel-size {size} exceeds the MLP's {intermediate_size} intermediate columns")
-    # Per rank, in weights per hidden unit: a query head has q and o rows of head_dim (2 d), a KV head k and v
-    # (2 d), a column gate, up and down (3). Every rank gets one unit of columns, then each next unit goes to
-    # the rank with the least so far (the highest such rank).
-    work = [2 * head_dim * ((b - a) + (kb - ka)) + 3 * step for (a, b), (ka, kb) in zip(heads, kv)]
-    units = [1] * size
-    for _ in range(intermediate_size // step - size):
-        r = min(range(size), key=lambda i: (work[i], -i))
-        units[r] += 1
-        work[r] += 3 * step
-    inter = _ranges(units, step)
-    return [TensorShard(r, size, heads[r], kv[r], inter[r]) for r in range(size)]
+    inter = _split_in_units(intermediate_size, size, unit, "the MLP's intermediate columns")
+    hidden = _split_in_units(hidden_size, size, unit, "the hidden size")
+    vocab = _split_in_units(vocab_size, size, unit, "the vocabulary") if vocab_size else [None] * size
+    return [TensorShard(r, size, heads[r], kv[r], inter[r], hidden[r], vocab[r]) for r in range(size)]
+
+
+def _split_in_units(total: int, size: int, unit: int, what: str) -> list[tuple[int, int]]:
+    """`total` in `size` contiguous ranges, even to a `unit` (1 where `total` is no multiple of it, or too short)."""
+    step = unit if total % unit == 0 and total // unit >= size else 1
+    if total // step < size:
+        raise ValueError(f"--tensor-parallel-size {size} exceeds {what} ({total})")
+    return _ranges(split_evenly(total // step, size), step)
 
 
 # ---------------------------------------------------------------- pipeline stages

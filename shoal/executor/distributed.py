@@ -4,15 +4,16 @@ Rank 0 owns everything with state (HTTP, scheduler, block pool, prefix cache)
 and the logits head. Each step it broadcasts the step's ForwardBatch (token
 ids, block tables, block copies: plain data, pickled) to every rank; every rank
 runs its shard of every layer on its own slice of the KV cache (its KV heads),
-and after each row-parallel projection (attention output, MLP down) the ranks
-sum their partial outputs. Rank 0 then computes the logits and samples.
+and the ranks gather each other's parts before and after the attention output
+and MLP down projections, which each rank computes for its own range of the
+hidden size (layers.TensorParallel). Rank 0 then computes the logits and samples.
 
-The sum is an all-gather followed by an add in rank order, not gloo's
-all-reduce: a ring all-reduce over three or more ranks adds the parts in an
-order that depends on where an element falls in the ring's chunks, which
-depends on the size of the step, so a row's bits would change with the batch.
-Gathering costs (ranks - 1) times the bytes of a reduce, a few kilobytes per
-token for the models shoal runs on CPUs.
+Gathers, not sums: no rank ever adds another's partial sums, so every output
+is summed in one process's order and the ranks give one process's bits. A sum
+(Megatron's all-reduce) would not: with activations rounded to int8 before
+each low-bit projection, two partial sums' last bit tips roundings. (gloo's
+ring all-reduce would not even keep a row's bits from changing with the batch:
+it adds in an order that depends on where an element falls in its chunks.)
 
 Pipeline stages (`--pipeline-parallel-size P`) get the same broadcast; each runs
 its own range of layers on the hidden states the previous stage sends (in the
@@ -74,10 +75,10 @@ class RankGroup:
         self.address = address  # rank 0's (host, port), where the group meets again after a lost rank; None: torchrun's
         self.store: dist.TCPStore | None = None  # rank 0's rendezvous store: it outlives each group
         self.generation = 0  # which group of the store's this is: rank 0 counts one more at each restart
-        self.tp = size  # ranks that sum a layer's output together: this rank's pipeline stage's (set_layout)
+        self.tp = size  # ranks that split each layer and gather together: this rank's pipeline stage's (set_layout)
         self.tp_group = None  # their process group, where it is not every rank
-        self.shm: SharedMemoryChannel | None = None  # same-host broadcast (and sums), once open_shared_memory ran
-        self.sum_shm: SharedMemoryChannel | None = None  # the same-host channel this rank's sums go through
+        self.shm: SharedMemoryChannel | None = None  # same-host broadcast (and gathers), once open_shared_memory ran
+        self.stage_shm: SharedMemoryChannel | None = None  # the same-host channel this rank's gathers go through
         self.hops: dict[tuple[int, int], object] = {}  # (from, to) rank: the two-rank group a pipeline hop goes through
         self.watched = False  # rank 0 watching heartbeats: its waits poll, and give up once `lost` is set
         self.lost: str | None = None  # why the waits give up: a rank has stopped answering (HeartbeatWatch)
@@ -117,7 +118,7 @@ class RankGroup:
 
     def rejoin(self) -> None:
         """Leave the broken group and meet the (restarted) ranks again through rank 0's store. The same
-        object: the model's layers hold its `reduce`."""
+        object: the model's layers hold its `gather_columns`."""
         self.leave()
         self._init()
 
@@ -153,7 +154,7 @@ class RankGroup:
         threading.Thread(target=beat, name="shoal-heartbeat", daemon=True).start()
 
     def set_layout(self, tp: int) -> None:
-        """Collective: ranks s*tp .. s*tp+tp-1 are pipeline stage s's tensor-parallel ranks, and sum together.
+        """Collective: ranks s*tp .. s*tp+tp-1 are pipeline stage s's tensor-parallel ranks, and gather together.
         Each pipeline hop (a rank to its counterpart in the next stage, and the last stage's first rank back to
         rank 0) gets a group of its two ranks, for `send_hidden`."""
         self.tp, self.tp_group, self.hops = tp, None, {}
@@ -171,37 +172,40 @@ class RankGroup:
 
     def open_shared_memory(self, part_bytes: int, alive=None, message_bytes: int = 1 << 20, enabled: bool = True) -> bool:
         """Collective: where every rank runs on this machine (and on the CPU), move the per-step
-        collectives to shared memory (shm.py): one channel for the step's broadcast (which also sums when
-        every rank is one tensor-parallel group), and one per pipeline stage for its sums when tensor and
+        collectives to shared memory (shm.py): one channel for the step's broadcast (which also gathers when
+        every rank is one tensor-parallel group), and one per pipeline stage for its gathers when tensor and
         pipeline parallelism go together. False where they stay on gloo/NCCL."""
         hosts = self.gather(socket.gethostname())
         if not enabled or self.backend != "gloo" or len(set(hosts)) > 1 or not os.path.isdir("/dev/shm"):
             return False
         stages = self.size // self.tp if 1 < self.tp < self.size else 0
         paths = self.broadcast([SharedMemoryChannel.new_path() for _ in range(1 + stages)] if self.rank == 0 else None)
-        world_part = part_bytes if self.tp == self.size else 0  # pipeline stages alone post no sums
+        world_part = part_bytes if self.tp == self.size else 0  # pipeline stages alone gather nothing
         stage, local = divmod(self.rank, self.tp)
         for opening in (True, False):  # the creators first, then the others map what they made
             if (self.rank == 0) == opening:
                 self.shm = SharedMemoryChannel(paths[0], self.rank, self.size, world_part, message_bytes, opening, self.timeout, alive)
             if stages and (local == 0) == opening:
-                self.sum_shm = SharedMemoryChannel(paths[1 + stage], local, self.tp, part_bytes, 64, opening, self.timeout, alive)
+                self.stage_shm = SharedMemoryChannel(paths[1 + stage], local, self.tp, part_bytes, 64, opening, self.timeout, alive)
             dist.barrier()
         if self.tp == self.size:
-            self.sum_shm = self.shm
+            self.stage_shm = self.shm
         return True
 
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The sum of this stage's tensor-parallel ranks' `partial`, added in rank order in float32: the
-        same bits on every one of them, and a row's sum does not depend on the other rows."""
-        if self.sum_shm is not None and self.sum_shm.fits(partial):
-            return self.sum_shm.reduce(partial)
-        parts = [torch.empty_like(partial) for _ in range(self.tp)]
-        self.settle(dist.all_gather(parts, partial.contiguous(), group=self.tp_group, async_op=True))
-        total = parts[0].float()
-        for p in parts[1:]:
-            total += p
-        return total.to(partial.dtype)
+    def gather_columns(self, part: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
+        """This stage's tensor-parallel ranks' parts [T, widths[r]] side by side in rank order: [T, sum(widths)],
+        the same on every one of them."""
+        rows, shm = part.shape[0], self.stage_shm
+        fit = shm.rows_that_fit(max(widths), part.element_size()) if shm is not None else 0
+        if rows <= fit:
+            return shm.gather(part, widths)
+        if fit:  # more rows than a slot holds (a step's logits): in pieces, the same on every rank
+            return torch.cat([shm.gather(part[i : i + fit], widths) for i in range(0, rows, fit)])
+        parts = [part.new_empty(rows, max(widths)) for _ in range(self.tp)]  # all_gather takes one shape: padded
+        mine = parts[self.rank % self.tp]
+        mine[:, : part.shape[1]].copy_(part)
+        self.settle(dist.all_gather(parts, mine, group=self.tp_group, async_op=True))
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
 
     def broadcast(self, obj=None):
         """Rank 0's `obj`, on every rank."""
@@ -270,9 +274,9 @@ class RankGroup:
 
     def leave(self) -> None:
         """Out of this generation's group (the store stays, for the next)."""
-        if self.sum_shm is not None and self.sum_shm is not self.shm:
-            self.sum_shm.close(unlink=self.rank % self.tp == 0)
-        self.sum_shm = None
+        if self.stage_shm is not None and self.stage_shm is not self.shm:
+            self.stage_shm.close(unlink=self.rank % self.tp == 0)
+        self.stage_shm = None
         if self.shm is not None:
             self.shm.close(unlink=self.rank == 0)
             self.shm = None
@@ -352,7 +356,8 @@ def rank_info(runner, group: RankGroup) -> dict:
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     c = runner.config
     held = model.shard.describe() if model.shard is not None else {
-        "heads": [0, c.num_heads], "kv_heads": [0, c.num_kv_heads], "intermediate": [0, c.intermediate_size]}
+        "heads": [0, c.num_heads], "kv_heads": [0, c.num_kv_heads], "intermediate": [0, c.intermediate_size],
+        "hidden": [0, c.hidden_size]}
     return {
         "rank": group.rank, "host": socket.gethostname(), "pid": os.getpid(), "state": "ready",
         "layers": list(model.layer_range), **held, "threads": torch.get_num_threads(),
@@ -389,7 +394,7 @@ class _MicroBatch:
     """A pipeline step between submit and collect."""
 
     seqs: list  # the plan's ScheduledSeqs, for sampling when it comes back
-    rows: int  # tokens in the step
+    batch: object  # its ForwardBatch: the tokens in the step, the rows whose logits are wanted
     has_hidden: bool  # False: only block copies
     sends: list  # stage 0's sends still going out
 
@@ -423,14 +428,17 @@ class DistributedExecutor:
         with the next micro-batch (stages work on different micro-batches at once)."""
         if self.failure is not None:
             raise RuntimeError(f"the ranks holding the model are out of step: {self.failure}")
-        if self.stages == 1:
-            return self.runner.execute(plan, forward=self._forward_everywhere)
         batch, seqs = forward_batch(plan)
+        if self.stages == 1:  # the forward and the head's gathers, every rank in step; then rank 0 samples
+            with self._failing():
+                self._broadcast(batch)
+                logits = self.runner.logits(batch, self.runner.forward(batch), seqs)
+            return self.runner.sample(seqs, logits)
         with self._failing():
             self._broadcast(batch)
             hidden = self.runner.forward(batch)
             sends = self.group.send_hidden(hidden, self.tp, self.wire) if hidden is not None else []  # to stage 1's first rank
-        return _MicroBatch(seqs, len(batch.token_ids), hidden is not None, sends)
+        return _MicroBatch(seqs, batch, hidden is not None, sends)
 
     def collect(self, ticket):
         if self.stages == 1:
@@ -439,15 +447,10 @@ class DistributedExecutor:
         with self._failing():
             if ticket.has_hidden:  # the last stage's output, in the model's dtype: logits never come from a compressed copy
                 last = (self.stages - 1) * self.tp  # the last stage's first rank
-                hidden = self.group.recv_hidden(ticket.rows, self.runner.config.hidden_size, last, None, self.runner.dtype)
+                hidden = self.group.recv_hidden(len(ticket.batch.token_ids), self.runner.config.hidden_size, last, None, self.runner.dtype)
             for send in ticket.sends:
                 self.group.settle(send.work)
-        return self.runner.outputs(ticket.seqs, hidden)
-
-    def _forward_everywhere(self, batch):
-        with self._failing():
-            self._broadcast(batch)
-            return self.runner.forward(batch)
+        return self.runner.outputs(ticket.seqs, ticket.batch, hidden)
 
     def _broadcast(self, obj) -> None:
         self.group.broadcast(obj)
@@ -602,9 +605,9 @@ def start_rank0(config: EngineConfig):
         raise
     log.info("per-step collectives: %s", "shared memory (every rank on this machine)" if shared else f"{group.backend} (ranks on several machines)")
     for info in executor.ranks:
-        log.info("rank %d on %s (pid %d): layers %s, query heads %s, KV heads %s, MLP columns %s, %.1f MiB of weights",
-                 info["rank"], info["host"], info["pid"], info["layers"], info["heads"], info["kv_heads"], info["intermediate"],
-                 info["weights_bytes"] / 2**20)
+        log.info("rank %d on %s (pid %d): layers %s, query heads %s, KV heads %s, MLP columns %s, hidden rows %s, "
+                 "%.1f MiB of weights", info["rank"], info["host"], info["pid"], info["layers"], info["heads"], info["kv_heads"],
+                 info["intermediate"], info["hidden"], info["weights_bytes"] / 2**20)
     if par.pipeline_parallel_size > 1:
         log.info("pipeline: %d stages, hidden states sent as %s (%d bytes per token per hop)", par.pipeline_parallel_size,
                  par.pp_wire_dtype, wire_bytes_per_token(part.runner.config.hidden_size, par.pp_wire_dtype))
@@ -612,8 +615,9 @@ def start_rank0(config: EngineConfig):
 
 
 def part_bytes(config: EngineConfig, runner) -> int:
-    """The largest partial output of a step: every token of the biggest step, hidden wide, 4 bytes each."""
-    return config.scheduler.max_num_batched_tokens * runner.config.hidden_size * 4
+    """The largest part a rank puts into a gather: every token of the biggest step, at the widest part, 4 bytes each."""
+    tp = runner.model.tp
+    return config.scheduler.max_num_batched_tokens * (tp.widest(runner.config.head_dim) if tp is not None else 0) * 4
 
 
 def _start_workers(config: EngineConfig, port: int) -> list[subprocess.Popen]:

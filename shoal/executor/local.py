@@ -33,7 +33,7 @@ class LocalExecutor:
             "ranks": [{
                 "rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "state": "ready",
                 "layers": [0, c.num_layers], "heads": [0, c.num_heads], "kv_heads": [0, c.num_kv_heads],
-                "intermediate": [0, c.intermediate_size],
+                "intermediate": [0, c.intermediate_size], "hidden": [0, c.hidden_size],
             }],
         }
 

@@ -3,25 +3,25 @@
 gloo costs 0.7-1.1 ms per all-gather of one step's partial outputs and 4-5 ms
 per broadcast of a pickled step on this project's 2-core machine
 (benchmarks/NOTES.md), while SmolLM2-135M's whole decode step computes in about
-15 ms: with two sums per layer gloo would be most of a tensor-parallel step.
+15 ms: with four gathers per layer gloo would be most of a tensor-parallel step.
 vLLM's CPU backend meets the same problem with a shared-memory all-reduce
 between the ranks of one host; this is the same idea in a few numpy stores.
 
 One segment in /dev/shm, created by rank 0 and mapped by every rank:
 
-    posted[size]   int64  the last sum each rank has put its part in for
+    posted[size]   int64  the last gather each rank has put its part in for
     read[size]     int64  the last broadcast each rank has taken
     sent           int64  the last broadcast rank 0 has written; length of its pickle
     message        bytes  the broadcast's pickle
-    parts[2][size] bytes  each rank's partial output, two sets used alternately
+    parts[2][size] bytes  each rank's part, two sets used alternately
 
-A sum: write my part into set (n % 2), store posted[me] = n, wait until every
-rank has posted n, add the parts in rank order. A rank that reaches sum n + 2
-has seen every rank post n + 1, which each did after reading sum n's parts, so
-two sets are enough. Stores on x86 become visible in program order, so a rank
-that sees posted[r] = n sees r's part too.
+A gather: write my part into set (n % 2), store posted[me] = n, wait until
+every rank has posted n, copy the parts out side by side. A rank that reaches
+gather n + 2 has seen every rank post n + 1, which each did after copying
+gather n's parts, so two sets are enough. Stores on x86 become visible in
+program order, so a rank that sees posted[r] = n sees r's part too.
 
-Waiting spins (a sum's parts arrive within microseconds), then yields, then
+Waiting spins (a gather's parts arrive within microseconds), then yields, then
 sleeps: an idle worker polls for the next step at most every few milliseconds.
 A rank that does not answer within the timeout raises instead of waiting forever.
 """
@@ -38,6 +38,14 @@ import torch
 
 HEADER = 64  # bytes of each int64 array's slot, rounded up
 SPIN = 200  # polls (about 0.3 ms) before a waiting rank starts yielding its core
+NATIVE_SPIN = 4000  # the native gather's polls (pause instructions, about 0.2-0.5 ms) before it hands the wait back
+
+
+def native_gather() -> bool:
+    """Whether gathers take the native op (shoal.kernels' shm_gather): one call where Python makes about ten."""
+    from shoal import kernels
+
+    return kernels.available()
 
 
 class SharedMemoryChannel:
@@ -65,8 +73,10 @@ class SharedMemoryChannel:
         parts = self._raw[off - self._layout[4] :]
         # [set][rank]: each rank's slot in each of the two sets, and typed views of them by dtype
         self._slots = [[parts[(k * size + r) * part_bytes : (k * size + r + 1) * part_bytes] for r in range(size)] for k in range(2)]
+        self._parts = parts  # every slot, for the native gather
+        self._posted = self._raw[: 8 * size].view(torch.int64)  # `posted` as a tensor over the same bytes
         self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
-        self._sums = 0
+        self._gathers = 0
         self._messages = 0
         self.waited = 0.0  # seconds spent waiting for other ranks (benchmarks read it)
 
@@ -74,31 +84,36 @@ class SharedMemoryChannel:
     def new_path() -> str:
         return f"/dev/shm/shoal-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
-    # ------------------------------------------------------------ sum
-    def fits(self, partial: torch.Tensor) -> bool:
-        return partial.numel() * partial.element_size() <= self.part_bytes
+    # ------------------------------------------------------------ gather
+    def rows_that_fit(self, width: int, element_size: int) -> int:
+        """How many rows of `width` values of `element_size` bytes a rank's slot holds."""
+        return self.part_bytes // (width * element_size)
 
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """Every rank's `partial` summed in rank order in float32, cast back (the same bits on every rank)."""
-        self._sums += 1
-        n = self._sums
-        views = self._typed.get(partial.dtype)
+    def gather(self, part: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
+        """Every rank's part [T, widths[r]] side by side in rank order: [T, sum(widths)], the same on every rank."""
+        self._gathers += 1
+        n = self._gathers
+        if native_gather():
+            part = part.contiguous()
+            gather = torch.ops.shoal_kernels.shm_gather
+            out = gather(part, self._parts, self._posted, self.rank, n, widths, self.part_bytes, NATIVE_SPIN)
+            if out is None:  # a rank is slower: wait as the Python path does, then take the parts
+                for r in range(self.size):
+                    self._wait(lambda r=r: self.posted[r] >= n, "a gather")
+                out = gather(part, self._parts, self._posted, self.rank, n, widths, self.part_bytes, 0)
+            return out
+        views = self._typed.get(part.dtype)
         if views is None:
-            views = self._typed[partial.dtype] = [[t.view(partial.dtype) for t in parts] for parts in self._slots]
+            views = self._typed[part.dtype] = [[t.view(part.dtype) for t in parts] for parts in self._slots]
         parts = views[n & 1]
-        count = partial.numel()
-        parts[self.rank][:count].copy_(partial.reshape(-1))
+        rows = part.shape[0]
+        parts[self.rank][: part.numel()].view(part.shape).copy_(part)
         posted = self.posted
         posted[self.rank] = n
         for r in range(self.size):
             if posted[r] < n:
-                self._wait(lambda r=r: posted[r] >= n, "a sum")
-        if self.size == 2:  # one rounding of the float sum of two values either way: one op
-            return torch.add(parts[0][:count], parts[1][:count]).view(partial.shape)
-        total = parts[0][:count].to(torch.float32, copy=True)  # a copy: never add into a shared slot
-        for r in range(1, self.size):
-            total.add_(parts[r][:count])
-        return total.view(partial.shape).to(partial.dtype)
+                self._wait(lambda r=r: posted[r] >= n, "a gather")
+        return torch.cat([parts[r][: rows * w].view(rows, w) for r, w in enumerate(widths)], dim=1)
 
     # ------------------------------------------------------------ broadcast
     def send(self, obj) -> bool:
@@ -151,7 +166,7 @@ class SharedMemoryChannel:
                     raise RuntimeError(f"rank {self.rank}: no answer from the other ranks for {self.timeout:.0f}s, waiting for {what}")
 
     def close(self, unlink: bool) -> None:
-        self._raw = self._slots = self._typed = None
+        self._raw = self._slots = self._typed = self._parts = self._posted = None
         self.posted = self.read = self.sent = self.message = None
         if unlink:
             try:

@@ -33,8 +33,10 @@ def serve_forwards(group: RankGroup) -> None:
     group.open_shared_memory(part_bytes(config, part.runner), alive=lambda: os.getppid() == parent, enabled=config.parallel.shared_memory)
     info = rank_info(part.runner, group)
     group.gather(info)
-    log.info("rank %d ready: layers %s, query heads %s, KV heads %s, MLP columns %s, %d KV blocks, %d threads",
-             group.rank, info["layers"], info["heads"], info["kv_heads"], info["intermediate"], part.runner.num_blocks, info["threads"])
+    log.info("rank %d ready: layers %s, query heads %s, KV heads %s, MLP columns %s, hidden rows %s, vocabulary %s, "
+             "%d KV blocks, %d threads", group.rank, info["layers"], info["heads"], info["kv_heads"], info["intermediate"],
+             info["hidden"], info.get("vocab", "whole" if part.runner.model.model.embed_tokens is not None else "none"),
+             part.runner.num_blocks, info["threads"])
     runner = part.runner
     stages, wire = config.parallel.pipeline_parallel_size, config.parallel.pp_wire_dtype
     tp = config.parallel.tensor_parallel_size
@@ -49,7 +51,9 @@ def serve_forwards(group: RankGroup) -> None:
             if batch == HEARTBEAT:  # rank 0 is idle and alive
                 continue
             if stages == 1 or batch.empty:  # tensor parallel: every rank runs the whole batch on its shard
-                runner.forward(batch)
+                hidden = runner.forward(batch)
+                if runner.model.vocab is not None:  # and its slice of the logits, gathered on rank 0
+                    runner.logits(batch, hidden)
                 continue
             # a pipeline stage: the previous stage's hidden states in (stage 0: the embedding), this stage's layers,
             # out to the same place in the next stage (the last stage's first rank sends back to rank 0 uncompressed,

@@ -639,6 +639,45 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return y;
 }
 
+// A gather between the ranks of one machine through shared memory (executor/shm.py has the layout and
+// why two sets of slots are enough). Copies this rank's part [T, widths[rank]] into its slot of set
+// n % 2, publishes n in posted[rank], and waits up to `spin` polls for every rank to publish n; then
+// returns the ranks' parts side by side, [T, sum(widths)]. Past `spin`: nothing, and the caller waits
+// (with its timeouts and liveness checks) and calls again, which copies and publishes the same again.
+// One op where the Python path makes about ten, at 120 gathers a step.
+c10::optional<at::Tensor> shm_gather(const at::Tensor& part, const at::Tensor& slots, const at::Tensor& posted, int64_t rank,
+                                     int64_t n, at::IntArrayRef widths, int64_t slot_bytes, int64_t spin) {
+  const int64_t size = static_cast<int64_t>(widths.size()), rows = part.size(0), es = part.element_size();
+  TORCH_CHECK(part.dim() == 2 && part.is_contiguous() && part.size(1) == widths[rank], "shm_gather: part [T, widths[rank]]");
+  TORCH_CHECK(slots.scalar_type() == at::kByte && posted.scalar_type() == at::kLong && posted.numel() >= size &&
+              slots.numel() >= 2 * size * slot_bytes, "shm_gather: the segment's slots and counters");
+  int64_t total = 0;
+  for (int64_t r = 0; r < size; ++r) {
+    TORCH_CHECK(rows * widths[r] * es <= slot_bytes, "shm_gather: a part larger than a slot");
+    total += widths[r];
+  }
+  uint8_t* set = slots.data_ptr<uint8_t>() + (n & 1) * size * slot_bytes;
+  int64_t* flags = posted.data_ptr<int64_t>();
+  std::memcpy(set + rank * slot_bytes, part.data_ptr(), rows * widths[rank] * es);
+  __atomic_store_n(flags + rank, n, __ATOMIC_RELEASE);
+  for (int64_t r = 0; r < size; ++r) {
+    for (int64_t polls = 0; __atomic_load_n(flags + r, __ATOMIC_ACQUIRE) < n; ++polls) {
+      if (polls >= spin) return c10::nullopt;
+      _mm_pause();
+    }
+  }
+  at::Tensor out = at::empty({rows, total}, part.options());
+  char* o = static_cast<char*>(out.data_ptr());
+  for (int64_t t = 0; t < rows; ++t) {
+    int64_t at_col = 0;
+    for (int64_t r = 0; r < size; ++r) {
+      std::memcpy(o + (t * total + at_col) * es, set + r * slot_bytes + t * widths[r] * es, widths[r] * es);
+      at_col += widths[r];
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(shoal_kernels, m) {
@@ -650,6 +689,8 @@ TORCH_LIBRARY(shoal_kernels, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("shm_gather(Tensor part, Tensor slots, Tensor posted, int rank, int n, int[] widths, int slot_bytes, int spin) -> Tensor?",
+        &shm_gather);
 }
 
 TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {

@@ -11,8 +11,8 @@ step is measurable. The checkpoint names stay HF's; `STACKED_PARAMS` maps them.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
-from typing import NamedTuple
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,17 +30,51 @@ STACKED_PARAMS = (
     ("gate_up_proj", "up_proj", 1),
 )
 
-# Tensor parallelism (engine/shard_plan.py): checkpoint projection -> (dimension split, the shard's range).
-# Column-parallel ones split their output rows, row-parallel ones (o, down) their input columns.
+# Tensor parallelism (engine/shard_plan.py): checkpoint projection -> which of its shard's ranges holds its output rows.
+# Every split is by output rows; the attention output and down projections read their whole input, gathered.
 SHARDED_PARAMS = (
-    ("q_proj", 0, "heads"),
-    ("k_proj", 0, "kv_heads"),
-    ("v_proj", 0, "kv_heads"),
-    ("o_proj", 1, "heads"),
-    ("gate_proj", 0, "intermediate"),
-    ("up_proj", 0, "intermediate"),
-    ("down_proj", 1, "intermediate"),
+    ("q_proj", "heads"),
+    ("k_proj", "kv_heads"),
+    ("v_proj", "kv_heads"),
+    ("o_proj", "hidden"),
+    ("gate_proj", "intermediate"),
+    ("up_proj", "intermediate"),
+    ("down_proj", "hidden"),
+    ("embed_tokens", "vocab"),  # without pipeline stages (TensorShard.vocab)
+    ("lm_head", "vocab"),
 )
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One tensor-parallel rank's view of the split: every rank's TensorShard (engine/shard_plan.py), which is
+    this one, and `gather(part, widths)`, which sets every rank's [T, widths[r]] part side by side, in rank
+    order, on every rank (the executor's collective).
+
+    The attention output and down projections are split by output rows: each rank gathers their whole
+    input, computes its range of the hidden size, and the ranges are gathered. Two gathers where Megatron
+    sums partial outputs once, so that every output of every projection is summed on one rank in one
+    process's order: the ranks give one process's bits. (With activations rounded to int8 before each
+    low-bit projection, a partial sum's last bit can tip a rounding, and answers would part from one
+    process's at the next near tie; README, Scale-out.)
+    """
+
+    shards: tuple  # engine.shard_plan.TensorShard, one per rank
+    rank: int
+    gather: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
+
+    @property
+    def shard(self):
+        return self.shards[self.rank]
+
+    def widths(self, what: str, scale: int = 1) -> tuple[int, ...]:
+        """Every rank's size of one of its shard's ranges ("heads", "intermediate", "hidden"), times `scale`."""
+        return tuple((getattr(s, what)[1] - getattr(s, what)[0]) * scale for s in self.shards)
+
+    def widest(self, head_dim: int) -> int:
+        """The widest part any rank puts into a layer's gathers, in values per token (the logits' gathers go in
+        pieces of rows that fit: RankGroup.gather_columns)."""
+        return max(max(self.widths("heads", head_dim)), max(self.widths("intermediate")), max(self.widths("hidden")))
 
 
 class Layer(nn.Module):
@@ -290,14 +324,18 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class Attention(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear, reduce=None) -> None:
-        """reduce: the sum across tensor-parallel ranks of o_proj's partial outputs (None: one rank)."""
+    def __init__(self, config: ModelConfig, linear=float_linear, tp: TensorParallel | None = None) -> None:
+        """tp: this rank's part of a tensor-parallel split (None: one rank); config is then the rank's shape."""
         super().__init__()
         self.c = config
-        self.reduce = reduce
+        self.tp = tp
         parts = (config.q_size, config.kv_size, config.kv_size)
         self.qkv_proj = linear(config.hidden_size, sum(parts), config.attention_bias, parts)
-        self.o_proj = linear(config.q_size, config.hidden_size, False)
+        if tp is None:
+            self.o_proj = linear(config.q_size, config.hidden_size, False)
+        else:  # every rank's heads in, this rank's hidden range out
+            self.gathered = (tp.widths("heads", config.head_dim), tp.widths("hidden"))
+            self.o_proj = linear(sum(self.gathered[0]), self.gathered[1][tp.rank], False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -315,35 +353,44 @@ class Attention(Layer):
             qk = torch.cat((self.q_norm(qk[:, : c.num_heads]), self.k_norm(qk[:, c.num_heads :])), dim=1)
         qk = apply_rope(qk, rope)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-        o = meta.forward(q, k, v, kv, self.scale)
-        out = self.o_proj(o.reshape(T, c.q_size))
-        return out if self.reduce is None else self.reduce(out)
+        o = meta.forward(q, k, v, kv, self.scale).reshape(T, c.q_size)
+        if self.tp is None:
+            return self.o_proj(o)
+        heads, hidden = self.gathered
+        return self.tp.gather(self.o_proj(self.tp.gather(o, heads)), hidden)
 
 
 class MLP(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear, reduce=None) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.reduce = reduce
+        self.tp = tp
         self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size, False, (config.intermediate_size,) * 2)
-        self.down_proj = linear(config.intermediate_size, config.hidden_size, False)
+        if tp is None:
+            self.down_proj = linear(config.intermediate_size, config.hidden_size, False)
+        else:  # every rank's columns in, this rank's hidden range out
+            self.gathered = (tp.widths("intermediate"), tp.widths("hidden"))
+            self.down_proj = linear(sum(self.gathered[0]), self.gathered[1][tp.rank], False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if kernels.native_for(gate_up):
-            out = self.down_proj(kernels.silu_mul(gate_up))
+            act = kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
-        return out if self.reduce is None else self.reduce(out)
+            act = F.silu(gate) * up
+        if self.tp is None:
+            return self.down_proj(act)
+        columns, hidden = self.gathered
+        return self.tp.gather(self.down_proj(self.tp.gather(act, columns)), hidden)
 
 
 class DecoderLayer(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear, reduce=None) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, linear, reduce)
+        self.self_attn = Attention(config, linear, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, linear, reduce)
+        self.mlp = MLP(config, linear, tp)
 
     def forward(self, x, rope, kv, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
@@ -353,25 +400,44 @@ class DecoderLayer(Layer):
 class DecoderModel(Layer):
     """Embeddings, N pre-norm decoder layers, final norm: the HF `model.` prefix."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, reduce=None, first: bool = True, last: bool = True) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, tp: TensorParallel | None = None, first: bool = True,
+                 last: bool = True) -> None:
         """first / last: whether this holds the model's first / last layers (a pipeline stage may hold neither):
         the embedding lives on the first stage, the final norm is applied on the last."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else None
+        self.vocab = tp.shard.vocab if tp is not None else None  # this rank's rows of a split embedding
+        rows = config.vocab_size if self.vocab is None else self.vocab[1] - self.vocab[0]
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size) if first else None
+        if self.vocab is not None:
+            self.tp, self.vocab_starts = tp, [s.vocab[0] for s in tp.shards[1:]]
         self.rotary = Rotary(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, linear, reduce) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, linear, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.last = last
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
         """hidden: the previous pipeline stage's output, in place of embedding input_ids."""
-        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, hidden]
+        x = self._embed(input_ids) if hidden is None else hidden  # [T, hidden]
         rope = self.rotary(positions, x.dtype)
         if kernels.native_for(x):
             return self._forward_fused(x, rope, kv_caches, meta)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.norm(x) if self.last else x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows; with a split vocabulary, each rank looks up the tokens in its range and every rank
+        takes each token's row from the rank that holds it (a gather: the values move, nothing is added)."""
+        if self.vocab is None:
+            return self.embed_tokens(input_ids)
+        first, end = self.vocab
+        local = input_ids - first
+        mine = (local >= 0) & (local < end - first)
+        x = self.embed_tokens(torch.where(mine, local, torch.zeros_like(local)))
+        T, H = x.shape
+        every = self.tp.gather(x, (H,) * len(self.tp.shards)).view(T, -1, H)  # [T, ranks, H]
+        owner = torch.bucketize(input_ids, torch.tensor(self.vocab_starts, device=input_ids.device), right=True)
+        return every[torch.arange(T), owner]
 
     def _forward_fused(self, x, rope, kv_caches, meta):
         """The same layers with each residual add fused into the norm that follows it (native ops):
@@ -395,12 +461,13 @@ class DecoderForCausalLM(nn.Module):
     qk_norm = False
     attention_bias: bool | None = None  # None: as the config says
 
-    def __init__(self, hf_config, max_positions: int, linear=float_linear, shard=None, reduce=None, layers: tuple[int, int] | None = None) -> None:
+    def __init__(self, hf_config, max_positions: int, linear=float_linear, tp: TensorParallel | None = None,
+                 layers: tuple[int, int] | None = None) -> None:
         """linear(in, out, bias, parts) builds the decoder's projections: `quant.WeightFormat.linear`
         chooses their weight format here, before any weight is loaded.
 
-        shard (engine.shard_plan.TensorShard): build one tensor-parallel rank's part, its heads and
-        intermediate columns; `reduce` sums a row-parallel projection's output over the ranks.
+        tp (TensorParallel): build one tensor-parallel rank's part, its heads, intermediate columns and
+        range of the hidden size, whose layers gather what they need from the other ranks.
         Embeddings, norms and the logits head stay whole on every rank.
 
         layers (first, end): a pipeline stage's range of decoder layers. The embedding and the logits
@@ -409,7 +476,9 @@ class DecoderForCausalLM(nn.Module):
         """
         super().__init__()
         self.config = ModelConfig.from_hf(hf_config, qk_norm=self.qk_norm, attention_bias=self.attention_bias)
-        self.shard = shard if shard is not None and shard.size > 1 else None
+        tp = tp if tp is not None and len(tp.shards) > 1 else None
+        self.tp = tp
+        self.shard = tp.shard if tp is not None else None
         self.head_dim = self.config.head_dim
         total = self.config.num_layers
         self.layer_range = layers or (0, total)
@@ -418,9 +487,11 @@ class DecoderForCausalLM(nn.Module):
         first = self.layer_range[0] == 0
         if self.layer_range != (0, total):
             self.config = replace(self.config, num_layers=self.layer_range[1] - self.layer_range[0])
-        self.model = DecoderModel(self.config, max_positions, linear, reduce, first, self.layer_range[1] == total)
+        self.model = DecoderModel(self.config, max_positions, linear, tp, first, self.layer_range[1] == total)
+        self.vocab = self.model.vocab
         if not self.config.tie_word_embeddings and first:
-            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+            rows = self.model.embed_tokens.num_embeddings  # this rank's slice of a split vocabulary
+            self.lm_head = Linear(self.config.hidden_size, rows, bias=False)
         self.logits_head: nn.Module | None = None  # set by WeightFormat.finish_head: replaces the (tied) head
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None) -> torch.Tensor:
@@ -428,11 +499,14 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] in float32."""
+        """hidden: [N, hidden] -> logits [N, vocab] in float32. With a split vocabulary (`vocab`) every
+        tensor-parallel rank computes its rows' logits, and they are gathered: call it on every rank alike."""
         if self.logits_head is not None:
-            return self.logits_head(hidden).float()
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w).float()
+            logits = self.logits_head(hidden).float()
+        else:
+            w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+            logits = F.linear(hidden, w).float()
+        return logits if self.vocab is None else self.tp.gather(logits, self.tp.widths("vocab"))
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict) -> None:
@@ -517,16 +591,14 @@ def stage_name(name: str, layers: tuple[int, int], first: bool) -> str | None:
 
 def shard_slice(name: str, shard, head_dim: int) -> tuple[int, int, int] | None:
     """(dimension, start, length) of tensor-parallel `shard`'s part of checkpoint tensor `name`
-    (SHARDED_PARAMS; biases of column-parallel projections by rows), or None where every rank
-    holds it whole. Loaders call it to read only that part (loader.load_checkpoint's select_for)."""
-    for part, dim, what in SHARDED_PARAMS:
-        if f".{part}." in name:
-            if dim == 1 and not name.endswith(".weight"):
-                raise NotImplementedError(f"{name}: a bias on a row-parallel projection is not supported with tensor parallelism")
+    (SHARDED_PARAMS: rows of weights and biases alike), or None where every rank holds it whole.
+    Loaders call it to read only that part (loader.load_checkpoint's select_for)."""
+    for part, what in SHARDED_PARAMS:
+        if f".{part}." in f".{name}" and getattr(shard, what) is not None:
             a, b = getattr(shard, what)
-            if what != "intermediate":
+            if what in ("heads", "kv_heads"):
                 a, b = a * head_dim, b * head_dim
-            return (dim if name.endswith(".weight") else 0), a, b - a
+            return 0, a, b - a
     return None
 
 

@@ -234,12 +234,13 @@ class Int8Embedding(Layer):
 
     def __init__(self, head: Int8Linear, dtype: torch.dtype) -> None:
         super().__init__()
-        object.__setattr__(self, "head", head)  # not a submodule: the model holds the head (its bytes count once)
+        # the head's own tensor: where the model holds the head too, model.buffers() counts its bytes once
+        self.register_buffer("packed", head.packed, persistent=False)
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        codes, scale = unpack_q8(self.head.packed[ids // PANEL], len(ids) * PANEL)  # each token's panel of 16 rows
+        codes, scale = unpack_q8(self.packed[ids // PANEL], len(ids) * PANEL)  # each token's panel of 16 rows
         rows = torch.arange(len(ids), device=ids.device) * PANEL + ids % PANEL
         codes, scale = codes[rows], scale[rows]
         x = (codes.float().view(len(ids), -1, GROUP_SIZE) * scale[..., None]).view(len(ids), -1)

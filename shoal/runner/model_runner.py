@@ -3,16 +3,19 @@
 Every tensor of a step is built here, once: the model and the sampler only
 consume them. The runner makes no scheduling decisions.
 
-A step has two halves. `forward(ForwardBatch)` is what every tensor-parallel
+A step has three parts. `forward(ForwardBatch)` is what every tensor-parallel
 rank runs on its shard: block copies, token ids, positions and block tables,
-no request state. Sampling (and prompt logprobs) runs on rank 0 alone, where
-the requests' parameters and histories are; `execute` does both in one process.
+no request state. `logits(ForwardBatch, hidden)` is the head's part, on every
+rank that holds a slice of the vocabulary (tensor-parallel ranks gather their
+slices; elsewhere rank 0 alone holds the head). Sampling (and prompt logprobs)
+runs on rank 0 alone, where the requests' parameters and histories are;
+`execute` does all three in one process.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -72,6 +75,8 @@ class ForwardBatch:
     decodes: list[SeqSpan]
     chunks: list[SeqSpan]
     block_copies: list[tuple[int, int]]
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled (a sequence's last token)
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
 
     @property
     def empty(self) -> bool:
@@ -142,27 +147,46 @@ class ModelRunner:
         """The whole step. forward(batch) -> hidden replaces `self.forward` where other ranks must
         run it too (executor/distributed.py)."""
         batch, seqs = forward_batch(plan)
-        return self.outputs(seqs, (forward or self.forward)(batch))
+        return self.outputs(seqs, batch, (forward or self.forward)(batch))
 
-    def outputs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor | None) -> StepOutput:
-        """Logits where the plan samples or asks for prompt logprobs, and the sampled tokens: the step's end,
-        on the rank that holds the head (a pipeline's rank 0 runs it when a micro-batch comes back)."""
+    def outputs(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor | None) -> StepOutput:
+        """The step's end on rank 0 from the forward's hidden states: logits, sampled tokens, prompt logprobs."""
+        return self.sample(seqs, self.logits(batch, hidden, seqs))
+
+    @torch.inference_mode()
+    def logits(self, batch: ForwardBatch, hidden: torch.Tensor | None, seqs: list[ScheduledSeq] | None = None) -> StepLogits | None:
+        """The head's part of a step: the sampled rows' logits, and the prompt-logprob rows' in pieces of
+        PROMPT_LOGPROBS_ROWS, each reduced to what the answer needs as it comes (with `seqs`: rank 0). Where
+        the vocabulary is split over tensor-parallel ranks every one of them runs this on the same batch, and
+        each piece is a gather; without `seqs` (the other ranks) the pieces are dropped."""
         if hidden is None:
+            return None
+        head = self.model.compute_logits
+        rows = batch.sample_rows
+        sampled = head(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]) if rows else None
+        pieces = []
+        if batch.prompt_rows:
+            row_t = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
+            if seqs is not None:
+                wanted = [s for s in seqs if s.prompt_targets]
+                k = max(s.prompt_logprobs for s in wanted)
+                targets = torch.tensor([t for s in wanted for t in s.prompt_targets], dtype=torch.long, device=self.device)
+            for i in range(0, len(row_t), PROMPT_LOGPROBS_ROWS):
+                logits = head(hidden[row_t[i : i + PROMPT_LOGPROBS_ROWS]])
+                if seqs is not None:
+                    logp = logits.log_softmax(dim=-1)  # [n, V]
+                    top = logp.topk(k, dim=-1) if k else None
+                    chosen = logp.gather(1, targets[i : i + PROMPT_LOGPROBS_ROWS, None]).squeeze(1)
+                    pieces.append((chosen, top.values if k else None, top.indices if k else None))
+        return StepLogits(sampled, pieces)
+
+    def sample(self, seqs: list[ScheduledSeq], logits: StepLogits | None) -> StepOutput:
+        """Rank 0: the sampled tokens and prompt logprobs of a step whose logits are in."""
+        if logits is None:
             return StepOutput([], {})
-        # Row of each sampled sequence's last token in the flat batch, and of the first
-        # position whose logits give prompt logprobs.
-        rows, offset = [], 0
-        prompt_rows: list[tuple[ScheduledSeq, int]] = []
-        for s in seqs:
-            if s.prompt_targets:
-                prompt_rows.append((s, offset + s.prompt_logprobs_from - s.start_pos))
-            offset += len(s.token_ids)
-            if s.sample:
-                rows.append(offset - 1)
         sampled = [s for s in seqs if s.sample]
-        sample_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        result = self._sample(sampled, self.model.compute_logits(hidden[sample_rows])) if sampled else []
-        return StepOutput(result, self._prompt_logprobs(prompt_rows, hidden) if prompt_rows else {})
+        result = self._sample(sampled, logits.sampled) if sampled else []
+        return StepOutput(result, self._prompt_logprobs(seqs, logits.prompt) if logits.prompt else {})
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -247,34 +271,20 @@ class ModelRunner:
             result.append(SampledToken(s.seq_id, token_ids[i], logprobs[i], top))
         return result
 
-    def _prompt_logprobs(self, prompt_rows: list[tuple[ScheduledSeq, int]], hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
-        """Prompt logprobs from this step's forward, for (sequence, flat row of its first wanted position).
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], pieces: list) -> dict[int, list[TokenLogprobs]]:
+        """Prompt logprobs from the step's pieces (`logits`), for each sequence that asked.
 
         The logits of prompt position p give the logprob of prompt token p + 1 (its
-        target) under log_softmax in float32. Logits exist for at most
-        PROMPT_LOGPROBS_ROWS positions at a time ([rows, V] float32 each).
+        target) under log_softmax in float32.
         """
-        rows: list[int] = []
-        targets: list[int] = []
-        for s, first in prompt_rows:
-            rows.extend(range(first, first + len(s.prompt_targets)))
-            targets.extend(s.prompt_targets)
-        k = max(s.prompt_logprobs for s, _ in prompt_rows)
-        row_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        target_t = torch.tensor(targets, dtype=torch.long, device=self.device).unsqueeze(1)
-        chosen, top_vals, top_ids = [], [], []
-        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
-            logp = self.model.compute_logits(hidden[row_t[i : i + PROMPT_LOGPROBS_ROWS]]).log_softmax(dim=-1)  # [n, V]
-            chosen.append(logp.gather(1, target_t[i : i + PROMPT_LOGPROBS_ROWS]).squeeze(1))
-            if k:
-                top = logp.topk(k, dim=-1)
-                top_vals.append(top.values)
-                top_ids.append(top.indices)
-        chosen_l = torch.cat(chosen).tolist()
-        top_vals_l = torch.cat(top_vals).tolist() if k else None
-        top_ids_l = torch.cat(top_ids).tolist() if k else None
+        chosen_l = torch.cat([p[0] for p in pieces]).tolist()
+        k = pieces[0][1] is not None
+        top_vals_l = torch.cat([p[1] for p in pieces]).tolist() if k else None
+        top_ids_l = torch.cat([p[2] for p in pieces]).tolist() if k else None
         out, i = {}, 0
-        for s, _ in prompt_rows:
+        for s in seqs:
+            if not s.prompt_targets:
+                continue
             sk, entries = s.prompt_logprobs, []
             for tok in s.prompt_targets:
                 top = [Logprob(t, lp) for t, lp in zip(top_ids_l[i][:sk], top_vals_l[i][:sk])] if sk else []
@@ -284,19 +294,36 @@ class ModelRunner:
         return out
 
 
+@dataclass
+class StepLogits:
+    """A step's logits as the sampler takes them (ModelRunner.logits)."""
+
+    sampled: torch.Tensor | None  # [rows that sample, V]
+    prompt: list  # per piece of prompt-logprob rows: (the target's logprob [n], top-k logprobs [n, k], their ids), k >= 0
+
+
 def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
     """The plan's forward half, and its sequences in the batch's order (decodes first, then chunks)."""
     decodes = [s for s in plan.seqs if len(s.token_ids) == 1]
     chunks = [s for s in plan.seqs if len(s.token_ids) > 1]
     seqs = decodes + chunks
     ids: list[int] = []
+    sample_rows: list[int] = []
+    prompt_rows: list[int] = []
     for s in seqs:
+        if s.prompt_targets:  # the first position whose logits give prompt logprobs, and on
+            first = len(ids) + s.prompt_logprobs_from - s.start_pos
+            prompt_rows.extend(range(first, first + len(s.prompt_targets)))
         ids.extend(s.token_ids)
+        if s.sample:
+            sample_rows.append(len(ids) - 1)
     batch = ForwardBatch(
         ids,
         [SeqSpan(s.start_pos, 1, tuple(s.block_table)) for s in decodes],
         [SeqSpan(s.start_pos, len(s.token_ids), tuple(s.block_table)) for s in chunks],
         list(plan.block_copies),
+        sample_rows,
+        prompt_rows,
     )
     return batch, seqs
 
