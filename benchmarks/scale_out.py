@@ -9,7 +9,7 @@ request (ignore_eos), at 1, 16 and 64 requests in flight:
 
 - "1 process": the whole model, every core (two threads on a 2-core machine);
 - "TP=2, shared memory" (the default on one machine) and "TP=2, gloo": two
-  ranks, one thread each, the per-layer sums through /dev/shm or gloo on loopback;
+  ranks, one thread each, the per-layer gathers through /dev/shm or gloo on loopback;
 - "PP=2": two pipeline stages, one thread each, a micro-batch per stage in flight;
 - "TP=2 / PP=2, rank 1 behind the link": rank 1 in its own network namespace, joined
   by a veth pair that `tc netem` shapes to 1 Gbit/s with 0.5 ms of delay each way
@@ -19,7 +19,7 @@ request (ignore_eos), at 1, 16 and 64 requests in flight:
   rate alone (a token bucket), and the results say so.
 
 For each: output tokens/s, and rank 0's time in communication (the step's
-broadcast, the per-layer sums, the pipeline's sends and receives; waiting for
+broadcast, the per-layer gathers, the pipeline's sends and receives; waiting for
 the other rank included) as a share of its time in the step. Then the bytes a
 pipeline hop sends per token for each --pp-wire-dtype, and a projection of
 tokens/s for N machines on 1, 10 and 25 Gbit/s links (the model is written out
@@ -205,9 +205,9 @@ def measure_shaped(kwargs: dict, dtype: str, salt: int) -> dict:
 
 # ---------------------------------------------------------------- the projection
 
-SHAPES = {  # name -> (hidden, layers, weight bytes of the layers in bf16)
-    "SmolLM2-135M": (576, 30, 30 * 2 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)),
-    "70B (Llama-2/3 shape)": (8192, 80, 80 * 2 * (8192 * (8192 + 2 * 1024) + 8192 * 8192 + 3 * 8192 * 28672)),
+SHAPES = {  # name -> (hidden, layers, weight bytes of the layers in bf16, MLP intermediate size)
+    "SmolLM2-135M": (576, 30, 30 * 2 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536), 1536),
+    "70B (Llama-2/3 shape)": (8192, 80, 80 * 2 * (8192 * (8192 + 2 * 1024) + 8192 * 8192 + 3 * 8192 * 28672), 28672),
 }
 LINKS_GBIT = (1, 10, 25)
 HOP_LATENCY_S = 0.5e-3
@@ -217,7 +217,7 @@ STAGES = (2, 4, 8)
 def projection(token_s: float, weight_bytes: int) -> list[str]:
     """One stream's tokens/s through N stages, and a long prompt's time per hop (the model: see the text)."""
     rows, prompt_rows = [], []
-    for name, (hidden, _, layer_bytes) in SHAPES.items():
+    for name, (hidden, _, layer_bytes, _) in SHAPES.items():
         # SmolLM2: the measured time per token; the 70B: scaled by its bf16 layers' bytes over the weights measured
         compute = token_s if name.startswith("SmolLM2") else token_s * layer_bytes / weight_bytes
         back = wire_bytes_per_token(hidden, "float32")  # the last hop, to the logits, is never compressed
@@ -279,7 +279,7 @@ def report(a, runs: dict[str, list[dict]], link_note: str, host: dict) -> int:
         "",
         f"`benchmarks/scale_out.py --rounds {a.rounds} --dtype {a.dtype}` on {machine_line(host)}, default model, {TOKENS} greedy "
         "output tokens per request, offline, median over rounds. Ranks get one thread each; one process gets every core. "
-        "Comm: rank 0's time in the step's broadcast, the per-layer sums and the pipeline's sends and receives (waiting "
+        "Comm: rank 0's time in the step's broadcast, the per-layer gathers and the pipeline's sends and receives (waiting "
         "for the other rank included: for pipeline stages, the wait for the other stage's compute) over its time in the "
         f"step. Shaped link: {link_note}.",
         "",
@@ -308,12 +308,14 @@ def report(a, runs: dict[str, list[dict]], link_note: str, host: dict) -> int:
         "## Bytes on the wire",
         "",
         "A pipeline hop sends each token's hidden state in the wire dtype (int8: one byte a value and a float32 scale "
-        "per token); the hop back to the logits is the model's dtype. Tensor parallelism sums each layer's two "
-        "partial outputs instead: 2 sums x layers x hidden x 4 bytes per token per rank.",
+        "per token); the hop back to the logits is the model's dtype. Two tensor-parallel ranks gather instead, in "
+        "every layer: the attention output, the MLP's intermediate columns and twice half the hidden size, so a rank "
+        "takes in layers x (heads x head size + intermediate + 2 hidden) / 2 values per token, in float32 "
+        "(and each sampled row's logits from the other half of the vocabulary).",
         "",
-        *table(["model", *WIRE, "TP sums per token"],
-               [[name, *(f"{wire_bytes_per_token(hidden, w):,}" for w in WIRE), f"{2 * layers * hidden * 4:,}"]
-                for name, (hidden, layers, _) in SHAPES.items()]),
+        *table(["model", *WIRE, "TP=2 gathers per token per rank"],
+               [[name, *(f"{wire_bytes_per_token(hidden, w):,}" for w in WIRE), f"{layers * (3 * hidden + inter) // 2 * 4:,}"]  # heads x head size = hidden
+                for name, (hidden, layers, _, inter) in SHAPES.items()]),
     ]
     token_s = 1 / base["tok_s_1"]
     lines += [
