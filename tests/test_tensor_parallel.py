@@ -530,10 +530,16 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_one_process_bits(arch, tmp
     assert cluster["collectives"] == "shared memory"
 
 
-def test_pipeline_micro_batches_in_flight_keep_every_answer(tmp_path):
-    """Two stages with a micro-batch each in flight: the answers are one process's, bit for bit, through chunked
-    prefill, n with a seed, beams, prompt logprobs, a pool so small that sequences are preempted, prefix-cache
-    hits, and an abort while the request's micro-batch is in flight; the pool ends at its baseline."""
+@pytest.mark.parametrize("parallel", [
+    {"pipeline_parallel_size": 2},
+    {"tensor_parallel_size": 2},
+    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+], ids=["pp2", "tp2", "tp2xpp2"])
+def test_every_split_keeps_every_answer(parallel, tmp_path):
+    """Two stages with a micro-batch each in flight, two tensor-parallel ranks, and both: the answers are one
+    process's, bit for bit, through chunked prefill, n with a seed, beams, prompt logprobs, a pool so small that
+    sequences are preempted, prefix-cache hits, and an abort (while the request's micro-batch is in flight, for
+    pipeline stages); the pool ends at its baseline."""
     from shoal.types import GenerationRequest
 
     path = make_tiny_model("llama", tmp_path / "m")
@@ -552,9 +558,9 @@ def test_pipeline_micro_batches_in_flight_keep_every_answer(tmp_path):
     with LLM(str(path), **kw) as one:
         want = answers(one.generate(prompts, params))
         kept_alone = one.generate([prompts[1]], greedy)[0].outputs[0].token_ids
-    with LLM(str(path), pipeline_parallel_size=2, **kw) as llm:
+    with LLM(str(path), **parallel, **kw) as llm:
         eng = llm.engine
-        assert eng.executor.depth == 2
+        assert eng.executor.depth == parallel.get("pipeline_parallel_size", 1)
         first = answers(llm.generate(prompts, params))
         assert eng.stats.preemptions > 0 and eng.pool.num_free == 40
         again = answers(llm.generate(prompts, params))
@@ -565,7 +571,7 @@ def test_pipeline_micro_batches_in_flight_keep_every_answer(tmp_path):
             return any(seq.request_id == "gone" for out, _, _ in eng._in_flight for seq, _ in out.scheduled)
 
         eng.step()
-        while not gone_in_flight():
+        while not gone_in_flight() if eng.executor.depth > 1 else eng._requests["gone"].choices[0].seq.num_output_tokens < 3:
             eng.step()
         assert eng.abort("gone")
         kept = []
