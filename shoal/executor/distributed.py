@@ -1,12 +1,13 @@
 """Tensor and pipeline parallelism over torch.distributed: rank 0 serves, the other ranks compute their part.
 
-Rank 0 owns everything with state (HTTP, scheduler, block pool, prefix cache)
-and the logits head. Each step it broadcasts the step's ForwardBatch (token
-ids, block tables, block copies: plain data, pickled) to every rank; every rank
+Rank 0 owns everything with state (HTTP, scheduler, block pool, prefix cache).
+Each step it broadcasts the step's ForwardBatch (token ids, block tables, block
+copies, the rows whose logits are wanted: plain data, pickled) to every rank; every rank
 runs its shard of every layer on its own slice of the KV cache (its KV heads),
 and the ranks gather each other's parts before and after the attention output
 and MLP down projections, which each rank computes for its own range of the
-hidden size (layers.TensorParallel). Rank 0 then computes the logits and samples.
+hidden size (layers.TensorParallel). Each rank then computes the logits of its
+rows of the vocabulary, they are gathered, and rank 0 samples.
 
 Gathers, not sums: no rank ever adds another's partial sums, so every output
 is summed in one process's order and the ranks give one process's bits. A sum
@@ -17,12 +18,12 @@ it adds in an order that depends on where an element falls in its chunks.)
 
 Pipeline stages (`--pipeline-parallel-size P`) get the same broadcast; each runs
 its own range of layers on the hidden states the previous stage sends (in the
-wire dtype), and the last sends its output back to rank 0 uncompressed. Each hop
-is a broadcast in a group of its two ranks rather than gloo's send/recv: a
-collective's completion can be polled (a send's or a receive's cannot, before
-it is waited for), so rank 0 can give up a wait and a stage can let go of what
-it sent.
-Both at once: stage s is ranks s*T .. s*T+T-1, which sum among themselves; each
+wire dtype), and the last sends its output back to rank 0 uncompressed, which
+holds the whole logits head. Each hop is a broadcast in a group of its two ranks
+rather than gloo's send/recv: a collective's completion can be polled (a send's
+or a receive's cannot, before it is waited for), so rank 0 can give up a wait
+and a stage can let go of what it sent.
+Both at once: stage s is ranks s*T .. s*T+T-1, which gather among themselves; each
 sends its (identical) output on to its counterpart in the next stage, and the
 last stage's first rank sends back to rank 0.
 

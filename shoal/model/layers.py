@@ -68,7 +68,7 @@ class TensorParallel:
         return self.shards[self.rank]
 
     def widths(self, what: str, scale: int = 1) -> tuple[int, ...]:
-        """Every rank's size of one of its shard's ranges ("heads", "intermediate", "hidden"), times `scale`."""
+        """Every rank's size of one of its shard's ranges ("heads", "intermediate", "hidden", "vocab"), times `scale`."""
         return tuple((getattr(s, what)[1] - getattr(s, what)[0]) * scale for s in self.shards)
 
     def widest(self, head_dim: int) -> int:
@@ -467,8 +467,9 @@ class DecoderForCausalLM(nn.Module):
         chooses their weight format here, before any weight is loaded.
 
         tp (TensorParallel): build one tensor-parallel rank's part, its heads, intermediate columns and
-        range of the hidden size, whose layers gather what they need from the other ranks.
-        Embeddings, norms and the logits head stay whole on every rank.
+        range of the hidden size, whose layers gather what they need from the other ranks; and, where its
+        shard has a `vocab` range (no pipeline stages), its rows of the embedding and the logits head,
+        whose lookups and logits are gathered too. Norms stay whole on every rank.
 
         layers (first, end): a pipeline stage's range of decoder layers. The embedding and the logits
         head live on the stage with layer 0 (rank 0, which samples); the final norm on every stage,
