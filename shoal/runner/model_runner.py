@@ -143,11 +143,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, forward=None) -> StepOutput:
-        """The whole step. forward(batch) -> hidden replaces `self.forward` where other ranks must
-        run it too (executor/distributed.py)."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """The whole step, in one process (executor/distributed.py runs the parts on every rank)."""
         batch, seqs = forward_batch(plan)
-        return self.outputs(seqs, batch, (forward or self.forward)(batch))
+        return self.outputs(seqs, batch, self.forward(batch))
 
     def outputs(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor | None) -> StepOutput:
         """The step's end on rank 0 from the forward's hidden states: logits, sampled tokens, prompt logprobs."""
