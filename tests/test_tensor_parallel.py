@@ -447,6 +447,65 @@ def test_a_second_machine_joins_with_shoal_worker_and_rejoins_after_a_restart(tm
             worker.kill()
 
 
+def test_torchrun_starts_every_rank_as_shoal_serve(tmp_path):
+    """Under torchrun every process runs `shoal serve`: the environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) says which is which. Rank 0 serves the `openai` SDK one process's answer, the cluster view shows
+    torchrun's two processes, and stopping torchrun stops both."""
+    import signal as signals
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    from shoal.executor.distributed import free_port
+
+    path = make_tiny_model("llama", tmp_path / "m")
+    alone = LLM(str(path), dtype="float32", num_blocks=512, block_size=8).generate("Hello there", SamplingParams(temperature=0, max_tokens=6))
+    port = free_port("127.0.0.1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shoal.cli", "serve",
+           "--model", str(path), "--port", str(port), "--tensor-parallel-size", "2", "--dtype", "float32",
+           "--kv-cache-memory", "64MiB"]
+    launcher = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert launcher.poll() is None, "torchrun exited before rank 0 served"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "rank 0 did not serve within 180 s"
+            time.sleep(0.5)
+        got = openai.OpenAI(base_url=f"{url}/v1", api_key="none").completions.create(
+            model=str(path), prompt="Hello there", max_tokens=6, temperature=0)
+        cluster = httpx.get(f"{url}/v1/cluster", timeout=10).json()
+        pids = [r["pid"] for r in cluster["ranks"]]
+        assert got.choices[0].text == alone[0].outputs[0].text
+        assert cluster["tensor_parallel_size"] == 2 and [r["state"] for r in cluster["ranks"]] == ["ready", "ready"]
+        assert len(set(pids)) == 2 and launcher.pid not in pids
+        launcher.send_signal(signals.SIGTERM)
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, "a rank outlived torchrun"
+            time.sleep(0.2)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signals.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 # ---------------------------------------------------------------- pipeline parallel
 
 
