@@ -616,9 +616,13 @@ def start_rank0(config: EngineConfig):
 
 
 def part_bytes(config: EngineConfig, runner) -> int:
-    """The largest part a rank puts into a gather: every token of the biggest step, at the widest part, 4 bytes each."""
+    """The largest part a rank puts into a layer's gather: every token of the biggest step, at the widest part, 4 bytes
+    each; and at least one row of a rank's logits (a step's logits are gathered in pieces of rows that fit)."""
     tp = runner.model.tp
-    return config.scheduler.max_num_batched_tokens * (tp.widest(runner.config.head_dim) if tp is not None else 0) * 4
+    if tp is None:
+        return 0
+    logits = max(tp.widths("vocab")) if runner.model.vocab is not None else 0
+    return max(config.scheduler.max_num_batched_tokens * tp.widest(runner.config.head_dim), logits) * 4
 
 
 def _start_workers(config: EngineConfig, port: int) -> list[subprocess.Popen]:
