@@ -98,8 +98,7 @@ class SharedMemoryChannel:
             gather = torch.ops.shoal_kernels.shm_gather
             out = gather(part, self._parts, self._posted, self.rank, n, widths, self.part_bytes, NATIVE_SPIN)
             if out is None:  # a rank is slower: wait as the Python path does, then take the parts
-                for r in range(self.size):
-                    self._wait(lambda r=r: self.posted[r] >= n, "a gather")
+                self._wait_for_every_rank(n)
                 out = gather(part, self._parts, self._posted, self.rank, n, widths, self.part_bytes, 0)
             return out
         views = self._typed.get(part.dtype)
@@ -108,11 +107,8 @@ class SharedMemoryChannel:
         parts = views[n & 1]
         rows = part.shape[0]
         parts[self.rank][: part.numel()].view(part.shape).copy_(part)
-        posted = self.posted
-        posted[self.rank] = n
-        for r in range(self.size):
-            if posted[r] < n:
-                self._wait(lambda r=r: posted[r] >= n, "a gather")
+        self.posted[self.rank] = n
+        self._wait_for_every_rank(n)
         return torch.cat([parts[r][: rows * w].view(rows, w) for r, w in enumerate(widths)], dim=1)
 
     # ------------------------------------------------------------ broadcast
@@ -140,6 +136,12 @@ class SharedMemoryChannel:
         return length >= 0, obj
 
     # ------------------------------------------------------------ waiting
+    def _wait_for_every_rank(self, n: int) -> None:
+        """Until every rank has posted its part of gather n."""
+        posted = self.posted
+        for r in range(self.size):
+            self._wait(lambda r=r: posted[r] >= n, "a gather")
+
     def _wait(self, done, what: str, idle: bool = False) -> None:
         if done():
             return

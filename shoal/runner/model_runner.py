@@ -277,9 +277,9 @@ class ModelRunner:
         target) under log_softmax in float32.
         """
         chosen_l = torch.cat([p[0] for p in pieces]).tolist()
-        k = pieces[0][1] is not None
-        top_vals_l = torch.cat([p[1] for p in pieces]).tolist() if k else None
-        top_ids_l = torch.cat([p[2] for p in pieces]).tolist() if k else None
+        tops = pieces[0][1] is not None  # some sequence asked for top-k alternatives
+        top_vals_l = torch.cat([p[1] for p in pieces]).tolist() if tops else None
+        top_ids_l = torch.cat([p[2] for p in pieces]).tolist() if tops else None
         out, i = {}, 0
         for s in seqs:
             if not s.prompt_targets:
