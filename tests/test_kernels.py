@@ -13,7 +13,10 @@ How the engine uses it is tests/test_invariance.py (every step shape, real model
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -214,3 +217,75 @@ def test_rope_and_silu_mul_match_torch_and_are_row_invariant(isa, dtype):
     got = kernels.silu_mul(gate_up)
     assert ((got.float() - want).abs() / want.abs().clamp_min(1e-2)).max().item() <= 2 * ROW_TOL[dtype]
     assert _rows_alone_equal_batch(kernels.silu_mul, gate_up)
+
+
+# ------------------------------------------------------------------ the code paths: forcing one, and their bits
+
+
+def test_forced_level_is_a_path_the_cpu_has_or_a_clear_error():
+    assert kernels.forced_level(None, 3) == 0 and kernels.forced_level("", 2) == 0  # unset: the best
+    assert kernels.forced_level("AVX2", 3) == 2 and kernels.forced_level(" baseline ", 2) == 1
+    assert kernels.forced_level("avx512", 3) == 3
+    with pytest.raises(ValueError, match=r"^SHOAL_CPU_ISA=avx512: this CPU has no AVX-512 \(the best it has is AVX2\)$"):
+        kernels.forced_level("avx512", 2)
+    with pytest.raises(ValueError, match=r"^SHOAL_CPU_ISA=avx2: this CPU has no AVX2 \(the best it has is x86-64 baseline\)$"):
+        kernels.forced_level("avx2", 1)
+    with pytest.raises(ValueError, match="^SHOAL_CPU_ISA=sse4 is not a code path: use one of baseline, avx2, avx512$"):
+        kernels.forced_level("sse4", 3)
+    with pytest.raises(ValueError, match="asks for an x86-64 path, and this CPU is"):
+        kernels.forced_level("baseline", None)
+
+
+@pytest.mark.parametrize("name", ["avx2", "baseline"])
+def test_shoal_cpu_isa_forces_a_whole_process_onto_the_path(name):
+    """Every native op and torch's own kernels: a forced process runs no wider code, and its log says so."""
+    level = kernels.ISA_LEVELS[name]
+    best = int(torch.ops.shoal_kernels.use_isa(0))
+    if level > best:
+        pytest.skip(f"this CPU has no {kernels.ISA_NAMES[level]}")
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+            "import shoal, torch\nfrom shoal import kernels\nassert kernels.available()\n"
+            "print('PATHS', kernels.isa(), int(torch.ops.shoal_kernels.matmul_isa()), torch.backends.cpu.get_cpu_capability())")
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "SHOAL_CPU_ISA": name}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    torch_path = {"avx2": "AVX2", "baseline": "DEFAULT"}[name]
+    assert f"PATHS {kernels.ISA_NAMES[level]} {level} {torch_path}" in out.stdout.splitlines()
+    why = "forced by SHOAL_CPU_ISA" if level < best else "SHOAL_CPU_ISA asks for it"
+    assert f"attention, RMSNorm, rotary and SiLU on the {kernels.ISA_NAMES[level]} path ({why}" in out.stdout
+
+
+def _on_path(level: int, f):
+    try:
+        kernels.use_isa(level)
+        return f()
+    finally:
+        kernels.use_isa(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_the_avx2_path_gives_the_avx512_paths_bits(dtype):
+    """The ops are written once for 16 lanes (vec.h) and each path holds them in its own registers, with its own
+    register blocking: lanes are independent, both paths contract a * b + c into one FMA, and the two reductions
+    use one tree. So the AVX2 path's bits are the AVX-512 path's, for the attention (prefill chunks, decodes,
+    windows, every blocking's leftover rows) and the row ops."""
+    if int(torch.ops.shoal_kernels.use_isa(0)) < 3:
+        pytest.skip("this CPU has no AVX-512 to compare with")
+    for shape in SHAPES:
+        seqs = Sequences(shape, dtype, [150, 1, 97, 64, 200])
+        steps = [([], [(s, 0, n) for s, n in enumerate(seqs.lengths)]), ([(0, 149), (2, 50), (4, 199)], [(3, 7, 40)])]
+        for decodes, chunks in steps:
+            wide = _on_path(3, lambda: seqs.step(decodes, chunks))
+            narrow = _on_path(2, lambda: seqs.step(decodes, chunks))
+            assert all(torch.equal(wide[key], narrow[key]) for key in wide), f"{shape} {dtype}"
+    gen = torch.Generator().manual_seed(3)
+    for n in (576, 100, 17):
+        x, delta = torch.randn(5, n, generator=gen).to(dtype), torch.randn(5, n, generator=gen).to(dtype)
+        w = torch.randn(n, generator=gen).to(dtype)
+        gate_up = (torch.randn(5, 2 * n, generator=gen) * 4).to(dtype)
+        heads = torch.randn(5, 3, n - n % 2, generator=gen).to(dtype)
+        cos, sin = torch.randn(5, n - n % 2, generator=gen), torch.randn(5, n - n % 2, generator=gen)
+        for f in (lambda: kernels.rms_norm(x, w, 1e-5), lambda: torch.cat(kernels.add_rms_norm(x, delta, w, 1e-5)),
+                  lambda: kernels.silu_mul(gate_up), lambda: kernels.rope_(heads.clone(), cos, sin)):
+            assert torch.equal(_on_path(3, f), _on_path(2, f)), f"row op at {n} {dtype}"

@@ -126,6 +126,12 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkey
         llm = LLM(str(tiny_llama_path), device="cpu", num_blocks=16, block_size=4, max_model_len=32)
         assert llm.engine.runner.kv.dtype == expected
         assert next(llm.engine.runner.model.parameters()).dtype == expected
+    # a process forced onto the AVX2 path runs as an AVX2 CPU does: float32, though this one has bf16 (shoal/kernels)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setenv("SHOAL_CPU_ISA", "avx2")
+    assert resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.setenv("SHOAL_CPU_ISA", "avx512")
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
 
 
 def test_bfloat16_runs_with_bfloat16_weights_and_kv(tmp_path):

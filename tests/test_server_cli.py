@@ -139,6 +139,22 @@ def test_serve_with_a_wrong_model_fails_in_one_line(tmp_path):
     assert out.stderr.strip().startswith("shoal: model path") and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_serve_refuses_a_forced_code_path_the_cpu_lacks_in_one_line(tmp_path):
+    """SHOAL_CPU_ISA names a kernel path (shoal/kernels); one the CPU lacks, or no path at all, stops `serve` before
+    it listens. On an AVX-512 CPU no real path is lacking, so a name that is none stands in for it there; the rule
+    for each level is tests/test_kernels.py's."""
+    from shoal import kernels
+
+    best = int(__import__("torch").ops.shoal_kernels.use_isa(0)) if kernels.available() else None
+    lacking = next((name for name, level in kernels.ISA_LEVELS.items() if best is not None and level > best), "avx1024")
+    env = {**os.environ, "PYTHONPATH": ROOT, "SHOAL_CPU_ISA": lacking}
+    out = subprocess.run([sys.executable, "-m", "shoal.cli", "serve", "--port", "0"], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith(f"shoal: SHOAL_CPU_ISA={lacking}") and len(out.stderr.strip().splitlines()) == 1
+    assert "uvicorn" not in out.stderr and "serving" not in out.stderr
+
+
 def test_chat_reports_a_refused_turn_and_goes_on(srv):
     out = shoal("chat", "--url", srv.url, "--temperature", "-1", stdin="first\nsecond\n")
     assert out.returncode == 0

@@ -11,7 +11,11 @@
 `lowbit.cpp` holds the int4/int8 matmuls of `model/quant.py`: a GGUF's Q4/Q8 blocks
 times int8-rounded activations, summed exactly in integers (AVX-512 VNNI, AVX2 or
 scalar code, the same bits on each), as llama.cpp computes them.
-It picks AVX-512, AVX2 or baseline code per process.
+It picks AVX-512, AVX2 or baseline code per process: the best this CPU has, or the path that
+SHOAL_CPU_ISA=avx512|avx2|baseline forces (for benchmarks and tests: an AVX-512 host then measures
+the AVX2 path honestly; a path the CPU lacks is a startup error). The log says which path each op
+takes and why. Every op is written once for 16 float lanes (vec.h) and compiled per path, so the
+AVX2 and AVX-512 paths give the same bits; the baseline has no FMA, so its bits differ.
 
 `make setup` builds the library once (`python -m shoal.kernels`, about 30 s); a process
 that finds it missing builds it on first use. It lives beside the virtual environment, or
@@ -41,6 +45,7 @@ log = logging.getLogger("shoal.kernels")
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu.cpp", "lowbit.cpp"))  # compiled
 HEADERS = (Path(__file__).with_name("vec.h"),)  # included: part of the library's hash
 ISA_NAMES = {1: "x86-64 baseline", 2: "AVX2", 3: "AVX-512"}
+ISA_LEVELS = {"baseline": 1, "avx2": 2, "avx512": 3}  # SHOAL_CPU_ISA's values
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -89,11 +94,39 @@ def _build(target: Path, cxx: str) -> None:
         os.replace(out, target)  # atomic: another process building the same file at once is harmless
 
 
+def forced_level(value: str | None, best: int | None) -> int:
+    """SHOAL_CPU_ISA's level (0 where it is unset: the best the CPU has), checked against `best`, the CPU's
+    best level (None: not an x86-64 CPU). A path the CPU lacks, or a name that is none, is a ValueError."""
+    if not value:
+        return 0
+    level = ISA_LEVELS.get(value.strip().lower())
+    if level is None:
+        raise ValueError(f"SHOAL_CPU_ISA={value.strip()} is not a code path: use one of {', '.join(ISA_LEVELS)}")
+    if best is None:
+        raise ValueError(f"SHOAL_CPU_ISA={value} asks for an x86-64 path, and this CPU is {platform.machine()}")
+    if level > best:
+        raise ValueError(f"SHOAL_CPU_ISA={value}: this CPU has no {ISA_NAMES[level]} (the best it has is {ISA_NAMES[best]})")
+    return level
+
+
+def forced_below_avx512() -> bool:
+    """Whether SHOAL_CPU_ISA forces a path below AVX-512: the process then runs as on a CPU without it, so
+    `--dtype auto` does not count on native bfloat16 (runner.resolve_dtype)."""
+    return ISA_LEVELS.get(os.environ.get("SHOAL_CPU_ISA", "").strip().lower(), 3) < 3
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 def _load() -> bool:
+    forced = os.environ.get("SHOAL_CPU_ISA")
+    if forced and not _is_x86():
+        forced_level(forced, None)  # raises: the CPU has none of the x86-64 paths
     if os.environ.get("SHOAL_NO_KERNELS") == "1":
         log.info("SHOAL_NO_KERNELS=1: shoal's native kernels are off; attention, the row-wise ops and the low-bit matmuls take torch's paths")
         return False
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not _is_x86():
         log.info("shoal's native kernels are x86-64 only, not %s: attention, the row-wise ops and the low-bit matmuls take torch's paths", platform.machine())
         return False
     cxx = _compiler()
@@ -109,7 +142,26 @@ def _load() -> bool:
     except Exception as exc:  # a failed build or load: the pure-torch paths remain
         log.warning("shoal's native kernels are off (%s): attention, the row-wise ops and the low-bit matmuls take torch's slower paths", exc)
         return False
+    best = int(torch.ops.shoal_kernels.use_isa(0))
+    level = forced_level(forced, best)  # a path this CPU lacks: a ValueError, the caller's startup error
+    if level:
+        torch.ops.shoal_kernels.use_isa(level)
+    for line in describe_paths(best, level):
+        log.info("%s", line)
     return True
+
+
+def describe_paths(best: int, forced: int) -> list[str]:
+    """The startup log's account of which code path each native op takes, and why."""
+    level = forced or best
+    why = (f"forced by SHOAL_CPU_ISA; this CPU has {ISA_NAMES[best]}" if forced and forced != best
+           else "SHOAL_CPU_ISA asks for it, and it is this CPU's best" if forced else "the best this CPU has")
+    matmul = int(torch.ops.shoal_kernels.matmul_isa())
+    matmul_path = {3: "AVX-512 VNNI (vpdpbusd)", 2: "AVX2 (vpmaddubsw + vpmaddwd)", 1: "scalar code"}[matmul]
+    no_vnni = "; this CPU has AVX-512 but no VNNI" if level == 3 and matmul != 3 else ""
+    return [f"native kernels: attention, RMSNorm, rotary and SiLU on the {ISA_NAMES[level]} path ({why})",
+            f"native kernels: low-bit matmuls on {matmul_path}{no_vnni}; activations rounded to int8 by the baseline's "
+            "code on every path, so every path sees the same codes"]
 
 
 def isa() -> str:

@@ -50,44 +50,56 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kTile = 64;          // keys per softmax tile: a multiple of kLanes
 constexpr int64_t kTileVecs = kTile / kLanes;
 constexpr int64_t kPositionsPerTask = 32;  // a chunk's positions per task (times the group's query heads)
-constexpr int64_t kRowBlock = 4;       // rows sharing key/value loads in the inner loops
-constexpr int64_t kDimChunk = 64;      // head-dimension lanes a row keeps in registers at once
 
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-typedef uint32_t vu32 __attribute__((vector_size(64)));
+// Register blocking per instruction set (W bytes a register, vec.h). The score pass keeps kScoreRows rows
+// times kScoreVecs 16-key vectors of a tile in registers, and shares each load of keys among those rows;
+// the value pass keeps kValueRows rows times kValueVecs 16-lane vectors of the head dimension, and shares
+// each load of a value among those rows. Every lane's arithmetic is the same for any blocking, so the
+// blocking changes speed only, never bits. Sized to the registers: 32 zmm on AVX-512, 16 ymm on AVX2 and
+// 16 xmm on the baseline, where a 16-lane vector takes one, two and four of them.
+template <int W>
+struct Blocking;
+template <>
+struct Blocking<64> { static constexpr int64_t kScoreRows = 4, kScoreVecs = 4, kValueRows = 4, kValueVecs = 4; };
+template <>
+struct Blocking<32> { static constexpr int64_t kScoreRows = 3, kScoreVecs = 2, kValueRows = 3, kValueVecs = 2; };
+template <>
+struct Blocking<16> { static constexpr int64_t kScoreRows = 2, kScoreVecs = 1, kValueRows = 2, kValueVecs = 1; };
 
 enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // x in lanes lo..hi (which may reach past either end), `fill` elsewhere
-INL vf visible(vf x, int64_t lo, int64_t hi, vf fill) {
+template <int W>
+INL vf<W> visible(vf<W> x, int64_t lo, int64_t hi, vf<W> fill) {
   if (lo <= 0 && hi >= kLanes - 1) return x;
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int32_t l = static_cast<int32_t>(std::max<int64_t>(lo, -1)), h = static_cast<int32_t>(std::min<int64_t>(hi, kLanes));
-  return (lane >= viset(l)) & (lane <= viset(h)) ? x : fill;
+  const vi<W> lane = vi<W>::iota();
+  return select((lane >= vi<W>::set(l)) & (lane <= vi<W>::set(h)), x, fill);
 }
 
 // exp for x <= 0 (Cephes' expf): clamped below at -87.3, where it is 2^-126; hidden
 // lanes are zeroed by the caller, never by underflow.
-INL vf vexp(vf x) {
-  x = vmax(x, vset(-87.3365447505531f));
-  x = x < vset(88.0f) ? x : vset(88.0f);
-  vf fx = fmadd(x, vset(1.44269504088896341f), vset(0.5f));
-  vi n = __builtin_convertvector(fx, vi);
-  vf t = __builtin_convertvector(n, vf);
-  n = n + (vi)(t > fx);  // floor: -1 where truncation went up
-  fx = __builtin_convertvector(n, vf);
-  x = x - fx * vset(0.693359375f);
-  x = x - fx * vset(-2.12194440e-4f);
-  vf z = x * x;
-  vf y = vset(1.9875691500e-4f);
-  y = fmadd(y, x, vset(1.3981999507e-3f));
-  y = fmadd(y, x, vset(8.3334519073e-3f));
-  y = fmadd(y, x, vset(4.1665795894e-2f));
-  y = fmadd(y, x, vset(1.6666665459e-1f));
-  y = fmadd(y, x, vset(5.0000001201e-1f));
-  y = fmadd(y, z, x) + vset(1.0f);
-  vi e = (n + 127) << 23;
-  return y * (vf)e;
+template <int W>
+INL vf<W> vexp(vf<W> x) {
+  typedef vf<W> F;
+  x = vmax(x, F::set(-87.3365447505531f));
+  x = select(x < F::set(88.0f), x, F::set(88.0f));
+  F fx = fmadd(x, F::set(1.44269504088896341f), F::set(0.5f));
+  vi<W> n = to_int(fx);
+  F t = to_float(n);
+  n = n + (t > fx);  // floor: -1 where truncation went up
+  fx = to_float(n);
+  x = x - fx * F::set(0.693359375f);
+  x = x - fx * F::set(-2.12194440e-4f);
+  F z = x * x;
+  F y = F::set(1.9875691500e-4f);
+  y = fmadd(y, x, F::set(1.3981999507e-3f));
+  y = fmadd(y, x, F::set(8.3334519073e-3f));
+  y = fmadd(y, x, F::set(4.1665795894e-2f));
+  y = fmadd(y, x, F::set(1.6666665459e-1f));
+  y = fmadd(y, x, F::set(5.0000001201e-1f));
+  y = fmadd(y, z, x) + F::set(1.0f);
+  return y * bits_to_float((n + vi<W>::set(127)) << 23);
 }
 
 
@@ -99,17 +111,22 @@ INL float to_float(const void* p, int64_t i, int dt) {
   }
 }
 
-// 16 contiguous elements as floats
-INL vf load16(const void* p, int64_t i, int dt) {
-  if (dt == kF32) return vload(static_cast<const float*>(p) + i);
-  if (dt == kBF16) {
-    vu16 u;
-    std::memcpy(&u, static_cast<const uint16_t*>(p) + i, sizeof u);
-    return (vf)(__builtin_convertvector(u, vu32) << 16);
+// 16 contiguous elements as floats, into buf (16 floats); bfloat16 widened a register at a time
+template <int W>
+INL void load16(const void* p, int64_t i, int dt, float* buf) {
+  if (dt == kF32) {
+    std::memcpy(buf, static_cast<const float*>(p) + i, 64);
+  } else if (dt == kBF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(p) + i;
+    for (int k = 0; k < 64 / W; ++k) {
+      typename Regs<W>::h h;
+      std::memcpy(&h, src + k * (W / 4), W / 2);
+      const typename Regs<W>::u f = __builtin_convertvector(h, typename Regs<W>::u) << 16;
+      std::memcpy(buf + k * (W / 4), &f, W);
+    }
+  } else {
+    for (int l = 0; l < kLanes; ++l) buf[l] = to_float(p, i + l, dt);
   }
-  vf v;
-  for (int l = 0; l < kLanes; ++l) v[l] = to_float(p, i + l, dt);
-  return v;
 }
 
 struct Ctx {
@@ -140,27 +157,30 @@ struct Span {
 };
 
 // acc(row r) += p_j v_j for keys j0..j1 (tile offsets), NV vectors of head-dimension lanes from dc
-template <int NV>
+template <int W, int NV>
 INL void row_values(const Span& s, int64_t r, int64_t j0, int64_t j1) {
-  vf acc[NV];
+  typedef vf<W> F;
+  F acc[NV];
   float* a = s.Acc + r * s.D16 + s.dc;
-  for (int v = 0; v < NV; ++v) acc[v] = vload(a + v * kLanes);
+  for (int v = 0; v < NV; ++v) acc[v] = F::load(a + v * kLanes);
   for (int64_t j = j0; j <= j1; ++j) {
-    const vf p = vset(s.S[r * kTile + j]);
+    const F p = F::set(s.S[r * kTile + j]);
     const float* val = s.Vs + j * s.D16 + s.dc;
-    for (int v = 0; v < NV; ++v) acc[v] = fmadd(p, vload(val + v * kLanes), acc[v]);
+    for (int v = 0; v < NV; ++v) acc[v] = fmadd(p, F::load(val + v * kLanes), acc[v]);
   }
-  for (int v = 0; v < NV; ++v) vstore(a + v * kLanes, acc[v]);
+  for (int v = 0; v < NV; ++v) acc[v].store(a + v * kLanes);
 }
 
 // The tile's value pass for every row: each row over its own visible keys, in key order. Rows
-// whose spans overlap take the shared keys together (one load of v_j for kRowBlock rows).
-template <int NV>
+// whose spans overlap take the shared keys together (one load of v_j for kValueRows rows).
+template <int W, int NV>
 INL void values_tile(const Span& s) {
-  for (int64_t r0 = 0; r0 < s.R; r0 += kRowBlock) {
-    const int64_t rb = std::min(kRowBlock, s.R - r0);
-    int64_t ra[kRowBlock], rz[kRowBlock], common_a = 0, common_b = kTile;
-    bool all = rb == kRowBlock;
+  typedef vf<W> F;
+  constexpr int64_t RB = Blocking<W>::kValueRows;
+  for (int64_t r0 = 0; r0 < s.R; r0 += RB) {
+    const int64_t rb = std::min(RB, s.R - r0);
+    int64_t ra[RB], rz[RB], common_a = 0, common_b = kTile;
+    bool all = rb == RB;
     for (int64_t r = 0; r < rb; ++r) {
       const int64_t row = r0 + r;
       if (s.hi[row] < s.ts || s.lo[row] >= s.te) { ra[r] = 1; rz[r] = 0; all = false; continue; }
@@ -171,27 +191,64 @@ INL void values_tile(const Span& s) {
     }
     if (!all || common_a > common_b) {
       for (int64_t r = 0; r < rb; ++r)
-        if (ra[r] <= rz[r]) row_values<NV>(s, r0 + r, ra[r], rz[r]);
+        if (ra[r] <= rz[r]) row_values<W, NV>(s, r0 + r, ra[r], rz[r]);
       continue;
     }
-    for (int64_t r = 0; r < kRowBlock; ++r)
-      if (ra[r] < common_a) row_values<NV>(s, r0 + r, ra[r], common_a - 1);
-    vf acc[kRowBlock][NV];
-    for (int64_t r = 0; r < kRowBlock; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] = vload(s.Acc + (r0 + r) * s.D16 + s.dc + v * kLanes);
+    for (int64_t r = 0; r < RB; ++r)
+      if (ra[r] < common_a) row_values<W, NV>(s, r0 + r, ra[r], common_a - 1);
+    F acc[RB][NV];
+    for (int64_t r = 0; r < RB; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = F::load(s.Acc + (r0 + r) * s.D16 + s.dc + v * kLanes);
     for (int64_t j = common_a; j <= common_b; ++j) {
-      vf val[NV];
-      for (int v = 0; v < NV; ++v) val[v] = vload(s.Vs + j * s.D16 + s.dc + v * kLanes);
-      for (int64_t r = 0; r < kRowBlock; ++r) {
-        const vf p = vset(s.S[(r0 + r) * kTile + j]);
+      F val[NV];
+      for (int v = 0; v < NV; ++v) val[v] = F::load(s.Vs + j * s.D16 + s.dc + v * kLanes);
+      for (int64_t r = 0; r < RB; ++r) {
+        const F p = F::set(s.S[(r0 + r) * kTile + j]);
         for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(p, val[v], acc[r][v]);
       }
     }
-    for (int64_t r = 0; r < kRowBlock; ++r)
-      for (int v = 0; v < NV; ++v) vstore(s.Acc + (r0 + r) * s.D16 + s.dc + v * kLanes, acc[r][v]);
-    for (int64_t r = 0; r < kRowBlock; ++r)
-      if (rz[r] > common_b) row_values<NV>(s, r0 + r, common_b + 1, rz[r]);
+    for (int64_t r = 0; r < RB; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v].store(s.Acc + (r0 + r) * s.D16 + s.dc + v * kLanes);
+    for (int64_t r = 0; r < RB; ++r)
+      if (rz[r] > common_b) row_values<W, NV>(s, r0 + r, common_b + 1, rz[r]);
   }
+}
+
+// The value pass over nv (1..NV) vectors of head-dimension lanes, each count its own unrolled loop
+template <int W, int NV>
+INL void values_tile_upto(const Span& s, int64_t nv) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return values_tile_upto<W, NV - 1>(s, nv);
+  }
+  values_tile<W, NV>(s);
+}
+
+// Scores for rows [r0, r0 + RB) and the tile's key vectors [v0, v0 + VB): S = q . k, summed over the
+// head dimension in order, one FMA per element (a lane's value depends on its row and key only)
+template <int W, int RB, int VB>
+INL void scores_block(const float* Qs, const float* Kt, float* S, int64_t D, int64_t r0, int64_t rb, int64_t v0) {
+  typedef vf<W> F;
+  F a[RB][VB];
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < VB; ++v) a[r][v] = F::zero();
+  if (rb == RB) {
+    for (int64_t d = 0; d < D; ++d) {
+      F k[VB];
+      for (int v = 0; v < VB; ++v) k[v] = F::load(&Kt[d * kTile + (v0 + v) * kLanes]);
+      for (int r = 0; r < RB; ++r) {
+        const F qd = F::set(Qs[(r0 + r) * D + d]);
+        for (int v = 0; v < VB; ++v) a[r][v] = fmadd(qd, k[v], a[r][v]);
+      }
+    }
+  } else {
+    for (int64_t r = 0; r < rb; ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        const F qd = F::set(Qs[(r0 + r) * D + d]);
+        for (int v = 0; v < VB; ++v) a[r][v] = fmadd(qd, F::load(&Kt[d * kTile + (v0 + v) * kLanes]), a[r][v]);
+      }
+  }
+  for (int64_t r = 0; r < rb; ++r)
+    for (int v = 0; v < VB; ++v) a[r][v].store(&S[(r0 + r) * kTile + (v0 + v) * kLanes]);
 }
 
 // A thread's working buffers, kept between tasks: a decode task is small, and allocating and
@@ -209,7 +266,10 @@ INL float* grown(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
+template <int W>
 INL void task_body(const Ctx& c, const Task& task) {
+  typedef vf<W> F;
+  typedef Blocking<W> B;
   const int64_t D = c.D, D16 = c.D16, G = c.G, R = task.rows * G;
   const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[task.row0]) * c.max_blocks;
   float* Qs = grown(t_scratch.f, R * D + R * kTile + 2 * R + R * D16 + D * kTile + kTile * D16);
@@ -244,9 +304,9 @@ INL void task_body(const Ctx& c, const Task& task) {
       const int64_t key = ts + j0, block = table[key / c.bs], off = key % c.bs;
       const char* kb = key_block(c, task.head, block);
       if (direct && j0 + kLanes <= n) {
-        for (int64_t d = 0; d < D; ++d) vstore(&Kt[d * kTile + j0], load16(kb, d * c.bs + off, c.dt));
+        for (int64_t d = 0; d < D; ++d) load16<W>(kb, d * c.bs + off, c.dt, &Kt[d * kTile + j0]);
       } else {
-        for (int64_t d = 0; d < D; ++d) vstore(&Kt[d * kTile + j0], vf{});  // a partial vector: no stale keys
+        for (int64_t d = 0; d < D; ++d) std::fill(&Kt[d * kTile + j0], &Kt[d * kTile + j0] + kLanes, 0.0f);  // a partial vector: no stale keys
         for (int64_t j = j0; j < std::min(n, j0 + kLanes); ++j) {
           const int64_t kk = ts + j;
           const char* b = key_block(c, task.head, table[kk / c.bs]);
@@ -259,68 +319,42 @@ INL void task_body(const Ctx& c, const Task& task) {
       const char* vb = value_block(c, task.head, table[kk / c.bs]) + (kk % c.bs) * D * c.esize;
       float* vrow = &Vs[j * D16];
       if (D % kLanes == 0) {
-        for (int64_t d = 0; d < D; d += kLanes) vstore(vrow + d, load16(vb, d, c.dt));
+        for (int64_t d = 0; d < D; d += kLanes) load16<W>(vb, d, c.dt, vrow + d);
       } else {
         for (int64_t d = 0; d < D; ++d) vrow[d] = to_float(vb, d, c.dt);
       }
     }
-    // scores for every row and every key of the tile (a lane's value depends on its row and key only)
-    for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
-      const int64_t rb = std::min(kRowBlock, R - r0);
-      vf a[kRowBlock][kTileVecs];
-      for (int64_t r = 0; r < kRowBlock; ++r)
-        for (int64_t v = 0; v < kTileVecs; ++v) a[r][v] = vf{};
-      if (rb == kRowBlock) {
-        for (int64_t d = 0; d < D; ++d) {
-          vf k[kTileVecs];
-          for (int64_t v = 0; v < kTileVecs; ++v) k[v] = vload(&Kt[d * kTile + v * kLanes]);
-          for (int64_t r = 0; r < kRowBlock; ++r) {
-            const vf qd = vset(Qs[(r0 + r) * D + d]);
-            for (int64_t v = 0; v < kTileVecs; ++v) a[r][v] = fmadd(qd, k[v], a[r][v]);
-          }
-        }
-      } else {
-        for (int64_t r = 0; r < rb; ++r)
-          for (int64_t d = 0; d < D; ++d) {
-            const vf qd = vset(Qs[(r0 + r) * D + d]);
-            for (int64_t v = 0; v < kTileVecs; ++v) a[r][v] = fmadd(qd, vload(&Kt[d * kTile + v * kLanes]), a[r][v]);
-          }
-      }
-      for (int64_t r = 0; r < rb; ++r)
-        for (int64_t v = 0; v < kTileVecs; ++v) vstore(&S[(r0 + r) * kTile + v * kLanes], a[r][v]);
-    }
+    // scores for every row and every key of the tile
+    for (int64_t v0 = 0; v0 < kTileVecs; v0 += B::kScoreVecs)
+      for (int64_t r0 = 0; r0 < R; r0 += B::kScoreRows)
+        scores_block<W, B::kScoreRows, B::kScoreVecs>(Qs, Kt, S, D, r0, std::min(B::kScoreRows, R - r0), v0);
     // online softmax per row over its visible keys in this tile; S becomes p
     for (int64_t r = 0; r < R; ++r) {
       if (hi[r] < ts || lo[r] >= te) continue;  // the row sees nothing here: its state is untouched
       const int64_t a = std::max(lo[r], ts) - ts, b = std::min(hi[r], te - 1) - ts;  // visible keys, tile offsets
       float* s = &S[r * kTile];
-      vf mt = vset(-INFINITY);
+      F mt = F::set(-INFINITY);
       for (int64_t v = a / kLanes; v <= b / kLanes; ++v)
-        mt = vmax(mt, visible(vload(s + v * kLanes), a - v * kLanes, b - v * kLanes, vset(-INFINITY)));
+        mt = vmax(mt, visible(F::load(s + v * kLanes), a - v * kLanes, b - v * kLanes, F::set(-INFINITY)));
       const float m_new = std::max(M[r], lane_max(mt));
-      const float alpha = vexp(vset(M[r] - m_new))[0];
-      const vf mv = vset(m_new);
-      vf ls = vf{};
+      const float alpha = vexp(F::set(M[r] - m_new)).first();
+      const F mv = F::set(m_new);
+      F ls = F::zero();
       for (int64_t v = a / kLanes; v <= b / kLanes; ++v) {
-        const vf p = visible(vexp(vload(s + v * kLanes) - mv), a - v * kLanes, b - v * kLanes, vf{});
-        vstore(s + v * kLanes, p);
+        const F p = visible(vexp(F::load(s + v * kLanes) - mv), a - v * kLanes, b - v * kLanes, F::zero());
+        p.store(s + v * kLanes);
         ls = ls + p;
       }
       Lsum[r] = Lsum[r] * alpha + lane_sum(ls);
       M[r] = m_new;
       float* acc = &Acc[r * D16];
-      const vf av = vset(alpha);
-      for (int64_t d = 0; d < D16; d += kLanes) vstore(acc + d, vload(acc + d) * av);
+      const F av = F::set(alpha);
+      for (int64_t d = 0; d < D16; d += kLanes) (F::load(acc + d) * av).store(acc + d);
     }
     // acc += p_j v_j, keys in order; rows that share a key range share the value loads
-    for (int64_t dc = 0; dc < D16; dc += kDimChunk) {
+    for (int64_t dc = 0; dc < D16; dc += B::kValueVecs * kLanes) {
       const Span sp{Acc, S, Vs, lo, hi, D16, R, ts, te, dc};
-      switch (std::min(kDimChunk, D16 - dc) / kLanes) {
-        case 4: values_tile<4>(sp); break;
-        case 3: values_tile<3>(sp); break;
-        case 2: values_tile<2>(sp); break;
-        default: values_tile<1>(sp);
-      }
+      values_tile_upto<W, B::kValueVecs>(sp, std::min(B::kValueVecs * kLanes, D16 - dc) / kLanes);
     }
   }
   const int64_t Hq = c.Hkv * G;
@@ -343,9 +377,9 @@ INL void task_body(const Ctx& c, const Task& task) {
 }
 
 // The same body compiled three times; `isa()` picks one per process, so a host always runs the same code.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void task_avx512(const Ctx& c, const Task& t) { task_body(c, t); }
-__attribute__((target("avx2,fma,f16c"))) void task_avx2(const Ctx& c, const Task& t) { task_body(c, t); }
-void task_baseline(const Ctx& c, const Task& t) { task_body(c, t); }
+SHOAL_ENTRY_AVX512 void task_avx512(const Ctx& c, const Task& t) { task_body<64>(c, t); }
+SHOAL_ENTRY_AVX2 void task_avx2(const Ctx& c, const Task& t) { task_body<32>(c, t); }
+SHOAL_ENTRY_BASELINE void task_baseline(const Ctx& c, const Task& t) { task_body<16>(c, t); }
 
 // ------------------------------------------------------------------ row-wise ops of a decoder layer
 // Each fuses what torch runs as several ops (RMSNorm alone is about 15 on the CPU), and each row is
@@ -384,6 +418,7 @@ struct NormArgs {
 };
 
 // sum = x + delta in the dtype (when delta is given); y = w * dtype(s * rsqrt(mean(s^2) + eps)), as HF's RMSNorm
+template <int W>
 INL void norm_row(const NormArgs& a, int64_t t, float* buf, float* tmp, const float* w) {
   const int64_t n = a.n;
   load_row(a.x + elem_offset(t * a.x_row, a.dt), n, a.dt, buf);
@@ -393,10 +428,10 @@ INL void norm_row(const NormArgs& a, int64_t t, float* buf, float* tmp, const fl
     round_row(buf, n, a.dt);
     store_row(a.sum + elem_offset(t * n, a.dt), n, a.dt, buf);
   }
-  vf acc = vf{};
+  vf<W> acc = vf<W>::zero();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    const vf v = vload(buf + i);
+    const vf<W> v = vf<W>::load(buf + i);
     acc = fmadd(v, v, acc);
   }
   float ss = lane_sum(acc);
@@ -408,11 +443,12 @@ INL void norm_row(const NormArgs& a, int64_t t, float* buf, float* tmp, const fl
   store_row(a.y + elem_offset(t * n, a.dt), n, a.dt, tmp);
 }
 
+template <int W>
 INL void norm_rows(const NormArgs& a, int64_t b, int64_t e) {
   std::vector<float> buf(3 * (a.n + kLanes));
   float* w = buf.data() + 2 * (a.n + kLanes);
   load_row(a.w, a.n, a.dt, w);
-  for (int64_t t = b; t < e; ++t) norm_row(a, t, buf.data(), buf.data() + a.n + kLanes, w);
+  for (int64_t t = b; t < e; ++t) norm_row<W>(a, t, buf.data(), buf.data() + a.n + kLanes, w);
 }
 
 struct RopeArgs {
@@ -421,6 +457,7 @@ struct RopeArgs {
 };
 
 // x = x * cos + roll(x, D/2) * signed_sin, in place, one rounding
+template <int W>  // scalar loops, vectorized by the compiler for the caller's instruction set
 INL void rope_rows(const RopeArgs& a, int64_t b, int64_t e) {
   std::vector<float> buf(2 * a.D);
   float* in = buf.data();
@@ -445,6 +482,7 @@ struct SiluArgs {
 };
 
 // y = silu(gate) * up, one rounding
+template <int W>
 INL void silu_rows(const SiluArgs& a, int64_t b, int64_t e) {
   std::vector<float> g(a.I + kLanes), u(a.I + kLanes);
   for (int64_t t = b; t < e; ++t) {
@@ -452,9 +490,10 @@ INL void silu_rows(const SiluArgs& a, int64_t b, int64_t e) {
     load_row(a.x + elem_offset(t * a.x_row + a.I, a.dt), a.I, a.dt, u.data());
     int64_t i = 0;
     for (; i + kLanes <= a.I; i += kLanes) {
-      const vf gv = vload(&g[i]);
-      const vf sig = vset(1.0f) / (vset(1.0f) + vexp(vset(0.0f) - gv));
-      vstore(&g[i], gv * sig * vload(&u[i]));
+      typedef vf<W> F;
+      const F gv = F::load(&g[i]);
+      const F sig = F::set(1.0f) / (F::set(1.0f) + vexp(F::set(0.0f) - gv));
+      (gv * sig * F::load(&u[i])).store(&g[i]);
     }
     for (; i < a.I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     store_row(a.y + elem_offset(t * a.I, a.dt), a.I, a.dt, g.data());
@@ -463,9 +502,9 @@ INL void silu_rows(const SiluArgs& a, int64_t b, int64_t e) {
 
 // The same bodies compiled per instruction set, as the attention's.
 #define SHOAL_ISA_VARIANTS(NAME, ARGS)                                                                          \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void NAME##_avx512(const ARGS& a, int64_t b, int64_t e) { NAME(a, b, e); } \
-  __attribute__((target("avx2,fma,f16c"))) void NAME##_avx2(const ARGS& a, int64_t b, int64_t e) { NAME(a, b, e); } \
-  void NAME##_baseline(const ARGS& a, int64_t b, int64_t e) { NAME(a, b, e); }
+  SHOAL_ENTRY_AVX512 void NAME##_avx512(const ARGS& a, int64_t b, int64_t e) { NAME<64>(a, b, e); } \
+  SHOAL_ENTRY_AVX2 void NAME##_avx2(const ARGS& a, int64_t b, int64_t e) { NAME<32>(a, b, e); } \
+  SHOAL_ENTRY_BASELINE void NAME##_baseline(const ARGS& a, int64_t b, int64_t e) { NAME<16>(a, b, e); }
 SHOAL_ISA_VARIANTS(norm_rows, NormArgs)
 SHOAL_ISA_VARIANTS(rope_rows, RopeArgs)
 SHOAL_ISA_VARIANTS(silu_rows, SiluArgs)

@@ -81,18 +81,17 @@ inline float input(const void* x, int64_t i, at::ScalarType t) {
   }
 }
 
-typedef int8_t vb16 __attribute__((vector_size(16)));
-
 // One row's blocks: amax / 127 as the scale, codes rounded to nearest even, the block's float sum
-// as (x[i] + x[i + 16]) added across lanes by one fixed tree. Compiled once for every CPU (GCC
-// lowers the 16-lane vectors to what the baseline has), so every path rounds the same codes.
+// as (x[i] + x[i + 16]) added across lanes by one fixed tree. Compiled once for every CPU, on the
+// baseline's registers (vec.h, W = 16), so every path rounds the same codes.
 // No contraction: x * inv is rounded before it is rounded to an integer, as the tests' model does.
 __attribute__((optimize("fp-contract=off")))
 void quantize_rows(const char* x, int64_t stride_bytes, at::ScalarType t, int64_t r0, int64_t r1, int8_t* q, float* d,
                    float* sum, int32_t* qsum, int64_t K) {
   const int64_t B = K / kBlock;
   std::vector<float> buf(t == at::kFloat ? 0 : K);
-  const vf magic = vset(12582912.0f);  // 1.5 * 2^23
+  typedef vf<16> F;
+  const F magic = F::set(12582912.0f), zero = F::zero();  // 1.5 * 2^23
   for (int64_t r = r0; r < r1; ++r) {
     const char* row = x + r * stride_bytes;
     const float* v = reinterpret_cast<const float*>(row);
@@ -101,22 +100,24 @@ void quantize_rows(const char* x, int64_t stride_bytes, at::ScalarType t, int64_
       v = buf.data();
     }
     for (int64_t b = 0; b < B; ++b) {
-      const vf v0 = vload(v + b * kBlock), v1 = vload(v + b * kBlock + 16);
-      const vf a0 = v0 < 0 ? -v0 : v0, a1 = v1 < 0 ? -v1 : v1;
+      const F v0 = F::load(v + b * kBlock), v1 = F::load(v + b * kBlock + 16);
+      const F a0 = select(v0 < zero, zero - v0, v0), a1 = select(v1 < zero, zero - v1, v1);
       const float amax = lane_max(vmax(a0, a1));
       // below 1e-30 a block counts as zeros (127 / amax would overflow near float's smallest numbers)
       const float inv = amax > 1e-30f ? 127.0f / amax : 0.0f;
-      vf y0 = v0 * inv, y1 = v1 * inv;
+      F y0 = v0 * F::set(inv), y1 = v1 * F::set(inv);
       y0 = (y0 + magic) - magic;  // round to nearest even (|y| <= 127)
       y1 = (y1 + magic) - magic;
-      const vi c0 = __builtin_convertvector(y0, vi), c1 = __builtin_convertvector(y1, vi);
-      const vb16 b0 = __builtin_convertvector(c0, vb16), b1 = __builtin_convertvector(c1, vb16);
+      const vi<16> c0 = to_int(y0), c1 = to_int(y1);
       int8_t* out = q + r * K + b * kBlock;
-      std::memcpy(out, &b0, 16);
-      std::memcpy(out + 16, &b1, 16);
-      const vi cs = c0 + c1;
+      for (int k = 0; k < F::kParts; ++k) {
+        const Regs<16>::b b0 = __builtin_convertvector(c0.p[k], Regs<16>::b), b1 = __builtin_convertvector(c1.p[k], Regs<16>::b);
+        std::memcpy(out + 4 * k, &b0, 4);
+        std::memcpy(out + 16 + 4 * k, &b1, 4);
+      }
+      const vi<16> cs = c0 + c1;
       int32_t qs = 0;
-      for (int i = 0; i < 16; ++i) qs += cs[i];
+      for (int i = 0; i < 16; ++i) qs += cs.lane(i);
       const float total = lane_sum(v0 + v1);
       // a NaN or infinity in the block reaches its sum: the scale carries it into every output, so the
       // row's logits are not finite and the sampler fails that request alone (never laundered into codes)

@@ -1,41 +1,182 @@
-// 16-lane float vectors (GCC vector extensions) for shoal's kernels, cpu.cpp and lowbit.cpp. A
-// function using them compiles for whatever instruction set its caller was built for (AVX-512,
-// AVX2 or the baseline), and the reductions here add lanes in one fixed order on all of them.
+// 16-lane vectors for shoal's kernels (cpu.cpp, lowbit.cpp), held in the registers of the instruction set a
+// kernel is compiled for. A kernel is written once for 16 lanes, as a template on W, the bytes of one
+// register: 64 on AVX-512 (one zmm), 32 on AVX2 (two ymm), 16 on the x86-64 baseline (four xmm, SSE2).
+//
+// Why not one 64-byte GCC vector type everywhere: without AVX-512, GCC has no 64-byte register mode, so a
+// variable of that type lives on the stack, and every operation on it loads and stores its halves. The
+// attention op compiled that way for AVX2 ran 27-36x slower than on AVX-512 on the same core, slower than
+// the baseline (benchmarks/NOTES.md, fourteenth round). Here each part is a native register type, every
+// operation works part by part, and whole-vector loads and stores go part by part too (one memcpy of the
+// 64 bytes would again go through memory).
+//
+// Lanes are independent in every operation but the two reductions, which combine lanes in one fixed tree
+// on every instruction set. So a kernel gives the same bits on each where the arithmetic is the same: AVX2
+// and AVX-512 both contract a * b + c into one FMA; the baseline has no FMA and rounds twice.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-
 #define INL static inline __attribute__((always_inline))
+#define MINL inline __attribute__((always_inline))  // members and friends
+// An entry point that runs a kernel on one instruction set: everything it calls is inlined into it, and so
+// compiled for that set
+#define SHOAL_ENTRY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"), flatten))
+#define SHOAL_ENTRY_AVX2 __attribute__((target("avx2,fma,f16c"), flatten))
+#define SHOAL_ENTRY_BASELINE __attribute__((flatten))
 
-INL vf vload(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-INL void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-// a broadcast, written as a shuffle: GCC turns a 16-element initializer into 16 masked inserts
-INL vf vset(float x) { const vf v = {x}; return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
-INL vi viset(int32_t x) { const vi v = {x}; return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); }
-INL vf fmadd(vf a, vf b, vf c) { return a * b + c; }  // contracted to one FMA where the ISA has it
-INL vf vmax(vf a, vf b) { return a > b ? a : b; }
+// One register's types per width, spelled out: GCC drops a vector attribute that depends on a template
+// parameter where the type is passed on as a template argument. Broadcasts use the ISA's own set1: with
+// a shuffle of {x, 0, ...}, GCC widened the scalar load of x into a whole vector's load (a misaligned
+// 64-byte load per key in the attention's value pass, 10% of its time). An intrinsic inlines only into a
+// function built for its instruction set, so splat is not forced inline into the generic templates: each
+// entry point that runs a kernel for one instruction set is `flatten`, and takes it in there (SHOAL_ENTRY).
+template <int W>
+struct Regs;
 
-// Across lanes by halves, always the same tree: lane i adds lane i + 8, then i + 4, i + 2, i + 1.
-INL float lane_sum(vf v) {
-  v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  v = v + __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-  return v[0];
+#define SHOAL_REGS(W, TARGET, SET1_PS, SET1_EPI32)                                                  \
+  template <>                                                                                        \
+  struct Regs<W> {                                                                                   \
+    typedef float f __attribute__((vector_size(W)));                                                \
+    typedef int32_t i __attribute__((vector_size(W)));                                              \
+    typedef uint32_t u __attribute__((vector_size(W)));                                             \
+    typedef uint16_t h __attribute__((vector_size(W / 2)));  /* as many 16-bit lanes as f has */   \
+    typedef int8_t b __attribute__((vector_size(W / 4)));    /* as many 8-bit lanes as f has */    \
+    TARGET static inline f splat(float x) { return (f)SET1_PS(x); }                                 \
+    TARGET static inline i splat(int32_t x) { return (i)SET1_EPI32(x); }                            \
+  };
+SHOAL_REGS(64, __attribute__((target("avx512f"))), _mm512_set1_ps, _mm512_set1_epi32)
+SHOAL_REGS(32, __attribute__((target("avx"))), _mm256_set1_ps, _mm256_set1_epi32)
+SHOAL_REGS(16, , _mm_set1_ps, _mm_set1_epi32)
+#undef SHOAL_REGS
+
+template <int W>
+struct vi;
+
+template <int W>
+struct vf {
+  typedef typename Regs<W>::f part;
+  static constexpr int kParts = 64 / W, kPartLanes = W / 4;
+  part p[kParts];
+
+  static MINL vf zero() { vf v; for (int k = 0; k < kParts; ++k) v.p[k] = part{}; return v; }
+  static MINL vf load(const float* s) { vf v; for (int k = 0; k < kParts; ++k) std::memcpy(&v.p[k], s + k * kPartLanes, W); return v; }
+  // a broadcast, written as a shuffle: GCC turns a lane-by-lane initializer into one insert per lane
+  static MINL vf set(float x) { vf v; for (int k = 0; k < kParts; ++k) v.p[k] = Regs<W>::splat(x); return v; }
+  MINL void store(float* s) const { for (int k = 0; k < kParts; ++k) std::memcpy(s + k * kPartLanes, &p[k], W); }
+  MINL float first() const { return p[0][0]; }
+  MINL float lane(int i) const { return p[i / kPartLanes][i % kPartLanes]; }
+
+#define SHOAL_VF_OP(OP) \
+  friend MINL vf operator OP(vf a, vf b) { vf r; for (int k = 0; k < kParts; ++k) r.p[k] = a.p[k] OP b.p[k]; return r; }
+  SHOAL_VF_OP(+)
+  SHOAL_VF_OP(-)
+  SHOAL_VF_OP(*)
+  SHOAL_VF_OP(/)
+#undef SHOAL_VF_OP
+#define SHOAL_VF_CMP(OP) \
+  friend MINL vi<W> operator OP(vf a, vf b) { vi<W> r; for (int k = 0; k < kParts; ++k) r.p[k] = a.p[k] OP b.p[k]; return r; }
+  SHOAL_VF_CMP(<)
+  SHOAL_VF_CMP(>)
+#undef SHOAL_VF_CMP
+};
+
+template <int W>
+struct vi {
+  typedef typename Regs<W>::i part;
+  static constexpr int kParts = 64 / W, kPartLanes = W / 4;
+  part p[kParts];
+
+  static MINL vi set(int32_t x) { vi v; for (int k = 0; k < kParts; ++k) v.p[k] = Regs<W>::splat(x); return v; }
+  static MINL vi iota() {  // lanes 0..15
+    vi v;
+    for (int k = 0; k < kParts; ++k)
+      for (int l = 0; l < kPartLanes; ++l) v.p[k][l] = k * kPartLanes + l;
+    return v;
+  }
+  MINL int32_t lane(int i) const { return p[i / kPartLanes][i % kPartLanes]; }
+
+#define SHOAL_VI_OP(OP) \
+  friend MINL vi operator OP(vi a, vi b) { vi r; for (int k = 0; k < kParts; ++k) r.p[k] = a.p[k] OP b.p[k]; return r; }
+  SHOAL_VI_OP(+)
+  SHOAL_VI_OP(&)
+  SHOAL_VI_OP(>=)
+  SHOAL_VI_OP(<=)
+#undef SHOAL_VI_OP
+  friend MINL vi operator<<(vi a, int s) { vi r; for (int k = 0; k < kParts; ++k) r.p[k] = a.p[k] << s; return r; }
+};
+
+// m ? a : b per lane (m: all ones or zeros, as comparisons give)
+template <int W>
+INL vf<W> select(vi<W> m, vf<W> a, vf<W> b) {
+  vf<W> r;
+  for (int k = 0; k < vf<W>::kParts; ++k) r.p[k] = m.p[k] ? a.p[k] : b.p[k];
+  return r;
 }
 
-INL float lane_max(vf v) {  // exact in any order
-  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
-  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
-  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
-  return v[0];
+template <int W>
+INL vf<W> fmadd(vf<W> a, vf<W> b, vf<W> c) { return a * b + c; }  // contracted to one FMA where the ISA has it
+
+template <int W>
+INL vf<W> vmax(vf<W> a, vf<W> b) { return select(a > b, a, b); }
+
+template <int W>
+INL vi<W> to_int(vf<W> a) {  // truncating, as a C cast
+  vi<W> r;
+  for (int k = 0; k < vf<W>::kParts; ++k) r.p[k] = __builtin_convertvector(a.p[k], typename vi<W>::part);
+  return r;
 }
+
+template <int W>
+INL vf<W> to_float(vi<W> a) {
+  vf<W> r;
+  for (int k = 0; k < vf<W>::kParts; ++k) r.p[k] = __builtin_convertvector(a.p[k], typename vf<W>::part);
+  return r;
+}
+
+template <int W>
+INL vf<W> bits_to_float(vi<W> a) {  // the same bits, as floats
+  vf<W> r;
+  for (int k = 0; k < vf<W>::kParts; ++k) r.p[k] = (typename vf<W>::part)a.p[k];
+  return r;
+}
+
+// The reductions' tree: lane i combines with lane i + 8, then i + 4, i + 2, i + 1; lane 0 holds the result.
+// Across parts first (whole registers), then within the one part left, by the same strides.
+template <int W, class Op>
+INL float lane_tree(vf<W> v, Op op) {
+  typedef typename vf<W>::part part;
+  part a[vf<W>::kParts];
+  for (int k = 0; k < vf<W>::kParts; ++k) a[k] = v.p[k];
+  for (int n = vf<W>::kParts / 2; n >= 1; n /= 2)
+    for (int k = 0; k < n; ++k) a[k] = op(a[k], a[k + n]);
+  part x = a[0];
+  if constexpr (W == 64) {
+    x = op(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+    x = op(x, __builtin_shufflevector(x, x, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
+  } else if constexpr (W == 32) {
+    x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3));
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 2, 3, 0, 1));
+    x = op(x, __builtin_shufflevector(x, x, 1, 0, 1, 0, 1, 0, 1, 0));
+  } else {
+    x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1));
+    x = op(x, __builtin_shufflevector(x, x, 1, 0, 1, 0));
+  }
+  return x[0];
+}
+
+struct Add { template <class P> MINL P operator()(P a, P b) const { return a + b; } };
+struct Max { template <class P> MINL P operator()(P a, P b) const { return a > b ? a : b; } };
+
+template <int W>
+INL float lane_sum(vf<W> v) { return lane_tree<W>(v, Add{}); }
+
+template <int W>
+INL float lane_max(vf<W> v) { return lane_tree<W>(v, Max{}); }  // exact in any order
 
 }  // namespace

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from shoal import kernels
 from shoal.config import CacheConfig
 from shoal.model.attention import SeqSpan, make_attention_backend
 from shoal.model.layers import DecoderForCausalLM
@@ -46,13 +47,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     On a CPU with AVX512-BF16 (or AMX), oneDNN's bf16 GEMM runs the decode
     step's linears 2.8x faster than MKL's fp32 SGEMM (half the bytes to stream
     at one sequence, native bf16 dot products at 32; benchmarks/NOTES.md). A
-    CPU without them emulates bf16, so float32 stays the choice there.
+    CPU without them emulates bf16, so float32 stays the choice there, and in a process that
+    SHOAL_CPU_ISA forces below AVX-512.
     """
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    native_bf16 = native_bf16 and not kernels.forced_below_avx512()  # SHOAL_CPU_ISA=avx2 runs as an AVX2 CPU would
     return torch.bfloat16 if native_bf16 else torch.float32
 
 
