@@ -146,6 +146,14 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return torch.float64
 
 
+def pads_single_row(dtype: torch.dtype) -> bool:
+    """Whether the invariant paths run a one-row GEMM in `dtype` on two copies of the row: oneDNN's half-precision
+    GEMMs take another kernel for one row than for several, which rounds a few outputs differently (float16 on the
+    Intel Xeon hosts; bfloat16 on an AMD EPYC with avx512_bf16, 2026-11-24: 3 rows in 2,048 at a 64 x 64 linear,
+    and never at two rows). Not where the GEMM is widened (`wide_dtype`), which has no such kernel."""
+    return dtype in (torch.float16, torch.bfloat16) and wide_dtype(dtype) is None
+
+
 def wide_matmul(a: torch.Tensor, b: torch.Tensor, via: torch.dtype = torch.float64) -> torch.Tensor:
     """a @ b computed in `via`, rounded once to a's dtype: a row's bits then depend on its own products
     only (float64's sum order changes nothing a float32 rounding can see, in practice; float32's GEMM
@@ -159,8 +167,8 @@ class InvariantLinear(Layer):
     - A reduction longer than INVARIANT_K is cut into equal pieces of at most
       that length; each piece is one GEMM in the activation dtype, and the
       pieces are added in order in float32 (one rounding back at the end).
-    - `pad_single_row`: the float16 GEMM takes a different kernel for a single
-      row than for several, so a one-row call runs on the row twice.
+    - `pad_single_row` (`pads_single_row`): the half-precision GEMMs take another kernel
+      for a single row than for several, so a one-row call runs on the row twice.
 
     - `wide` (a dtype, where the host's GEMM in the activation dtype is not
       row-invariant: `wide_dtype`): one GEMM in that dtype, rounded back once.
@@ -209,8 +217,8 @@ def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtyp
     """Swap the linear layers (and the logits head, where this rank computes logits: `head`) whose GEMM is
     not row-invariant on this device and dtype for InvariantLinear; returns how many were swapped.
 
-    bfloat16/float16 on the CPU: reductions longer than INVARIANT_K are split;
-    float16 also pads single rows. float32 on the CPU needs nothing here where
+    bfloat16/float16 on the CPU: reductions longer than INVARIANT_K are split,
+    and single rows are padded (`pads_single_row`). float32 on the CPU needs nothing here where
     MKL's strict reproducible mode (config.STRICT_MKL) is row-invariant. Where
     the host's GEMMs in `dtype` are not row-invariant even so (`gemm_is_row_invariant`),
     every linear goes wide (`wide_dtype`). Weight-only int8/int4 kernels are
@@ -221,7 +229,7 @@ def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtyp
     wide = wide_dtype(dtype)
     if dtype == torch.float32 and wide is None:
         return 0
-    pad = dtype == torch.float16 and wide is None
+    pad = pads_single_row(dtype)
     swapped = 0
     if head and model.logits_head is None and model.model.embed_tokens is not None:  # the head (rank 0's): F.linear over the embedding or lm_head
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight

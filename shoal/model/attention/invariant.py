@@ -112,9 +112,9 @@ class InvariantAttention:
         # where the host's GEMMs in this dtype are not row-invariant (MKL's float32 on AMD EPYC, emulated
         # bfloat16): products in a wider dtype, rounded once (layers.wide_dtype, a probe run once per dtype)
         self.wide = wide_dtype(dtype) if torch_cpu else None
-        # MKL's float32 and oneDNN's float16 batched GEMMs take another path for a single
-        # row than for several (tests/test_invariance.py): such a matmul runs on the row twice.
-        self.pad_single_row = torch_cpu and (self.wide or dtype) in (torch.float32, torch.float16)
+        # MKL's float32 and oneDNN's half-precision batched GEMMs take another path for a single
+        # row than for several (tests/test_invariance.py, layers.pads_single_row): such a matmul runs on the row twice.
+        self.pad_single_row = torch_cpu and (self.wide or dtype) in (torch.float32, torch.float16, torch.bfloat16)
 
     # ------------------------------------------------------------ plan -> metadata
     def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan]) -> InvariantMetadata | NativeMetadata:
