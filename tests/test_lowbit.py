@@ -67,7 +67,7 @@ def model_q8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 def every_path(fn):
-    """fn() on each matmul path this CPU has (VNNI, AVX2, scalar), each path once."""
+    """fn() on each matmul path this CPU has (VNNI, AVX2, SSE2), each path once."""
     out, seen = {}, set()
     try:
         for level in (3, 2, 1):

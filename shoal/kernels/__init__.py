@@ -10,7 +10,7 @@
   are row-invariant too.
 `lowbit.cpp` holds the int4/int8 matmuls of `model/quant.py`: a GGUF's Q4/Q8 blocks
 times int8-rounded activations, summed exactly in integers (AVX-512 VNNI, AVX2 or
-scalar code, the same bits on each), as llama.cpp computes them.
+SSE2, the same bits on each), as llama.cpp computes them.
 It picks AVX-512, AVX2 or baseline code per process: the best this CPU has, or the path that
 SHOAL_CPU_ISA=avx512|avx2|baseline forces (for benchmarks and tests: an AVX-512 host then measures
 the AVX2 path honestly; a path the CPU lacks is a startup error). The log says which path each op
@@ -157,7 +157,7 @@ def describe_paths(best: int, forced: int) -> list[str]:
     why = (f"forced by SHOAL_CPU_ISA; this CPU has {ISA_NAMES[best]}" if forced and forced != best
            else "SHOAL_CPU_ISA asks for it, and it is this CPU's best" if forced else "the best this CPU has")
     matmul = int(torch.ops.shoal_kernels.matmul_isa())
-    matmul_path = {3: "AVX-512 VNNI (vpdpbusd)", 2: "AVX2 (vpmaddubsw + vpmaddwd)", 1: "scalar code"}[matmul]
+    matmul_path = {3: "AVX-512 VNNI (vpdpbusd)", 2: "AVX2 (vpmaddubsw + vpmaddwd)", 1: "SSE2 (pmaddwd)"}[matmul]
     no_vnni = "; this CPU has AVX-512 but no VNNI" if level == 3 and matmul != 3 else ""
     return [f"native kernels: attention, RMSNorm, rotary and SiLU on the {ISA_NAMES[level]} path ({why})",
             f"native kernels: low-bit matmuls on {matmul_path}{no_vnni}; activations rounded to int8 by the baseline's "

@@ -2,7 +2,7 @@
 // computes them. Each row of x is cut into blocks of 32 along the input and rounded to int8
 // with one float scale per block (ggml's Q8 activations); each block's products with the
 // weights' codes are summed exactly in int32 (AVX-512 VNNI `vpdpbusd`, or AVX2's
-// `vpmaddubsw` + `vpmaddwd`, or scalar code: the same integers), then scaled into a float32
+// `vpmaddubsw` + `vpmaddwd`, or SSE2's `pmaddwd` on 16-bit values: the same integers), then scaled into a float32
 // accumulator, block after block in input order.
 //
 //   q4: w = d * c + m per block (c a 4-bit code, d and m float16): Q4_1 as stored; Q4_0 is
@@ -128,37 +128,86 @@ void quantize_rows(const char* x, int64_t stride_bytes, at::ScalarType t, int64_
   }
 }
 
-// ---- scalar: every CPU; the reference the vector paths equal bit for bit ----
+// ---- x86-64 baseline (SSE2, every x86-64 CPU): 16-bit products summed in pairs, four outputs a register ----
+// The codes and activations widen to int16, `pmaddwd` sums pairs of products exactly in int32, and a block's
+// pairs add up to the same integers the other paths find. The float part is per output, in scalar code: the
+// same multiply and fused multiply-adds as the vector paths (std::fma, exact without FMA hardware too).
 
-void panel_scalar(const Args& a, int64_t p, int64_t r0, int64_t nr) {
-  const int64_t B = a.x.B;
-  const int64_t bytes = a.kind == kQ4 ? kQ4Bytes : kQ8Bytes;
-  for (int64_t r = r0; r < r0 + nr; ++r) {
-    float acc[kPanel] = {0};
-    for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* blk = a.w + (p * B + b) * bytes;
-      const int8_t* xq = a.x.q + r * a.x.K + b * kBlock;
-      const float dx = a.x.d[r * B + b];
-      for (int64_t o = 0; o < kPanel; ++o) {
-        int32_t s = 0;
-        if (a.kind == kQ4) {
-          for (int64_t i = 0; i < kBlock; ++i) {
-            const uint8_t byte = blk[(i / 8) * 64 + 4 * o + i % 4];
-            s += static_cast<int32_t>(i % 8 < 4 ? byte & 0x0F : byte >> 4) * xq[i];
-          }
-          const float t = half_to_float(blk + 256 + 2 * o) * dx;
-          acc[o] = std::fma(t, static_cast<float>(s), acc[o]);
-          acc[o] = std::fma(half_to_float(blk + 288 + 2 * o), a.x.sum[r * B + b], acc[o]);
-        } else {
-          for (int64_t i = 0; i < kBlock; ++i) s += (static_cast<int32_t>(blk[(i / 4) * 64 + 4 * o + i % 4]) - 128) * xq[i];
-          const float t = half_to_float(blk + 512 + 2 * o) * dx;
-          acc[o] = std::fma(t, static_cast<float>(s), acc[o]);
-        }
+// the float part of one block for four outputs: acc += (d * d_x) * s, then (q4) += m * sum(x)
+INL void scale_block(float* acc, const int32_t* s, const float* d, const float* m, float dx, float xsum) {
+  for (int o = 0; o < 4; ++o) {
+    acc[o] = std::fma(d[o] * dx, static_cast<float>(s[o]), acc[o]);
+    if (m != nullptr) acc[o] = std::fma(m[o], xsum, acc[o]);
+  }
+}
+
+// [a0, a1, b0, b1], [c0, c1, e0, e1] (pairs of partial sums of outputs a, b, c, e) -> [a, b, c, e]
+INL __m128i pair_sums(__m128i ab, __m128i ce) {
+  const __m128 x = _mm_castsi128_ps(ab), y = _mm_castsi128_ps(ce);
+  return _mm_add_epi32(_mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0))),
+                       _mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+template <int R>
+void panel_sse2(const Args& a, int64_t p, int64_t r0) {
+  const int64_t B = a.x.B, K = a.x.K;
+  const bool q4 = a.kind == kQ4;
+  const int64_t bytes = q4 ? kQ4Bytes : kQ8Bytes;
+  float acc[R][kPanel] = {};
+  const __m128i low4 = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128(), bias = _mm_set1_epi16(128);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = a.w + (p * B + b) * bytes;
+    __m128i xs[R][8];  // per row, inputs 4j..4j+3 as int16, twice: what one output's four codes meet
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock;
+      for (int h = 0; h < 2; ++h) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16 * h));
+        const __m128i lo = _mm_srai_epi16(_mm_unpacklo_epi8(v, v), 8), hi = _mm_srai_epi16(_mm_unpackhi_epi8(v, v), 8);
+        xs[r][4 * h] = _mm_unpacklo_epi64(lo, lo);
+        xs[r][4 * h + 1] = _mm_unpackhi_epi64(lo, lo);
+        xs[r][4 * h + 2] = _mm_unpacklo_epi64(hi, hi);
+        xs[r][4 * h + 3] = _mm_unpackhi_epi64(hi, hi);
       }
     }
-    const int64_t n = std::min(kPanel, a.N - p * kPanel);
-    std::memcpy(a.y + r * a.N + p * kPanel, acc, n * sizeof(float));
+    for (int g = 0; g < 4; ++g) {  // outputs 4g..4g+3: bytes 16g..16g+15 of every line
+      __m128i s01[R], s23[R];  // pairs of partial sums of outputs 4g, 4g+1 and of 4g+2, 4g+3
+      for (int r = 0; r < R; ++r) s01[r] = s23[r] = zero;
+      if (q4) {
+        for (int L = 0; L < 4; ++L) {  // line L: inputs 8L..8L+3 in the low nibbles, 8L+4..8L+7 in the high
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 * L + 16 * g));
+          const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+          const __m128i lo01 = _mm_unpacklo_epi8(lo, zero), lo23 = _mm_unpackhi_epi8(lo, zero);
+          const __m128i hi01 = _mm_unpacklo_epi8(hi, zero), hi23 = _mm_unpackhi_epi8(hi, zero);
+          for (int r = 0; r < R; ++r) {
+            s01[r] = _mm_add_epi32(s01[r], _mm_add_epi32(_mm_madd_epi16(lo01, xs[r][2 * L]), _mm_madd_epi16(hi01, xs[r][2 * L + 1])));
+            s23[r] = _mm_add_epi32(s23[r], _mm_add_epi32(_mm_madd_epi16(lo23, xs[r][2 * L]), _mm_madd_epi16(hi23, xs[r][2 * L + 1])));
+          }
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) {  // line j: inputs 4j..4j+3, each code stored plus 128
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 * j + 16 * g));
+          const __m128i c01 = _mm_sub_epi16(_mm_unpacklo_epi8(v, zero), bias), c23 = _mm_sub_epi16(_mm_unpackhi_epi8(v, zero), bias);
+          for (int r = 0; r < R; ++r) {
+            s01[r] = _mm_add_epi32(s01[r], _mm_madd_epi16(c01, xs[r][j]));
+            s23[r] = _mm_add_epi32(s23[r], _mm_madd_epi16(c23, xs[r][j]));
+          }
+        }
+      }
+      float d[4], m[4];  // the outputs' float16 scales (and minimums), converted once for every row
+      for (int o = 0; o < 4; ++o) {
+        d[o] = half_to_float(blk + (q4 ? 256 : 512) + 8 * g + 2 * o);
+        m[o] = q4 ? half_to_float(blk + 288 + 8 * g + 2 * o) : 0.0f;
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t s[4];
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(s), pair_sums(s01[r], s23[r]));
+        const int64_t i = (r0 + r) * B + b;
+        scale_block(&acc[r][4 * g], s, d, q4 ? m : nullptr, a.x.d[i], a.x.sum[i]);
+      }
+    }
   }
+  const int64_t n = std::min(kPanel, a.N - p * kPanel);
+  for (int r = 0; r < R; ++r) std::memcpy(a.y + (r0 + r) * a.N + p * kPanel, acc[r], n * sizeof(float));
 }
 
 // ---- AVX2 (and AVX-512 CPUs without VNNI): two halves of 8 outputs ----
@@ -326,7 +375,12 @@ void panel(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
       default: return panel_avx2<1>(a, p, r0);
     }
   }
-  panel_scalar(a, p, r0, nr);
+  switch (nr) {
+    case 4: return panel_sse2<4>(a, p, r0);
+    case 3: return panel_sse2<3>(a, p, r0);
+    case 2: return panel_sse2<2>(a, p, r0);
+    default: return panel_sse2<1>(a, p, r0);
+  }
 }
 
 // two panels [p, p + 2) for rows [r0, r0 + nr): on VNNI one pass, elsewhere one panel after the other
@@ -336,7 +390,7 @@ void panel_pair(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
   panel(a, p + 1, r0, nr, path);
 }
 
-int matmul_path() {  // 3: AVX-512 VNNI, 2: AVX2, 1: scalar; capped by the process's level (use_isa)
+int matmul_path() {  // 3: AVX-512 VNNI, 2: AVX2, 1: SSE2 (the baseline); capped by the process's level (use_isa)
   const int64_t level = shoal_isa_level();
   if (level >= 3 && __builtin_cpu_supports("avx512vnni")) return 3;
   return level >= 2 ? 2 : 1;
