@@ -3,11 +3,12 @@
     make bench-peers                                    # installs the peers (.peers/), then runs this
     .venv/bin/python benchmarks/compare_peers.py        # every peer that is installed
     .venv/bin/python benchmarks/compare_peers.py --peers shoal llama-server --scenarios random-c32
+    .venv/bin/python benchmarks/compare_peers.py --isa avx2     # the AVX2 pair, on any CPU that has AVX2
 
 Each server is started on a free 127.0.0.1 port, waited for until it answers,
 loaded through `shoal bench` (shoal.bench.run, the code behind the command)
 with each scenario, and stopped before the next one starts, so no two servers
-share the two cores. Results: benchmarks/results/compare_peers.{md,json}, with
+share the two cores. Results: benchmarks/results/compare_peers-KIND.{md,json}, with
 ratios shoal/peer and the issue's targets checked against them.
 
 Peers (see benchmarks/peers/setup.sh for how they are installed):
@@ -18,6 +19,11 @@ Peers (see benchmarks/peers/setup.sh for how they are installed):
   so the weights are copied into a fresh LlamaForCausalLM);
 - llama-cpp-python's server (one request at a time) and llama.cpp's own
   llama-server with 32 parallel slots (continuous batching), both on the GGUF.
+
+`--isa avx2` measures the pair an AVX2-only CPU runs, on a CPU that may have more: shoal forced onto its
+AVX2 path (SHOAL_CPU_ISA=avx2, which also caps torch's kernels and makes `--dtype auto` float32, as on such
+a CPU) against `.peers/llama-server-avx2`, llama.cpp built with native tuning, AVX-512 and AVX-VNNI off.
+Results go to compare_peers-avx2.{md,json}; without --isa, to compare_peers-KIND (publish.cpu_kind).
 
 Every peer decodes greedily (temperature 0). The random scenarios ask for exact
 output lengths; each server is told so in its own words: `ignore_eos` (shoal,
@@ -35,29 +41,37 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from publish import RESULTS, machine, machine_line, publish, table  # noqa: E402
+from publish import RESULTS, cpu_kind, machine, machine_line, publish, table  # noqa: E402
 from shoal.bench import BenchConfig, run  # noqa: E402
 
 PEERS_DIR = ROOT / ".peers"
 PEERS_PY = PEERS_DIR / "venv" / "bin" / "python"
 LLAMA_SERVER = PEERS_DIR / "llama-server"
+LLAMA_SERVER_AVX2 = PEERS_DIR / "llama-server-avx2"  # native tuning, AVX-512 and AVX-VNNI off (peers/setup.sh)
 HF_EXPORT = PEERS_DIR / "smollm2-hf"
 THREADS = os.cpu_count() or 1
 
 
-def shoal_cpu_dtype() -> str:
-    """What `--dtype auto` picks on this CPU; transformers serve is given the same."""
+def shoal_cpu_dtype(isa: str | None = None) -> str:
+    """What `--dtype auto` picks on this CPU (forced onto `isa`: SHOAL_CPU_ISA); transformers serve is given the same."""
     import torch
 
     from shoal.runner.model_runner import resolve_dtype
 
-    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    before = os.environ.get("SHOAL_CPU_ISA")
+    if isa:
+        os.environ["SHOAL_CPU_ISA"] = isa
+    try:
+        return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    finally:
+        if isa:
+            os.environ.pop("SHOAL_CPU_ISA") if before is None else os.environ.update(SHOAL_CPU_ISA=before)
 
 
 DTYPE = shoal_cpu_dtype()
@@ -105,6 +119,7 @@ class Peer:
     missing: str = ""
     model: str | None = None  # the `model` field to send (None: the server's first)
     settings: str = ""
+    env: dict = field(default_factory=dict)  # set for the server's process
 
     def command(self, port: int, gguf: Path) -> list[str]:
         raise NotImplementedError
@@ -115,20 +130,24 @@ class Peer:
 
 
 class Shoal(Peer):
-    def __init__(self, name: str, flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, flags: tuple[str, ...] = (), isa: str | None = None) -> None:
+        """isa: SHOAL_CPU_ISA for the server (None: the best path this CPU has)."""
+        dtype = shoal_cpu_dtype(isa) if isa else DTYPE
         quant = next((f for f in ("int8", "int4") if f in flags), None)
         own = "--quantization auto (the GGUF's own Q4_1 codes, int8 head, on shoal's low-bit kernels), the invariant attention"
         if quant:
             weights = f"{quant} weights, bfloat16 activations"
         elif "none" in flags:
-            weights = f"float weights (dtype auto: {DTYPE} on this CPU), sdpa attention"
+            weights = f"float weights (dtype auto: {dtype} on this CPU), sdpa attention"
         elif "bfloat16" in flags:
             weights = f"bfloat16 activations, {own}"
         else:
-            weights = f"dtype auto ({DTYPE} on this CPU), {own}"
+            weights = f"dtype auto ({dtype} {'on the forced path' if isa else 'on this CPU'}), {own}"
+        forced = f"SHOAL_CPU_ISA={isa}: kernels and torch on the {isa} path, " if isa else ""
         super().__init__(
-            name=name, label=" ".join(("shoal",) + flags), health_path="/health", available=True,
-            settings=f"{weights}, torch threads {THREADS}, defaults (max 64 sequences, 512-token steps, 1 GiB KV)",
+            name=name, label=" ".join(("shoal",) + flags) + (f" (SHOAL_CPU_ISA={isa})" if isa else ""),
+            health_path="/health", available=True, env={"SHOAL_CPU_ISA": isa} if isa else {},
+            settings=f"{forced}{weights}, torch threads {THREADS}, defaults (max 64 sequences, 512-token steps, 1 GiB KV)",
         )
         self.flags = flags
 
@@ -182,20 +201,25 @@ class LlamaCppPython(Peer):
 
 
 class LlamaServer(Peer):
-    def __init__(self) -> None:
-        ok = LLAMA_SERVER.exists()
+    def __init__(self, isa: str | None = None) -> None:
+        """isa "avx2": the build for AVX2 only (LLAMA_SERVER_AVX2); None: the one tuned for this CPU."""
+        self.binary = LLAMA_SERVER_AVX2 if isa == "avx2" else LLAMA_SERVER
+        ok = self.binary.exists()
+        build = " (built for AVX2 only)" if isa == "avx2" else ""
         super().__init__(
-            name="llama-server", label=f"llama.cpp llama-server -np {PARALLEL}", health_path="/health", available=ok,
-            missing="" if ok else "run `make bench-peers` (.peers/llama-server)",
-            settings=f"GGUF as is (Q4_1), -t {THREADS}, -np {PARALLEL} (continuous batching), 4096 tokens per slot",
+            name="llama-server", label=f"llama.cpp llama-server -np {PARALLEL}{build}", health_path="/health", available=ok,
+            missing="" if ok else f"run `make bench-peers` (.peers/{self.binary.name})",
+            settings=f"GGUF as is (Q4_1), -t {THREADS}, -np {PARALLEL} (continuous batching), 4096 tokens per slot{build}",
         )
 
     def command(self, port, gguf):
-        return [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS),
+        return [str(self.binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS),
                 "-tb", str(THREADS), "-np", str(PARALLEL), "-c", str(PARALLEL * 4096), "--log-disable"]
 
 
-def all_peers() -> list[Peer]:
+def all_peers(isa: str | None = None) -> list[Peer]:
+    if isa:  # the pair an AVX2-only CPU runs; the other peers have no forced path
+        return [Shoal("shoal", isa=isa), LlamaServer(isa)]
     return [Shoal("shoal"), Shoal("shoal-no-prefix-cache", ("--no-prefix-cache",)),
             Shoal("shoal-bf16", ("--quantization", "none")), Shoal("shoal-int8", ("--quantization", "int8", "--dtype", "bfloat16")),
             # on a CPU without native bf16: what such a CPU would run with bf16 activations (the file's int4, invariant attention)
@@ -224,7 +248,7 @@ class Server:
         self.port = free_port()
         self.log_path = log_dir / f"{peer.name}.log"
         self.log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **peer.env}
         self.proc = subprocess.Popen(peer.command(self.port, gguf), stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      cwd=ROOT, start_new_session=True)
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
@@ -457,14 +481,19 @@ def median_round(scenario: str, runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    peers = all_peers()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    pre = argparse.ArgumentParser(add_help=False)  # --isa first: it decides the peers the other flags choose from
+    pre.add_argument("--isa", choices=["avx2"], default=None,
+                     help="shoal forced onto this path against llama-server built for it (results: compare_peers-ISA)")
+    isa = pre.parse_known_args(argv)[0].isa
+    peers = all_peers(isa)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[pre])
     ap.add_argument("--peers", nargs="+", default=None, choices=[p.name for p in peers], help="default: every installed peer")
     ap.add_argument("--scenarios", nargs="+", default=None, choices=[s.name for s in scenarios(False)])
     ap.add_argument("--gguf", default=None, help="model file (default: the default SmolLM2 GGUF)")
     ap.add_argument("--quick", action="store_true", help="half the requests")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS / "compare_peers"), help="path without extension: writes .md and .json")
+    ap.add_argument("--out", default=str(RESULTS / f"compare_peers-{isa or cpu_kind()}"),
+                    help="path without extension: writes .md and .json (default: per CPU kind, or per forced path)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="servers take turns this many times; each result is the round with the median headline metric")
     ap.add_argument("--no-progress", dest="progress", action="store_false")

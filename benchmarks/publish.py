@@ -38,6 +38,16 @@ def cpu_flags() -> dict[str, bool]:
     return {name: flag in present for name, flag in SPEED_FLAGS.items()}
 
 
+def cpu_kind(flags: dict[str, bool] | None = None) -> str:
+    """The kind of CPU a speed figure belongs to, for results kept per kind: "avx512-vnni-bf16", "avx512-vnni",
+    "avx512", "avx2" or "baseline" (the widest vector code the kernels have, then what the low-bit matmuls and
+    `--dtype auto` depend on)."""
+    f = cpu_flags() if flags is None else flags
+    if not f.get("avx512f"):
+        return "avx2" if f.get("avx2") else "baseline"
+    return "avx512" + ("-vnni" if f.get("avx512_vnni") else "") + ("-bf16" if f.get("avx512_bf16") or f.get("amx") else "")
+
+
 def machine() -> dict:
     """What the results record of the machine: shoal.bench's description, the speed flags, torch and its threads."""
     import torch  # here rather than at import: the report-only modes describe no machine
