@@ -218,54 +218,23 @@ AVX2_TARGET inline __m256i dot4_u8s8(__m256i u, __m256i s) {  // per 32-bit lane
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+// acc(row, half h) += (d * d_x) * isum, then (q4) m * sum(x): a block's float part for outputs 8h..8h+7
 template <int R>
-AVX2_TARGET void panel_avx2(const Args& a, int64_t p, int64_t r0) {
-  const int64_t B = a.x.B, K = a.x.K;
-  const int64_t bytes = a.kind == kQ4 ? kQ4Bytes : kQ8Bytes;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* blk = a.w + (p * B + b) * bytes;
-    for (int h = 0; h < 2; ++h) {
-      __m256i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-      if (a.kind == kQ4) {
-        for (int L = 0; L < 4; ++L) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * L + 32 * h));
-          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock + 8 * L;
-            int32_t x0, x1;
-            std::memcpy(&x0, xq, 4);
-            std::memcpy(&x1, xq + 4, 4);
-            isum[r] = _mm256_add_epi32(isum[r], dot4_u8s8(lo, _mm256_set1_epi32(x0)));
-            isum[r] = _mm256_add_epi32(isum[r], dot4_u8s8(hi, _mm256_set1_epi32(x1)));
-          }
-        }
-      } else {
-        for (int j = 0; j < 8; ++j) {
-          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h)), bias);
-          const __m256i aw = _mm256_sign_epi8(w, w);
-          for (int r = 0; r < R; ++r) {
-            int32_t x0;
-            std::memcpy(&x0, a.x.q + (r0 + r) * K + b * kBlock + 4 * j, 4);
-            isum[r] = _mm256_add_epi32(isum[r], dot4_u8s8(aw, _mm256_sign_epi8(_mm256_set1_epi32(x0), w)));
-          }
-        }
-      }
-      const int64_t scales = a.kind == kQ4 ? 256 : 512;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + scales + 16 * h)));
-      const __m256 m = a.kind == kQ4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)))
-                                     : _mm256_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (r0 + r) * B + b;
-        const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.x.d[i]));
-        acc[r][h] = _mm256_fmadd_ps(t, _mm256_cvtepi32_ps(isum[r]), acc[r][h]);
-        if (a.kind == kQ4) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.x.sum[i]), acc[r][h]);
-      }
-    }
+AVX2_TARGET inline __attribute__((always_inline)) void scale_half_avx2(const Args& a, const uint8_t* blk, int64_t b, int64_t r0, int h, const __m256i* isum,
+                                        __m256 (&acc)[R][2]) {
+  const bool q4 = a.kind == kQ4;
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (q4 ? 256 : 512) + 16 * h)));
+  const __m256 m = q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h))) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (r0 + r) * a.x.B + b;
+    const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.x.d[i]));
+    acc[r][h] = _mm256_fmadd_ps(t, _mm256_cvtepi32_ps(isum[r]), acc[r][h]);
+    if (q4) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.x.sum[i]), acc[r][h]);
   }
+}
+
+template <int R>
+AVX2_TARGET inline __attribute__((always_inline)) void store_rows_avx2(const Args& a, int64_t p, int64_t r0, const __m256 (&acc)[R][2]) {
   const int64_t n = std::min(kPanel, a.N - p * kPanel);
   for (int r = 0; r < R; ++r) {
     float out[kPanel];
@@ -273,6 +242,84 @@ AVX2_TARGET void panel_avx2(const Args& a, int64_t p, int64_t r0) {
     _mm256_storeu_ps(out + 8, acc[r][1]);
     std::memcpy(a.y + (r0 + r) * a.N + p * kPanel, out, n * sizeof(float));
   }
+}
+
+// Q4: both halves of the panel in one pass, so that each broadcast of four activation bytes feeds two
+// vpmaddubsw. A pair sum of 4-bit codes is at most 2 * 15 * 127 = 3,810 in magnitude, so a block's eight
+// of them add up exactly in int16 (at most 30,480), and one vpmaddwd widens them.
+template <int R>
+AVX2_TARGET void panel_avx2_q4(const Args& a, int64_t p, int64_t r0) {
+  const int64_t B = a.x.B, K = a.x.K;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = a.w + (p * B + b) * kQ4Bytes;
+    __m256i s16[R][2];
+    for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+    for (int L = 0; L < 4; ++L) {
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * L + 32 * h));
+        lo[h] = _mm256_and_si256(v, low4);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock + 8 * L;
+        int32_t x0, x1;
+        std::memcpy(&x0, xq, 4);
+        std::memcpy(&x1, xq + 4, 4);
+        const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+        for (int h = 0; h < 2; ++h)
+          s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], b0), _mm256_maddubs_epi16(hi[h], b1)));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(s16[r][h], ones);
+      scale_half_avx2<R>(a, blk, b, r0, h, isum, acc);
+    }
+  }
+  store_rows_avx2<R>(a, p, r0, acc);
+}
+
+// Q8: codes reach 127, so a pair sum fills int16 and each is widened at once. Both halves per broadcast, as Q4.
+template <int R>
+AVX2_TARGET void panel_avx2_q8(const Args& a, int64_t p, int64_t r0) {
+  const int64_t B = a.x.B, K = a.x.K;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = a.w + (p * B + b) * kQ8Bytes;
+    __m256i isum[R][2];
+    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      __m256i w[2], aw[2];
+      for (int h = 0; h < 2; ++h) {
+        w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h)), bias);
+        aw[h] = _mm256_sign_epi8(w[h], w[h]);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t x0;
+        std::memcpy(&x0, a.x.q + (r0 + r) * K + b * kBlock + 4 * j, 4);
+        const __m256i bx = _mm256_set1_epi32(x0);
+        for (int h = 0; h < 2; ++h) isum[r][h] = _mm256_add_epi32(isum[r][h], dot4_u8s8(aw[h], _mm256_sign_epi8(bx, w[h])));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i half[R];
+      for (int r = 0; r < R; ++r) half[r] = isum[r][h];
+      scale_half_avx2<R>(a, blk, b, r0, h, half, acc);
+    }
+  }
+  store_rows_avx2<R>(a, p, r0, acc);
+}
+
+template <int R>
+AVX2_TARGET void panel_avx2(const Args& a, int64_t p, int64_t r0) {
+  if (a.kind == kQ4) return panel_avx2_q4<R>(a, p, r0);
+  panel_avx2_q8<R>(a, p, r0);
 }
 
 // ---- AVX-512 with VNNI: one panel in a vector, vpdpbusd ----
