@@ -4,7 +4,7 @@ import pytest
 
 from shoal.config import SchedulerConfig
 from shoal.engine.block_pool import KVBlockPool
-from shoal.engine.scheduler import Scheduler
+from shoal.engine.scheduler import ATTENTION_CONTEXT, Scheduler, chunk_cost, chunk_within
 from shoal.engine.sequence import Sequence, SequenceStatus
 from shoal.types import FinishReason, SampledToken, SamplingParams
 
@@ -232,3 +232,72 @@ def test_micro_batches_split_the_sequences_skip_those_in_flight_and_never_preemp
     s.on_step_done(second, [SampledToken(c.seq_id, 7, 0.0)])
     assert (c.num_computed_tokens, c.token_ids[-1]) == (0, 12) and pool.num_free == 3
     pool.check_integrity(s.held_block_tables())
+
+
+def test_chunk_cost_grows_with_the_context_and_chunk_within_is_its_exact_inverse():
+    assert chunk_cost(512, 0) == 512 * (1 + 256 / ATTENTION_CONTEXT)
+    assert chunk_cost(1, 8000) == 1 + 8000.5 / ATTENTION_CONTEXT
+    assert chunk_within(chunk_cost(512, 0), 0) == 512 and chunk_within(0, 0) == 0 and chunk_within(-3, 100) == 0
+    for start in (0, 5, 511, 4096, 8000):
+        for cost in (1.0, 17.5, 300.0, 640.0):
+            n = chunk_within(cost, start)
+            assert chunk_cost(n, start) <= cost < chunk_cost(n + 1, start), (start, cost)
+
+
+def test_beside_decodes_a_late_chunk_of_a_long_prompt_shrinks_to_the_cost_of_a_whole_budget():
+    s, pool = make(num_blocks=700, block_size=16, budget=512, max_model_len=9000)
+    a, b = seq(3, "a"), seq(8192, "b")
+    s.add(a)
+    run_step(s)  # a's prompt; a decodes from now on
+    s.add(b)
+    out = run_step(s)
+    # a's decode and b's first chunk at no context: the whole budget less a's token
+    assert [(x.seq_id, len(x.token_ids), x.start_pos) for x in out.plan.seqs] == [(a.seq_id, 1, 3), (b.seq_id, 511, 0)]
+    cap = chunk_cost(512, 0)
+    while b.num_computed_tokens < 7000:
+        start = b.num_computed_tokens
+        out = run_step(s)
+        chunk = [x for x in out.plan.seqs if x.seq_id == b.seq_id][0]
+        assert len(chunk.token_ids) == min(511, chunk_within(cap, start), 8192 - start)
+        assert any(x.seq_id == a.seq_id for x in out.plan.seqs)  # a decodes in every step
+    start = b.num_computed_tokens
+    out = run_step(s)
+    assert len(out.plan.seqs[1].token_ids) == chunk_within(cap, start) < 100  # about 80 tokens at 7k of context
+
+
+def test_without_decodes_a_long_prompt_takes_whole_budgets_at_any_context():
+    s, pool = make(num_blocks=700, block_size=16, budget=512, max_model_len=9000)
+    b = seq(8192, "b")
+    s.add(b)
+    sizes = [len(run_step(s).plan.seqs[0].token_ids) for _ in range(16)]
+    assert sizes == [512] * 16
+
+
+def test_a_prompt_ahead_of_decodes_leaves_a_token_for_each_decode_after_it():
+    s, pool = make(num_blocks=64, block_size=4, budget=8, max_model_len=64)
+    decoders = [seq(3, f"d{i}") for i in range(3)]
+    for d in decoders:
+        s.add(d)
+    run_step(s)  # their prompts; they decode from now on
+    b = seq(40, "b", priority=-1)  # more urgent: it runs ahead of them
+    s.add(b)
+    out = run_step(s)
+    assert [(x.seq_id, len(x.token_ids)) for x in out.plan.seqs] == [*((d.seq_id, 1) for d in decoders), (b.seq_id, 5)]
+    out = run_step(s)
+    # b first, taking what the cost allows (7 tokens from position 5) less a token for each decode after it
+    assert chunk_within(chunk_cost(8, 0), 5) == 7
+    assert [(x.seq_id, len(x.token_ids)) for x in out.plan.seqs] == [(b.seq_id, 5), *((d.seq_id, 1) for d in decoders)]
+
+
+def test_a_prefill_beside_decodes_still_takes_a_block_when_the_cost_is_spent():
+    s, pool = make(num_blocks=800, block_size=4, budget=8, max_model_len=3200)
+    a, b = seq(3, "a"), seq(3000, "b")
+    s.add(a)
+    run_step(s)
+    s.add(b)
+    while b.num_computed_tokens < 2100:
+        run_step(s)
+    start = b.num_computed_tokens
+    out = run_step(s)
+    assert chunk_within(chunk_cost(8, 0), start) < 4  # the cost of 8 tokens at no context buys under a block here
+    assert [len(x.token_ids) for x in out.plan.seqs] == [1, 4] and out.plan.seqs[1].start_pos == start

@@ -6,11 +6,23 @@ sequence up to `num_tokens - num_computed_tokens` of the step's token budget.
 A long prompt is thereby chunked across steps and shares them with decodes.
 
 Order:
-  1. running sequences, highest priority (lowest number) first; when blocks
-     run out, the lowest-priority, newest running sequence is preempted (its
-     blocks freed, its progress reset: it is recomputed when readmitted);
+  1. running sequences, highest priority (lowest number) first; a prefill
+     chunk leaves a token of the budget for each running sequence after it
+     that decodes, so that an earlier long prompt never takes a step from
+     them; when blocks run out, the lowest-priority, newest running sequence
+     is preempted (its blocks freed, its progress reset: it is recomputed
+     when readmitted);
   2. waiting sequences in (priority, arrival) order, while budget, seats
      (`max_num_seqs`) and free blocks last. Waiting never preempts running.
+
+Cost: a prefill chunk's tokens each attend to every earlier position, so a
+chunk late in a long prompt costs far more than its token count says (an
+8k-token prompt's last 512-token chunk took ~2 s of attention on AVX2, and
+every decode beside it waited that long for its token). When sequences decode
+in a step, its prefill chunks together are held to the `chunk_cost` of a whole
+token budget at the start of a prompt: late chunks shrink, and each such step
+costs about the same. A chunk still takes at least a block's worth, so the
+prompt moves on. A prompt with no decode beside it takes whole budgets.
 
 With pipeline stages, several steps (micro-batches) are in flight at once: a
 sequence in one is skipped until it comes back (its next token depends on it)
@@ -24,6 +36,7 @@ apply the step's outcome (`on_step_done`).
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from shoal.config import SchedulerConfig
@@ -31,6 +44,25 @@ from shoal.engine.block_pool import KVBlockPool
 from shoal.engine.prefix_cache import PrefixCache
 from shoal.engine.sequence import Sequence, SequenceStatus
 from shoal.types import FinishReason, SampledToken, SamplingParams, ScheduledSeq, StepPlan
+
+
+# The context at which a token's attention costs about what its projections do, per layer, on the CPUs measured
+# (about 0.7k tokens on AVX-512 VNNI and 1.4k on AVX2: benchmarks/NOTES.md, fourteenth round).
+ATTENTION_CONTEXT = 1024
+
+
+def chunk_cost(num_new: int, start: int) -> float:
+    """The cost of computing positions start .. start + num_new - 1, in tokens computed at no context."""
+    return num_new * (1.0 + (start + num_new / 2) / ATTENTION_CONTEXT)
+
+
+def chunk_within(cost: float, start: int) -> int:
+    """The most tokens from position `start` whose chunk_cost is at most `cost` (0 if none)."""
+    if cost <= 0:
+        return 0
+    b = 1.0 + start / ATTENTION_CONTEXT
+    n = int(ATTENTION_CONTEXT * (math.sqrt(b * b + 2 * cost / ATTENTION_CONTEXT) - b))
+    return n - 1 if n > 0 and chunk_cost(n, start) > cost else n  # float rounding never lets a chunk over
 
 
 def needs_history(p: SamplingParams) -> bool:
@@ -107,17 +139,27 @@ class Scheduler:
         out = SchedulerOutput(plan=StepPlan(()))
         copies, self._pending_copies = self._pending_copies, []
 
+        decodes_left = sum(1 for s in self.running if not (s.paused or s.in_flight) and s.num_uncomputed_tokens == 1)
+        # with decodes in the step, its prefill chunks share the cost of a whole budget computed at no context
+        cost = chunk_cost(self.config.max_num_batched_tokens, 0) if decodes_left else math.inf
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < seats:
             seq = self.running[i]
             if seq.paused or seq.in_flight:
                 i += 1
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            decoding = seq.num_uncomputed_tokens == 1
+            decodes_left -= decoding
+            num_new = 1 if decoding else self._chunk(seq, budget - decodes_left, cost)
+            if num_new <= 0:  # what is left of the budget is the decodes' after it
+                i += 1
+                continue
             if not self._reserve_or_preempt(seq, num_new, out):
                 break  # `seq` itself was the newest and got preempted
             out.scheduled.append((seq, num_new))
             budget -= num_new
+            if not decoding:
+                cost -= chunk_cost(num_new, seq.num_computed_tokens)
             i += 1
 
         j = 0
@@ -132,7 +174,7 @@ class Scheduler:
             if parent is not None and not self._fork_ready(seq, parent):
                 j += 1  # siblings wait for the first choice to compute the prompt
                 continue
-            num_new = self._fork(seq, budget, copies) if seq.fork_parent else self._admit(seq, budget, copies)
+            num_new = self._fork(seq, budget, copies) if seq.fork_parent else self._admit(seq, budget, cost, copies)
             if num_new is None:
                 break
             self.waiting.pop(j)
@@ -140,6 +182,8 @@ class Scheduler:
             bisect.insort(self.running, seq, key=Sequence.sort_key)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+            if num_new > 1:
+                cost -= chunk_cost(num_new, seq.num_computed_tokens)
 
         if not out.scheduled and self._unpause_by_preemption(out):
             self._pending_copies = copies + self._pending_copies
@@ -148,6 +192,15 @@ class Scheduler:
             return again
         out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), tuple(copies))
         return out
+
+    def _chunk(self, seq: Sequence, budget: int, cost: float) -> int:
+        """How many of seq's uncomputed tokens this step computes (0: none): the token budget's share, and for a
+        prefill chunk the cost left (at least a block's worth, so that a prompt beside many decodes moves on)."""
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if num_new > 1 and cost < math.inf:
+            floor = min(num_new, self.pool.block_size)
+            num_new = max(floor, min(num_new, chunk_within(cost, seq.num_computed_tokens)))
+        return num_new
 
     def _unpause_by_preemption(self, out: SchedulerOutput) -> bool:
         """Nothing could run: if paused beams hold the blocks a waiting sequence
@@ -174,7 +227,7 @@ class Scheduler:
             seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _admit(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> int | None:
+    def _admit(self, seq: Sequence, budget: int, cost: float, copies: list[tuple[int, int]]) -> int | None:
         """Give a waiting sequence its blocks for this step; None if they do not fit.
 
         With the prefix cache, a fresh sequence starts from the longest cached
@@ -192,7 +245,7 @@ class Scheduler:
                 pool.incref([match.copy_block])  # pinned: the allocation below must not evict it
             seq.block_table = list(match.blocks)
             seq.num_computed_tokens = match.num_tokens
-        num_new = min(seq.num_uncomputed_tokens, budget)
+        num_new = self._chunk(seq, budget, cost)
         need = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
         fits = need <= pool.num_free
         if fits:
