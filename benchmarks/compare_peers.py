@@ -23,7 +23,8 @@ Peers (see benchmarks/peers/setup.sh for how they are installed):
 `--isa avx2` measures the pair an AVX2-only CPU runs, on a CPU that may have more: shoal forced onto its
 AVX2 path (SHOAL_CPU_ISA=avx2, which also caps torch's kernels and makes `--dtype auto` float32, as on such
 a CPU) against `.peers/llama-server-avx2`, llama.cpp built with native tuning, AVX-512 and AVX-VNNI off.
-Results go to compare_peers-avx2.{md,json}; without --isa, to compare_peers-KIND (publish.cpu_kind).
+`--isa baseline` does the same for the x86-64 baseline (SSE2) against `.peers/llama-server-baseline`.
+Results go to compare_peers-ISA.{md,json}; without --isa, to compare_peers-KIND (publish.cpu_kind).
 
 Every peer decodes greedily (temperature 0). The random scenarios ask for exact
 output lengths; each server is told so in its own words: `ignore_eos` (shoal,
@@ -54,6 +55,8 @@ PEERS_DIR = ROOT / ".peers"
 PEERS_PY = PEERS_DIR / "venv" / "bin" / "python"
 LLAMA_SERVER = PEERS_DIR / "llama-server"
 LLAMA_SERVER_AVX2 = PEERS_DIR / "llama-server-avx2"  # native tuning, AVX-512 and AVX-VNNI off (peers/setup.sh)
+LLAMA_SERVER_BASELINE = PEERS_DIR / "llama-server-baseline"  # every x86 extension off: SSE2
+FORCED_BUILDS = {"avx2": (LLAMA_SERVER_AVX2, "AVX2 only"), "baseline": (LLAMA_SERVER_BASELINE, "the x86-64 baseline, SSE2")}
 HF_EXPORT = PEERS_DIR / "smollm2-hf"
 THREADS = os.cpu_count() or 1
 
@@ -202,10 +205,10 @@ class LlamaCppPython(Peer):
 
 class LlamaServer(Peer):
     def __init__(self, isa: str | None = None) -> None:
-        """isa "avx2": the build for AVX2 only (LLAMA_SERVER_AVX2); None: the one tuned for this CPU."""
-        self.binary = LLAMA_SERVER_AVX2 if isa == "avx2" else LLAMA_SERVER
+        """isa "avx2" or "baseline": the build for that path only (FORCED_BUILDS); None: the one tuned for this CPU."""
+        self.binary, what = FORCED_BUILDS[isa] if isa else (LLAMA_SERVER, "")
         ok = self.binary.exists()
-        build = " (built for AVX2 only)" if isa == "avx2" else ""
+        build = f" (built for {what})" if isa else ""
         super().__init__(
             name="llama-server", label=f"llama.cpp llama-server -np {PARALLEL}{build}", health_path="/health", available=ok,
             missing="" if ok else f"run `make bench-peers` (.peers/{self.binary.name})",
@@ -482,7 +485,7 @@ def median_round(scenario: str, runs: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)  # --isa first: it decides the peers the other flags choose from
-    pre.add_argument("--isa", choices=["avx2"], default=None,
+    pre.add_argument("--isa", choices=sorted(FORCED_BUILDS), default=None,
                      help="shoal forced onto this path against llama-server built for it (results: compare_peers-ISA)")
     isa = pre.parse_known_args(argv)[0].isa
     peers = all_peers(isa)

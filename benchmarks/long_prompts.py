@@ -49,7 +49,7 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import THREADS, LlamaServer, Server, Shoal  # noqa: E402
+from compare_peers import FORCED_BUILDS, THREADS, LlamaServer, Server, Shoal  # noqa: E402
 from publish import cpu_flags, cpu_kind, machine, machine_line, publish, table  # noqa: E402
 
 LENGTHS = (500, 2000, 4000, 6000, 8000)  # the README table, and 6,000: the determinism issue's target
@@ -71,7 +71,7 @@ class LongShoal(Shoal):
 class OneSlotLlamaServer(LlamaServer):
     def __init__(self, isa: str | None = None) -> None:
         super().__init__(isa)
-        build = " (built for AVX2 only)" if isa else ""
+        build = f" (built for {FORCED_BUILDS[isa][1]})" if isa else ""
         self.label = f"llama.cpp llama-server -np 1{build}"
         self.settings = f"GGUF as is (Q4_1), -t {THREADS}, one slot of {CONTEXT} tokens, cache_prompt false{build}"
 
@@ -182,7 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--isa", choices=["avx2"], default=None,
+    ap.add_argument("--isa", choices=sorted(FORCED_BUILDS), default=None,
                     help="shoal forced onto this path, against llama-server built for it (results: long_prompts-ISA)")
     a = ap.parse_args()
     peers = [LongShoal(isa=a.isa), OneSlotLlamaServer(a.isa)]

@@ -3,9 +3,9 @@
 import os
 
 # SHOAL_CPU_ISA=avx2|baseline forces shoal's native kernels onto that path (shoal/kernels). torch's own
-# kernels are capped with it, so that a forced process runs no wider code anywhere: ATen's dispatch, oneDNN
-# and MKL read these variables when torch loads, which is why they are set here, before anything imports
-# torch. A value already set wins.
+# kernels are capped with it: ATen's dispatch and oneDNN read these variables once, when torch loads or first
+# computes, which is why they are set here, before anything imports torch (MKL honours its variable on Intel
+# CPUs only; shoal's default configuration uses no MKL). A value already set wins.
 _TORCH_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
                "baseline": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}
 for _name, _value in _TORCH_CAPS.get(os.environ.get("SHOAL_CPU_ISA", "").strip().lower(), {}).items():

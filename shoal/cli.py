@@ -337,9 +337,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = engine_config(v)
     settings = server_settings(v)
     resolve_model_path(config.model)  # a wrong name or path fails now, in one line, not after start-up
-    if os.environ.get("SHOAL_CPU_ISA"):  # so does a code path this CPU lacks (shoal/kernels)
-        from shoal import kernels
+    from shoal import kernels
 
+    if kernels.requested_isa():  # so does a code path this CPU lacks
         kernels.available()
     try:
         sock = listening_socket(settings.host, settings.port)

@@ -223,8 +223,8 @@ def test_rope_and_silu_mul_match_torch_and_are_row_invariant(isa, dtype):
 
 
 def test_forced_level_is_a_path_the_cpu_has_or_a_clear_error():
-    assert kernels.forced_level(None, 3) == 0 and kernels.forced_level("", 2) == 0  # unset: the best
-    assert kernels.forced_level("AVX2", 3) == 2 and kernels.forced_level(" baseline ", 2) == 1
+    assert kernels.forced_level("", 3) == 0 and kernels.forced_level("", 2) == 0  # unset: the best
+    assert kernels.forced_level("AVX2", 3) == 2 and kernels.forced_level("baseline", 2) == 1
     assert kernels.forced_level("avx512", 3) == 3
     with pytest.raises(ValueError, match=r"^SHOAL_CPU_ISA=avx512: this CPU has no AVX-512 \(the best it has is AVX2\)$"):
         kernels.forced_level("avx512", 2)

@@ -6,6 +6,7 @@
 #   .peers/llama-server    llama.cpp's own server, built with cmake from the llama.cpp sources
 #                          vendored in the llama-cpp-python sdist (the same llama.cpp revision)
 #   .peers/llama-server-avx2  the same, built for AVX2 only (no native tuning, no AVX-512)
+#   .peers/llama-server-baseline  the same, built for the x86-64 baseline (SSE2)
 # Both builds compile llama.cpp; on a 2-core machine each takes several minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,7 +29,8 @@ $VPY -m pip install -q "transformers[serving]${TRANSFORMERS_VERSION:+==$TRANSFOR
 # llama.cpp's own llama-server, from the sources vendored in the llama-cpp-python sdist, built twice:
 #   llama-server       tuned for this CPU (GGML_NATIVE), as a user building it here would;
 #   llama-server-avx2  native tuning, AVX-512 and AVX-VNNI off: the AVX2 + FMA code an AVX2-only laptop
-#                      runs, the fair peer for shoal forced onto its AVX2 path (SHOAL_CPU_ISA=avx2).
+#                      runs, the fair peer for shoal forced onto its AVX2 path (SHOAL_CPU_ISA=avx2);
+#   llama-server-baseline  every x86 extension off (SSE2, the x86-64 baseline): the peer for SHOAL_CPU_ISA=baseline.
 SRC="$PEERS/src"
 LLAMA_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF
              -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON)
@@ -49,10 +51,13 @@ build_llama_server() {  # $1: the binary's name in .peers, then cmake flags
 build_llama_server llama-server -DGGML_NATIVE=ON
 build_llama_server llama-server-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
     -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+build_llama_server llama-server-baseline -DGGML_NATIVE=OFF -DGGML_SSE42=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF \
+    -DGGML_F16C=OFF -DGGML_BMI2=OFF -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
+    -DGGML_AVX512_BF16=OFF
 
 # llama-cpp-python's server (one request at a time); pip compiles the same llama.cpp.
 if ! $VPY -c 'import llama_cpp.server' 2>/dev/null; then
     CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" \
         $VPY -m pip install -q "llama-cpp-python[server]==$LCP_VERSION"
 fi
-echo "peers installed in $PEERS: $("$PEERS/llama-server" --version 2>&1 | head -1) (native and AVX2-only builds); llama-cpp-python $LCP_VERSION"
+echo "peers installed in $PEERS: $("$PEERS/llama-server" --version 2>&1 | head -1) (native, AVX2-only and baseline builds); llama-cpp-python $LCP_VERSION"

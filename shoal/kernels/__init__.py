@@ -94,14 +94,19 @@ def _build(target: Path, cxx: str) -> None:
         os.replace(out, target)  # atomic: another process building the same file at once is harmless
 
 
-def forced_level(value: str | None, best: int | None) -> int:
+def requested_isa() -> str:
+    """SHOAL_CPU_ISA as given, trimmed ("" where unset)."""
+    return os.environ.get("SHOAL_CPU_ISA", "").strip()
+
+
+def forced_level(value: str, best: int | None) -> int:
     """SHOAL_CPU_ISA's level (0 where it is unset: the best the CPU has), checked against `best`, the CPU's
     best level (None: not an x86-64 CPU). A path the CPU lacks, or a name that is none, is a ValueError."""
     if not value:
         return 0
-    level = ISA_LEVELS.get(value.strip().lower())
+    level = ISA_LEVELS.get(value.lower())
     if level is None:
-        raise ValueError(f"SHOAL_CPU_ISA={value.strip()} is not a code path: use one of {', '.join(ISA_LEVELS)}")
+        raise ValueError(f"SHOAL_CPU_ISA={value} is not a code path: use one of {', '.join(ISA_LEVELS)}")
     if best is None:
         raise ValueError(f"SHOAL_CPU_ISA={value} asks for an x86-64 path, and this CPU is {platform.machine()}")
     if level > best:
@@ -112,7 +117,7 @@ def forced_level(value: str | None, best: int | None) -> int:
 def forced_below_avx512() -> bool:
     """Whether SHOAL_CPU_ISA forces a path below AVX-512: the process then runs as on a CPU without it, so
     `--dtype auto` does not count on native bfloat16 (runner.resolve_dtype)."""
-    return ISA_LEVELS.get(os.environ.get("SHOAL_CPU_ISA", "").strip().lower(), 3) < 3
+    return ISA_LEVELS.get(requested_isa().lower(), 3) < 3
 
 
 def _is_x86() -> bool:
@@ -120,7 +125,7 @@ def _is_x86() -> bool:
 
 
 def _load() -> bool:
-    forced = os.environ.get("SHOAL_CPU_ISA")
+    forced = requested_isa()
     if forced and not _is_x86():
         forced_level(forced, None)  # raises: the CPU has none of the x86-64 paths
     if os.environ.get("SHOAL_NO_KERNELS") == "1":
