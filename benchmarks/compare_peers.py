@@ -61,23 +61,26 @@ HF_EXPORT = PEERS_DIR / "smollm2-hf"
 THREADS = os.cpu_count() or 1
 
 
-def shoal_cpu_dtype(isa: str | None = None) -> str:
-    """What `--dtype auto` picks on this CPU (forced onto `isa`: SHOAL_CPU_ISA); transformers serve is given the same."""
+def shoal_cpu_dtype(isa: str | None = None, quantization: str = "none") -> str:
+    """What `--dtype auto` picks on this CPU (forced onto `isa`: SHOAL_CPU_ISA) for the default GGUF served with
+    `quantization`: with "none" (float weights), what transformers serve is given too; with "auto", shoal's
+    default (float32 on the native low-bit kernels: builder.engine_dtype)."""
     import torch
 
-    from shoal.runner.model_runner import resolve_dtype
+    from shoal.config import EngineConfig
+    from shoal.engine.builder import engine_dtype
 
     before = os.environ.get("SHOAL_CPU_ISA")
     if isa:
         os.environ["SHOAL_CPU_ISA"] = isa
     try:
-        return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+        return str(engine_dtype(EngineConfig(quantization=quantization), torch.device("cpu"))).removeprefix("torch.")
     finally:
         if isa:
             os.environ.pop("SHOAL_CPU_ISA") if before is None else os.environ.update(SHOAL_CPU_ISA=before)
 
 
-DTYPE = shoal_cpu_dtype()
+DTYPE = shoal_cpu_dtype()  # float weights
 PARALLEL = 32  # llama-server slots: as many as the widest scenario has streams
 
 
@@ -135,7 +138,7 @@ class Peer:
 class Shoal(Peer):
     def __init__(self, name: str, flags: tuple[str, ...] = (), isa: str | None = None) -> None:
         """isa: SHOAL_CPU_ISA for the server (None: the best path this CPU has)."""
-        dtype = shoal_cpu_dtype(isa) if isa else DTYPE
+        dtype = shoal_cpu_dtype(isa, "none" if "none" in flags else "auto")
         quant = next((f for f in ("int8", "int4") if f in flags), None)
         own = "--quantization auto (the GGUF's own Q4_1 codes, int8 head, on shoal's low-bit kernels), the invariant attention"
         if quant:

@@ -64,8 +64,6 @@ class LongShoal(Shoal):
         super().__init__(name, ("--max-model-len", str(CONTEXT), "--served-model-name", "smollm2", *flags), isa=isa)
         self.label = " ".join(("shoal", *flags)) + (f" (SHOAL_CPU_ISA={isa})" if isa else "")
         self.settings = self.settings.replace("defaults (", f"defaults but --max-model-len {CONTEXT} (")
-        if flags:
-            self.settings = "bfloat16 activations (emulated here): what a CPU with native bf16 runs by default; " + self.settings
 
 
 class OneSlotLlamaServer(LlamaServer):
@@ -189,9 +187,6 @@ def main() -> None:
     if not peers[1].available:
         sys.exit(f"{peers[1].binary} is missing: run `make peers` first")
     gguf = Path(resolve_model_path("smollm2")).resolve()
-    native_bf16 = cpu_flags().get("avx512_bf16", False) and not a.isa
-    if not native_bf16 and not a.isa:  # the other CPU kind's default: the same weights and attention, bf16 activations
-        peers.insert(1, LongShoal("shoal-bf16", ("--dtype", "bfloat16")))
     rng = random.Random(a.seed)
     times: dict[str, dict[int, list[float]]] = {p.name: {n: [] for n in LENGTHS} for p in peers}
     tpots: dict[str, dict[int, list[float]]] = {p.name: {n: [] for n in DECODE_AT} for p in peers}
@@ -223,9 +218,7 @@ def main() -> None:
                         bar.update()
                 finally:
                     server.stop()
-    bf16 = "native bf16 (avx512_bf16)" if native_bf16 else "no native bf16 (shoal's default dtype: float32)"
-    if a.isa:
-        bf16 = f"forced onto the {a.isa} path (shoal's default dtype there: float32)"
+    bf16 = f"forced onto the {a.isa} path" if a.isa else ("native bf16 (avx512_bf16)" if cpu_flags().get("avx512_bf16") else "no native bf16")
     result = {"machine": {**machine(), "bf16": bf16}, "rounds": a.rounds, "lengths": LENGTHS, "isa": a.isa,
               "peers": {p.name: {"label": p.label, "settings": p.settings} for p in peers},
               "ttft_s": {name: {str(n): v for n, v in per.items()} for name, per in times.items()},

@@ -10,10 +10,13 @@ import torch
 import transformers
 
 from shoal import LLM, SamplingParams
-from shoal.model.loader import load_checkpoint
+from shoal.config import EngineConfig
+from shoal.engine.builder import engine_dtype
+from shoal.model.loader import load_checkpoint, planned_weight_format
 from shoal.model.registry import model_class
 from shoal.runner.model_runner import KVCacheSpec, ModelRunner, forward_batch
 from shoal.types import ScheduledSeq, StepPlan
+from conftest import require_native_kernels
 from tiny_models import ARCHS, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -132,6 +135,23 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkey
     assert resolve_dtype("auto", cpu) == torch.float32
     monkeypatch.setenv("SHOAL_CPU_ISA", "avx512")
     assert resolve_dtype("auto", cpu) == torch.bfloat16
+
+
+def test_auto_dtype_is_float32_for_low_bit_codes_on_the_native_kernels(monkeypatch, default_gguf_path, tiny_llama_path):
+    """The native low-bit kernels round each activation row to int8 themselves; bfloat16 activations beneath that
+    rounding derailed the default model on a CPU with native bf16 (tests/test_server_real_model.py's question was
+    answered in French). So `--dtype auto` is float32 there, and bfloat16 stays for float weights, where it pays."""
+    require_native_kernels()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    cpu = torch.device("cpu")
+    gguf = str(default_gguf_path)
+    assert planned_weight_format(gguf, "auto") == "int4" and planned_weight_format(tiny_llama_path, "auto") == "none"
+    assert planned_weight_format(tiny_llama_path, "int8") == "int8"
+    assert engine_dtype(EngineConfig(model=gguf), cpu) == torch.float32
+    assert engine_dtype(EngineConfig(model=gguf, quantization="none"), cpu) == torch.bfloat16
+    assert engine_dtype(EngineConfig(model=gguf, dtype="bfloat16"), cpu) == torch.bfloat16  # asked for: given
+    assert engine_dtype(EngineConfig(model=str(tiny_llama_path)), cpu) == torch.bfloat16
+    assert engine_dtype(EngineConfig(model=str(tiny_llama_path), quantization="int4"), cpu) == torch.float32
 
 
 def test_bfloat16_runs_with_bfloat16_weights_and_kv(tmp_path):

@@ -186,6 +186,11 @@ Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def file_projection_format(path: str | Path) -> str:
+    """projection_format of a GGUF file, from its header alone (no tensor is read)."""
+    return projection_format(GGUFFileReader(path).tensors)
+
+
 def projection_format(tensors: Iterable[gguf.ReaderTensor]) -> str:
     """The weight format that serves a file's decoder projections as stored:
     "int4" when every one is Q4_0/Q4_1, "int8" when every one is Q8_0 (its own

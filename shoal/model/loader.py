@@ -21,7 +21,7 @@ import transformers
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from shoal.model.gguf_loader import load_gguf
+from shoal.model.gguf_loader import file_projection_format, load_gguf
 
 log = logging.getLogger("shoal.loader")
 
@@ -115,6 +115,15 @@ def _alias_path(alias: str) -> Path:
 
 
 # ---------------------------------------------------------------- loading
+
+
+def planned_weight_format(name_or_path: str | Path, quantization: str) -> str:
+    """The projections' format `load_checkpoint` gives for this `quantization`, found without loading: "auto" is a
+    GGUF's own (from its header) and float ("none") for a Hugging Face folder."""
+    if quantization != "auto":
+        return quantization
+    path = resolve_model_path(str(name_or_path))
+    return file_projection_format(path) if path.suffix == ".gguf" else "none"
 
 
 def load_checkpoint(
