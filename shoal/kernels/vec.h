@@ -68,7 +68,6 @@ struct vf {
   static MINL vf set(float x) { vf v; for (int k = 0; k < kParts; ++k) v.p[k] = Regs<W>::splat(x); return v; }
   MINL void store(float* s) const { for (int k = 0; k < kParts; ++k) std::memcpy(s + k * kPartLanes, &p[k], W); }
   MINL float first() const { return p[0][0]; }
-  MINL float lane(int i) const { return p[i / kPartLanes][i % kPartLanes]; }
 
 #define SHOAL_VF_OP(OP) \
   friend MINL vf operator OP(vf a, vf b) { vf r; for (int k = 0; k < kParts; ++k) r.p[k] = a.p[k] OP b.p[k]; return r; }
