@@ -69,12 +69,14 @@ def shoal_cpu_dtype(isa: str | None = None, quantization: str = "none") -> str:
 
     from shoal.config import EngineConfig
     from shoal.engine.builder import engine_dtype
+    from shoal.model.loader import DEFAULT_MODEL, open_gguf
 
     before = os.environ.get("SHOAL_CPU_ISA")
     if isa:
         os.environ["SHOAL_CPU_ISA"] = isa
     try:
-        return str(engine_dtype(EngineConfig(quantization=quantization), torch.device("cpu"))).removeprefix("torch.")
+        config = EngineConfig(quantization=quantization)
+        return str(engine_dtype(config, torch.device("cpu"), open_gguf(DEFAULT_MODEL))).removeprefix("torch.")
     finally:
         if isa:
             os.environ.pop("SHOAL_CPU_ISA") if before is None else os.environ.update(SHOAL_CPU_ISA=before)

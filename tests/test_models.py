@@ -12,7 +12,7 @@ import transformers
 from shoal import LLM, SamplingParams
 from shoal.config import EngineConfig
 from shoal.engine.builder import engine_dtype
-from shoal.model.loader import load_checkpoint, planned_weight_format
+from shoal.model.loader import load_checkpoint, open_gguf, planned_weight_format
 from shoal.model.registry import model_class
 from shoal.runner.model_runner import KVCacheSpec, ModelRunner, forward_batch
 from shoal.types import ScheduledSeq, StepPlan
@@ -144,12 +144,13 @@ def test_auto_dtype_is_float32_for_low_bit_codes_on_the_native_kernels(monkeypat
     require_native_kernels()
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     cpu = torch.device("cpu")
-    gguf = str(default_gguf_path)
-    assert planned_weight_format(gguf, "auto") == "int4" and planned_weight_format(tiny_llama_path, "auto") == "none"
-    assert planned_weight_format(tiny_llama_path, "int8") == "int8"
-    assert engine_dtype(EngineConfig(model=gguf), cpu) == torch.float32
-    assert engine_dtype(EngineConfig(model=gguf, quantization="none"), cpu) == torch.bfloat16
-    assert engine_dtype(EngineConfig(model=gguf, dtype="bfloat16"), cpu) == torch.bfloat16  # asked for: given
+    gguf, reader = str(default_gguf_path), open_gguf(default_gguf_path)
+    assert open_gguf(tiny_llama_path) is None  # a Hugging Face folder
+    assert planned_weight_format("auto", reader) == "int4" and planned_weight_format("auto", None) == "none"
+    assert planned_weight_format("int8", None) == "int8"
+    assert engine_dtype(EngineConfig(model=gguf), cpu, reader) == torch.float32
+    assert engine_dtype(EngineConfig(model=gguf, quantization="none"), cpu, reader) == torch.bfloat16
+    assert engine_dtype(EngineConfig(model=gguf, dtype="bfloat16"), cpu, reader) == torch.bfloat16  # asked for: given
     assert engine_dtype(EngineConfig(model=str(tiny_llama_path)), cpu) == torch.bfloat16
     assert engine_dtype(EngineConfig(model=str(tiny_llama_path), quantization="int4"), cpu) == torch.float32
 

@@ -15,7 +15,7 @@ from shoal.engine.engine import Engine
 from shoal.engine.shard_plan import plan_pipeline, plan_tensor_parallel
 from shoal.executor import LocalExecutor
 from shoal.model.config import ModelConfig
-from shoal.model.loader import LoadedCheckpoint, load_checkpoint, planned_weight_format
+from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format
 from shoal.model.layers import Rotary, TensorParallel, bind_attributes, make_row_invariant, shard_slice, stage_name
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
@@ -76,7 +76,8 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     if threads:
         torch.set_num_threads(threads)
     device = resolve_device(config.device)
-    dtype = engine_dtype(config, device)
+    gguf = open_gguf(config.model)  # parsed once: the dtype reads its tensor index, the load the rest
+    dtype = engine_dtype(config, device, gguf)
     if device.type == "cpu":
         keep_freed_memory()
     quantization = resolve_quantization(config.quantization, device, dtype)
@@ -117,7 +118,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         return select
 
     ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0,
-                           select_for=select_for if size > 1 else None)
+                           select_for=select_for if size > 1 else None, gguf_reader=gguf)
     hf = ckpt.hf_config
     max_model_len = config.max_model_len or hf.max_position_embeddings
     if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
@@ -195,14 +196,15 @@ def _threads_per_rank(ranks_here: int) -> int:
     return max(1, cores // ranks_here)
 
 
-def engine_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+def engine_dtype(config: EngineConfig, device: torch.device, gguf=None) -> torch.dtype:
     """The activations' dtype. `--dtype auto` is float32 on the CPU where the projections are low-bit codes on
     shoal's native kernels (the default GGUF's): those kernels round each activation row to int8 per block of 32
     themselves, so bfloat16 buys them nothing, and its rounding of every activation beneath theirs derailed the
     default model on a CPU with native bf16 ("What is the capital of France?" answered in French from the first
-    token; float32, as llama.cpp runs, answers Paris). Otherwise runner.resolve_dtype decides."""
+    token; float32, as llama.cpp runs, answers Paris). Otherwise runner.resolve_dtype decides.
+    gguf: the checkpoint parsed, where it is a GGUF (loader.open_gguf); None for a Hugging Face folder."""
     if config.dtype == "auto" and device.type == "cpu" and config.quantization != "none" and kernels.available():
-        if planned_weight_format(config.model, config.quantization) != "none":
+        if planned_weight_format(config.quantization, gguf) != "none":
             return torch.float32
     return resolve_dtype(config.dtype, device)
 

@@ -140,7 +140,7 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none",
-              select_for=None) -> GGUFCheckpoint:
+              select_for=None, reader: GGUFFileReader | None = None) -> GGUFCheckpoint:
     """Read a GGUF file into HF-named tensors, a config and a tokenizer.
 
     quantization: the format the decoder's projections will have ("none",
@@ -154,9 +154,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     nothing of it (False: another pipeline stage's).
     Rows are read from the file's blocks as they are; columns too where they fall on
     quantization blocks, else the tensor is read whole and the model slices it.
+    reader: the file already parsed (loader.open_gguf), so that decisions made before the load share its parse.
     """
     t0 = time.perf_counter()
-    reader = GGUFFileReader(path)
+    reader = reader if reader is not None else GGUFFileReader(path)
     meta = read_metadata(reader)
     t1 = time.perf_counter()
     arch = meta["general.architecture"]
@@ -167,7 +168,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     t2 = time.perf_counter()
     tensors = {t.name: t for t in reader.tensors}
     config = build_config(meta, tensors, tokenizer)
-    fmt = projection_format(tensors.values()) if quantization == "auto" else quantization
+    fmt = planned_weight_format(quantization, reader)
     select = select_for(config, fmt) if select_for is not None else None
     state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress, fmt, select)
     t3 = time.perf_counter()
@@ -186,9 +187,13 @@ Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def file_projection_format(path: str | Path) -> str:
-    """projection_format of a GGUF file, from its header alone (no tensor is read)."""
-    return projection_format(GGUFFileReader(path).tensors)
+def planned_weight_format(quantization: str, reader: gguf.GGUFReader | None) -> str:
+    """The projections' format a load with `quantization` gives: "auto" is a GGUF's own (`projection_format`,
+    from the parsed file's tensor index; no tensor is read), and float ("none") for a checkpoint that is not a
+    GGUF (reader None)."""
+    if quantization != "auto":
+        return quantization
+    return projection_format(reader.tensors) if reader is not None else "none"
 
 
 def projection_format(tensors: Iterable[gguf.ReaderTensor]) -> str:

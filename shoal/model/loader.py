@@ -21,7 +21,7 @@ import transformers
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from shoal.model.gguf_loader import file_projection_format, load_gguf
+from shoal.model.gguf_loader import GGUFFileReader, load_gguf, planned_weight_format
 
 log = logging.getLogger("shoal.loader")
 
@@ -117,18 +117,17 @@ def _alias_path(alias: str) -> Path:
 # ---------------------------------------------------------------- loading
 
 
-def planned_weight_format(name_or_path: str | Path, quantization: str) -> str:
-    """The projections' format `load_checkpoint` gives for this `quantization`, found without loading: "auto" is a
-    GGUF's own (from its header) and float ("none") for a Hugging Face folder."""
-    if quantization != "auto":
-        return quantization
+def open_gguf(name_or_path: str | Path) -> GGUFFileReader | None:
+    """A GGUF checkpoint parsed (metadata and tensor index; no tensor is read), None for a Hugging Face folder.
+    Parsing the default model's takes ~0.5 s (its tokenizer), so what is decided before loading
+    (planned_weight_format) and the load (`load_checkpoint(gguf_reader=...)`) share one parse."""
     path = resolve_model_path(str(name_or_path))
-    return file_projection_format(path) if path.suffix == ".gguf" else "none"
+    return GGUFFileReader(path) if path.suffix == ".gguf" else None
 
 
 def load_checkpoint(
     name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none",
-    select_for=None,
+    select_for=None, gguf_reader: GGUFFileReader | None = None,
 ) -> LoadedCheckpoint:
     """Load a model's weights, config, tokenizer and stop tokens.
 
@@ -140,18 +139,19 @@ def load_checkpoint(
     select_for(hf_config, weight_format) -> select(name) -> (dim, start, length) | None | False reads only that
     part of each tensor: a tensor-parallel rank's rows or columns (layers.shard_slice), or
     nothing of it (False: a tensor another pipeline stage holds, layers.stage_name).
+    gguf_reader: the GGUF already parsed (open_gguf), not parsed again.
     """
     path = resolve_model_path(str(name_or_path))
     start = time.perf_counter()
     if path.suffix == ".gguf":
-        gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization, select_for=select_for)
+        gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization, select_for=select_for, reader=gguf_reader)
         weight_format = gg.weight_format
         config, state_dict, tokenizer = gg.config, gg.state_dict, gg.tokenizer
         generation_eos, defaults, fmt = gg.generation_eos_ids, gg.generation_defaults, "gguf"
         names = (*gg.names, path.stem)
     else:
         config = transformers.AutoConfig.from_pretrained(path)
-        weight_format = "none" if quantization == "auto" else quantization
+        weight_format = planned_weight_format(quantization, None)
         select = select_for(config, weight_format) if select_for is not None else None
         state_dict = load_safetensors(path, config, dtype, progress, select)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
