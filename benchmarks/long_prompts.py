@@ -99,8 +99,8 @@ DECODE_AT = (4000, 8000)  # prompt lengths whose requests also decode DECODE_TOK
 DECODE_TOKENS = 65
 
 
-def ttft(server: Server, ids: list[int], max_tokens: int = 1) -> float:
-    return request(server, ids, max_tokens)[0]
+def ttft(server: Server, ids: list[int]) -> float:
+    return request(server, ids, 1)[0]
 
 
 def request(server: Server, ids: list[int], max_tokens: int) -> tuple[float, float | None]:
