@@ -68,7 +68,7 @@ def shoal_cpu_dtype(isa: str | None = None, quantization: str = "none") -> str:
     import torch
 
     from shoal.config import EngineConfig
-    from shoal.engine.builder import engine_dtype
+    from shoal.runner.build import engine_dtype
     from shoal.model.loader import DEFAULT_MODEL, open_gguf
 
     before = os.environ.get("SHOAL_CPU_ISA")

@@ -591,19 +591,19 @@ def stream(engine, request: GenerationRequest, out=sys.stdout) -> str:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from shoal.engine.engine import Engine
+    from shoal.engine.builder import build_engine
 
-    engine = Engine.from_config(engine_config(a))
+    engine = build_engine(engine_config(a))
     ids = tuple(engine.tokenizer.encode(a.prompt))
     stream(engine, GenerationRequest("cli-0", ids, sampling_params(a), prompt=a.prompt))
     return 0
 
 
 def cmd_repl(a: argparse.Namespace) -> int:
-    from shoal.engine.engine import Engine
+    from shoal.engine.builder import build_engine
     from shoal.engine.llm import apply_chat_template
 
-    engine = Engine.from_config(engine_config(a))
+    engine = build_engine(engine_config(a))
     params = sampling_params(a)
     ids = itertools.count()
     print("shoal repl: type a message; /reset clears the conversation, /system TEXT sets the system prompt, /quit leaves.")

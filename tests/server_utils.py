@@ -31,9 +31,9 @@ def tiny_engine_config(model_path, **kw) -> EngineConfig:
 
 
 def tiny_engine(model_path, **kw):
-    from shoal.engine.engine import Engine
+    from shoal.engine.builder import build_engine
 
-    return Engine.from_config(tiny_engine_config(model_path, **kw))
+    return build_engine(tiny_engine_config(model_path, **kw))
 
 
 class LiveServer:

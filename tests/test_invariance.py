@@ -518,7 +518,7 @@ QUANT_CONFIGS = {  # bf16 with each low-bit format, and the default configuratio
 def quantized(request, default_gguf_path) -> Reference:
     ref = Reference([CONVERSATIONS[i] for i in QUANT_PROMPTS], QUANT_GREEDY, num_blocks=512, **QUANT_CONFIGS[request.param])
     ref.config = QUANT_CONFIGS[request.param]
-    assert ref.llm.engine.weight_format in ("int8", "int4")
+    assert ref.llm.engine.facts.weight_format in ("int8", "int4")
     return ref
 
 

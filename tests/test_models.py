@@ -11,7 +11,7 @@ import transformers
 
 from shoal import LLM, SamplingParams
 from shoal.config import EngineConfig
-from shoal.engine.builder import engine_dtype
+from shoal.runner.build import engine_dtype
 from shoal.model.loader import load_checkpoint, open_gguf, planned_weight_format
 from shoal.model.registry import model_class
 from shoal.runner.model_runner import KVCacheSpec, ModelRunner, forward_batch

@@ -6,6 +6,7 @@ import pytest
 from shoal.config import SchedulerConfig
 from shoal.engine.block_pool import KVBlockPool
 from shoal.engine.prefix_cache import PrefixCache
+from shoal.engine.kv_manager import KVCacheManager
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sequence import Sequence
 from shoal.types import FinishReason, SampledToken, SamplingParams
@@ -25,13 +26,13 @@ class Clock:
 def make(num_blocks=64, budget=64, ttl=None, clock=None, max_num_seqs=8):
     pool = KVBlockPool(num_blocks, BS)
     cache = PrefixCache(pool, ttl=ttl, clock=clock or Clock())
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, 256), pool, cache), pool, cache
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, 256), KVCacheManager(pool, cache)), pool, cache
 
 
 def step(s, token=7):
     out = s.schedule()
     s.on_step_done(out, [SampledToken(x.seq_id, token, 0.0) for x in out.plan.seqs if x.sample])
-    s.pool.check_integrity(s.held_block_tables())
+    s.kv.check_integrity(s.held_block_tables())
     return out
 
 
@@ -348,7 +349,7 @@ def test_real_weights_multi_turn_equal_with_and_without_cache(default_gguf_path)
 def test_stats_report_bytes_against_the_pool():
     pool = KVBlockPool(10, BS)
     cache = PrefixCache(pool, block_bytes=1000)
-    s = Scheduler(SchedulerConfig(8, 64, 256), pool, cache)
+    s = Scheduler(SchedulerConfig(8, 64, 256), KVCacheManager(pool, cache))
     run(s, list(range(1, 10)), n_out=1)  # 9 computed tokens: 2 full blocks + 1 partial
     st = cache.stats
     assert (st.cached_blocks, st.cached_bytes, st.pool_bytes) == (3, 3000, 10000)

@@ -103,7 +103,7 @@ def test_default_serves_the_gguf_own_4bit_weights(default_gguf_path, hf_default_
 
     llm = LLM(str(default_gguf_path), dtype=dtype, max_model_len=1024, check_integrity=True)
     model = llm.engine.runner.model
-    assert llm.engine.weight_format == "int4"
+    assert llm.engine.facts.weight_format == "int4"
     projections = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert len(projections) == 4 * model.config.num_layers and all(m.from_codes for m in projections)
     native = projections[0].native

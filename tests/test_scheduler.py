@@ -4,6 +4,7 @@ import pytest
 
 from shoal.config import SchedulerConfig
 from shoal.engine.block_pool import KVBlockPool
+from shoal.engine.kv_manager import KVCacheManager
 from shoal.engine.scheduler import ATTENTION_CONTEXT, Scheduler, chunk_cost, chunk_within
 from shoal.engine.sequence import Sequence, SequenceStatus
 from shoal.types import FinishReason, SampledToken, SamplingParams
@@ -13,7 +14,7 @@ P = SamplingParams(max_tokens=100)
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, max_model_len=64):
     pool = KVBlockPool(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), pool), pool
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), KVCacheManager(pool)), pool
 
 
 def seq(n_prompt, rid="r", priority=0, **kw):
@@ -25,7 +26,7 @@ def run_step(s: Scheduler, token=7):
     out = s.schedule()
     sampled = [SampledToken(x.seq_id, token, 0.0) for x in out.plan.seqs if x.sample]
     s.on_step_done(out, sampled)
-    s.pool.check_integrity(s.held_block_tables())
+    s.kv.check_integrity(s.held_block_tables())
     return out
 
 

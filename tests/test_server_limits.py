@@ -76,16 +76,16 @@ def test_bodies_over_the_limit_are_413(engine):
 
 
 def test_503_with_retry_after_while_loading_then_ok(tiny_llama_path, monkeypatch):
-    from shoal.engine.engine import Engine
+    from shoal.engine import builder
 
     release = threading.Event()
-    real = Engine.from_config.__func__
+    real = builder.build_engine
 
-    def slow(cls, config):
+    def slow(config):
         assert release.wait(30)
-        return real(cls, config)
+        return real(config)
 
-    monkeypatch.setattr(Engine, "from_config", classmethod(slow))
+    monkeypatch.setattr(builder, "build_engine", slow)
     with LiveServer(tiny_engine_config(tiny_llama_path), wait_ready=False) as srv, srv.http() as h:
         r = h.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "loading", "model_loaded": False}

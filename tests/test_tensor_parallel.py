@@ -15,7 +15,7 @@ import transformers
 
 from shoal import LLM, SamplingParams
 from shoal.config import ParallelConfig
-from shoal.engine.shard_plan import TensorShard, plan_tensor_parallel, split_evenly
+from shoal.runner.shard_plan import TensorShard, plan_tensor_parallel, split_evenly
 from shoal.executor import shm as shm_module
 from shoal.executor.distributed import RankGroup
 from shoal.executor.shm import SharedMemoryChannel
@@ -246,7 +246,7 @@ def test_default_gguf_over_two_ranks_keeps_its_codes_and_tracks_transformers(def
     from test_real_model import _assert_greedy_matches
 
     with LLM(str(default_gguf_path), max_model_len=1024, tensor_parallel_size=2) as llm:
-        assert llm.engine.weight_format == "int4"
+        assert llm.engine.facts.weight_format == "int4"
         model = llm.engine.runner.model
         layer = model.model.layers[0]
         assert all(m.from_codes for m in model.model.modules() if isinstance(m, Int4Linear))
@@ -510,7 +510,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_pipeline_plans_even_explicit_and_by_free_memory():
-    from shoal.engine.shard_plan import plan_pipeline
+    from shoal.runner.shard_plan import plan_pipeline
 
     assert plan_pipeline(30, 4) == [(0, 7), (7, 14), (14, 22), (22, 30)]
     assert plan_pipeline(30, 3, explicit=(5, 10, 15)) == [(0, 5), (5, 15), (15, 30)]
@@ -659,7 +659,7 @@ def test_pipeline_in_bfloat16_with_a_bfloat16_wire_is_exact_and_int8_wire_stays_
 def test_the_launcher_sizes_layers_and_stage_zero_for_the_memory_planner():
     """What the pipeline planner is fed when --pp-layers is not given: each rank's free memory less the KV budget
     (and, on rank 0, the embedding and head), over one layer's weights in the format being loaded."""
-    from shoal.engine.builder import free_memory, head_bytes, layer_bytes, stage0_bytes
+    from shoal.runner.build import free_memory, head_bytes, layer_bytes, stage0_bytes
     from shoal.model.config import ModelConfig
 
     hf = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,

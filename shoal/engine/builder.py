@@ -1,38 +1,19 @@
-"""Wire an Engine from an EngineConfig: load the checkpoint, build the model (or this rank's shard), size the KV cache."""
+"""Wire an Engine from an EngineConfig: this process's part of the model (runner/build.py), the executor that
+reaches every part (one process, or rank 0 of several), and the engine over it."""
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass, replace
+from types import MappingProxyType
 
-import torch
-
-from shoal import kernels
-from shoal.config import STRICT_MKL, EngineConfig
+from shoal.config import EngineConfig
 from shoal.engine.engine import Engine
-from shoal.engine.shard_plan import plan_pipeline, plan_tensor_parallel
+from shoal.engine.stats import EngineFacts
 from shoal.executor import LocalExecutor
-from shoal.model.config import ModelConfig
-from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format
-from shoal.model.layers import Rotary, TensorParallel, bind_attributes, make_row_invariant, shard_slice, stage_name
-from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
-from shoal.model.registry import model_class
-from shoal.runner.host import keep_freed_memory
-from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
+from shoal.runner.build import build_part
 
 log = logging.getLogger("shoal.engine")
-
-
-@dataclass
-class ModelPart:
-    """What one process holds of the model: its runner (weights, KV slice) and what the engine needs."""
-
-    runner: ModelRunner
-    checkpoint: LoadedCheckpoint
-    weight_format: str
-    max_model_len: int
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -45,9 +26,12 @@ def build_engine(config: EngineConfig) -> Engine:
         part = build_part(config)
         executor = LocalExecutor(part.runner)
     runner, ckpt = part.runner, part.checkpoint
-    engine = Engine(executor, ckpt.tokenizer, ckpt.eos_token_ids, config, part.max_model_len)
-    engine.weight_format = part.weight_format
-    engine.checkpoint_info = ckpt  # tokenizer, chat template, generation defaults for the layers above
+    facts = EngineFacts(
+        model=str(config.model), path=str(ckpt.path),
+        architecture=runner.config.architecture, dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
+        weight_format=part.weight_format, generation_defaults=MappingProxyType(dict(ckpt.generation_defaults)),
+    )
+    engine = Engine(executor, ckpt.tokenizer, ckpt.eos_token_ids, config, part.max_model_len, facts=facts)
     log.info(
         "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks%s",
         time.perf_counter() - t0, runner.config.architecture, str(runner.dtype).removeprefix("torch."),
@@ -64,162 +48,3 @@ def _parallel_words(par) -> str:
     if par.tensor_parallel_size > 1:
         words.append(f"tensor parallel over {par.tensor_parallel_size} ranks" + (" each" if words else ""))
     return "".join(f", {w}" for w in words)
-
-
-def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
-    """Load the checkpoint and build this process's part of the model: all of it, or global rank `rank`'s
-    part: its pipeline stage's layers, and of those its tensor-parallel shard (ParallelConfig.place).
-    group: executor.distributed.RankGroup, which gathers the tensor-parallel parts within a stage and agrees
-    on the KV pool's size, the smallest over the ranks."""
-    size = group.size if group is not None else 1
-    threads = config.num_threads or (_threads_per_rank(config.parallel.ranks_per_node) if size > 1 else None)
-    if threads:
-        torch.set_num_threads(threads)
-    device = resolve_device(config.device)
-    gguf = open_gguf(config.model)  # parsed once: the dtype reads its tensor index, the load the rest
-    dtype = engine_dtype(config, device, gguf)
-    if device.type == "cpu":
-        keep_freed_memory()
-    quantization = resolve_quantization(config.quantization, device, dtype)
-    par = config.parallel
-    split = layers = None  # this rank's TensorParallel, its stage's layer range
-    stage, local = par.place(rank)
-    if group is not None:
-        group.set_layout(par.tensor_parallel_size)
-
-    def select_for(hf, weight_format):  # the loader asks once it has the config: read only what this rank holds
-        nonlocal split, layers
-        whole = ModelConfig.from_hf(hf)
-        tp = par.tensor_parallel_size
-        if par.pipeline_parallel_size > 1:
-            plan = {}
-            if par.pp_layers is None:  # equal work per stage, within every rank's free memory (a collective)
-                one_layer = layer_bytes(whole, weight_format, dtype)
-                plan["stage0_work"] = head_bytes(whole, weight_format, dtype) / one_layer
-                free = group.gather(free_memory(device))
-                if all(f is not None for f in free):
-                    kv = config.cache.kv_cache_memory if device.type == "cpu" else 0
-                    head = stage0_bytes(whole, dtype)
-                    # a stage's room: its tightest rank's, each rank holding 1/tp of every layer
-                    room = [min(free[s * tp : (s + 1) * tp]) - kv - (head if s == 0 else 0) for s in range(par.pipeline_parallel_size)]
-                    plan.update(free_bytes=room, layer_bytes=-(-one_layer // tp))
-            layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **plan)[stage]
-        if tp > 1:
-            vocab = whole.vocab_size if par.pipeline_parallel_size == 1 else 0  # the head is split where it is not only on rank 0
-            plan = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, whole.hidden_size, tp,
-                                        vocab_size=vocab)
-            split = TensorParallel(tuple(plan), local, group.gather_columns)
-
-        def select(name):
-            if layers is not None and stage_name(name, layers, layers[0] == 0) is None:
-                return False  # another stage's
-            return shard_slice(name, split.shard, whole.head_dim) if split is not None else None
-
-        return select
-
-    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0,
-                           select_for=select_for if size > 1 else None, gguf_reader=gguf)
-    hf = ckpt.hf_config
-    max_model_len = config.max_model_len or hf.max_position_embeddings
-    if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {hf.max_position_embeddings} positions")
-
-    weights = WeightFormat(ckpt.weight_format, dtype)
-    with torch.device("meta"):
-        model = model_class(hf.architectures)(hf, max_model_len, weights.linear, split, layers)
-    model = model.to_empty(device=device)
-    # Rotary tables are buffers computed at construction: rebuild them for real on the device.
-    model.model.rotary = Rotary(model.config, max_model_len).to(device)
-    model.load_weights(ckpt.state_dict)
-    model = model.to(dtype).eval()
-    head = rank == 0 or model.vocab is not None  # rank 0 computes the logits, or every rank its slice of them
-    weights.finish_head(model, logits=head)
-    if weights.name != "none" and rank == 0:
-        linears = [m for m in model.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
-        exact = sum(getattr(m, "from_codes", False) for m in linears)
-        on = "shoal's low-bit kernels" if all(m.native for m in linears) else "torch's weight-only kernels"
-        log.info("%s weights (--quantization %s): %d projections, %d of them the checkpoint's own 4-bit codes; "
-                 "int8 logits head; on %s", weights.name, config.quantization, len(linears), exact, on)
-    attention = config.attention if config.attention != "auto" else ("sdpa" if weights.name == "none" else "invariant")
-    if attention == "invariant":
-        float_linears = weights.name == "none"  # low-bit layers are row-invariant as they are
-        if device.type == "cpu" and dtype == torch.float32 and float_linears and os.environ.get("MKL_CBWR") != STRICT_MKL:
-            log.warning("deterministic float32 on the CPU needs MKL_CBWR=%s in the environment before torch's first "
-                        "float32 matmul (shoal serve --deterministic sets it at start-up); without it rows may differ "
-                        "with the batch", STRICT_MKL)
-        swapped = make_row_invariant(model, device, dtype, head=head)
-        if swapped and rank == 0:
-            log.info("batch-invariant matmuls: %d linear layers split or padded for %s on %s", swapped, str(dtype).removeprefix("torch."), device)
-    bind_attributes(model)  # last: the model is final now
-    spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)
-    if group is not None:
-        spec = replace(spec, num_blocks=group.agree_min(spec.num_blocks))
-    runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, attention)
-    ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
-    return ModelPart(runner, ckpt, weights.name, max_model_len)
-
-
-def free_memory(device: torch.device) -> int | None:
-    """Bytes this process could still take: free GPU memory, or the kernel's MemAvailable; None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return kib * 1024
-
-
-BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.5 + 4 / 32}  # codes, plus int4's two bf16 numbers per group of 32
-
-
-def layer_bytes(c: ModelConfig, weight_format: str, dtype: torch.dtype) -> int:
-    """One decoder layer's projection weights in `weight_format` (norms are noise)."""
-    params = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    return int(params * BYTES_PER_WEIGHT.get(weight_format, torch.finfo(dtype).bits / 8))
-
-
-def head_bytes(c: ModelConfig, weight_format: str, dtype: torch.dtype) -> int:
-    """The logits head's weights read per step: int8 beside low-bit layers (WeightFormat.finish_head), else `dtype`."""
-    return c.vocab_size * c.hidden_size * (1 if weight_format in BYTES_PER_WEIGHT else torch.finfo(dtype).bits // 8)
-
-
-def stage0_bytes(c: ModelConfig, dtype: torch.dtype) -> int:
-    """What stage 0 holds beyond its layers: the embedding, and an untied head."""
-    return c.vocab_size * c.hidden_size * (torch.finfo(dtype).bits // 8) * (1 if c.tie_word_embeddings else 2)
-
-
-def _threads_per_rank(ranks_here: int) -> int:
-    """Tensor-parallel ranks on one machine share its cores: each gets an equal part (at least one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // ranks_here)
-
-
-def engine_dtype(config: EngineConfig, device: torch.device, gguf=None) -> torch.dtype:
-    """The activations' dtype. `--dtype auto` is float32 on the CPU where the projections are low-bit codes on
-    shoal's native kernels (the default GGUF's): those kernels round each activation row to int8 per block of 32
-    themselves, so bfloat16 buys them nothing, and its rounding of every activation beneath theirs derailed the
-    default model on a CPU with native bf16 ("What is the capital of France?" answered in French from the first
-    token; float32, as llama.cpp runs, answers Paris). Otherwise runner.resolve_dtype decides.
-    gguf: the checkpoint parsed, where it is a GGUF (loader.open_gguf); None for a Hugging Face folder."""
-    if config.dtype == "auto" and device.type == "cpu" and config.quantization != "none" and kernels.available():
-        if planned_weight_format(config.quantization, gguf) != "none":
-            return torch.float32
-    return resolve_dtype(config.dtype, device)
-
-
-def resolve_quantization(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The --quantization value the loader gets. The int8/int4 layers run on the CPU: with shoal's native
-    kernels (model/quant.py) for any activation dtype, else with torch's, which want bfloat16 or float16.
-    Where they do not run, "auto" (the default) becomes "none" and an explicit int8/int4 is an error."""
-    if device.type == "cpu" and (dtype != torch.float32 or kernels.available()):
-        return requested
-    if requested == "auto":
-        log.info("--quantization auto: float weights, because the int8/int4 layers run on the CPU, with float32 activations "
-                 "only on shoal's native kernels, and this is %s on %s", str(dtype).removeprefix("torch."), device)
-        return "none"
-    if requested in ("int8", "int4"):
-        raise ValueError(f"{requested} weights need the CPU, and bfloat16 or float16 activations where shoal's native kernels "
-                         f"are not built, not {dtype} on {device} (pass --dtype bfloat16)")
-    return requested

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from shoal.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from shoal.engine.engine import Engine
+from shoal.engine.builder import build_engine
 from shoal.server.chat.template import ChatRenderer
 from shoal.types import GenerationRequest, RequestOutput, SamplingParams
 
@@ -24,7 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
-        self.engine = Engine.from_config(_engine_config(model, kwargs))
+        self.engine = build_engine(_engine_config(model, kwargs))
         self.tokenizer = self.engine.tokenizer
         self._renderer = ChatRenderer(self.tokenizer)  # the server's rendering: the model's template, or the fallback
         self._ids = itertools.count()

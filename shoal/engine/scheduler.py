@@ -29,6 +29,9 @@ sequence in one is skipped until it comes back (its next token depends on it)
 and is never a victim of preemption, and `schedule(max_seqs)` caps a
 micro-batch's share so that the running sequences spread over the stages.
 
+Blocks are the KV manager's (`kv_manager.py`): the scheduler asks it whether a
+sequence fits and how much of it is cached, and never touches a block table.
+
 The result is a plain-data `StepPlan` plus the bookkeeping the engine needs to
 apply the step's outcome (`on_step_done`).
 """
@@ -40,8 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from shoal.config import SchedulerConfig
-from shoal.engine.block_pool import KVBlockPool
-from shoal.engine.prefix_cache import PrefixCache
+from shoal.engine.kv_manager import KVCacheManager
 from shoal.engine.sequence import Sequence, SequenceStatus
 from shoal.types import FinishReason, SampledToken, SamplingParams, ScheduledSeq, StepPlan
 
@@ -88,15 +90,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVBlockPool, cache: PrefixCache | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
-        self.pool = pool
-        self.cache = cache
+        self.kv = kv
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self._by_id: dict[int, Sequence] = {}
         self.num_preemptions = 0
-        self._pending_copies: list[tuple[int, int]] = []  # from fork_beam, applied with the next plan
 
     # ------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -120,7 +120,7 @@ class Scheduler:
         if seq.finished:
             return
         _take(self.running if seq.status is SequenceStatus.RUNNING else self.waiting, seq)
-        self._release(seq)
+        self.kv.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._by_id[seq.seq_id]
@@ -134,10 +134,8 @@ class Scheduler:
         """The next step. max_seqs: at most this many sequences (a pipeline micro-batch's share)."""
         budget = self.config.max_num_batched_tokens
         seats = max_seqs if max_seqs is not None else self.config.max_num_seqs
-        if self.cache is not None and self.cache.ttl is not None:
-            self.cache.expire()
+        self.kv.expire()
         out = SchedulerOutput(plan=StepPlan(()))
-        copies, self._pending_copies = self._pending_copies, []
 
         decodes_left = sum(1 for s in self.running if not (s.paused or s.in_flight) and s.num_uncomputed_tokens == 1)
         # with decodes in the step, its prefill chunks share the cost of a whole budget computed at no context
@@ -174,7 +172,7 @@ class Scheduler:
             if parent is not None and not self._fork_ready(seq, parent):
                 j += 1  # siblings wait for the first choice to compute the prompt
                 continue
-            num_new = self._fork(seq, budget, copies) if seq.fork_parent else self._admit(seq, budget, cost, copies)
+            num_new = self._fork(seq, budget) if seq.fork_parent else self._admit(seq, budget, cost)
             if num_new is None:
                 break
             self.waiting.pop(j)
@@ -186,24 +184,25 @@ class Scheduler:
                 cost -= chunk_cost(num_new, seq.num_computed_tokens)
 
         if not out.scheduled and self._unpause_by_preemption(out):
-            self._pending_copies = copies + self._pending_copies
             again = self.schedule(max_seqs)
             again.preempted[:0] = out.preempted
             return again
-        out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), tuple(copies))
+        out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), self.kv.take_copies())
         return out
 
-    def _chunk(self, seq: Sequence, budget: int, cost: float) -> int:
-        """How many of seq's uncomputed tokens this step computes (0: none): the token budget's share, and for a
-        prefill chunk the cost left (at least a block's worth, so that a prompt beside many decodes moves on)."""
-        num_new = min(seq.num_uncomputed_tokens, budget)
+    def _chunk(self, seq: Sequence, budget: int, cost: float, start: int | None = None) -> int:
+        """How many of seq's uncomputed tokens from `start` (its computed count if None) this step computes
+        (0: none): the token budget's share, and for a prefill chunk the cost left (at least a block's worth,
+        so that a prompt beside many decodes moves on)."""
+        start = seq.num_computed_tokens if start is None else start
+        num_new = min(seq.num_tokens - start, budget)
         if num_new > 1 and cost < math.inf:
-            floor = min(num_new, self.pool.block_size)
-            num_new = max(floor, min(num_new, chunk_within(cost, seq.num_computed_tokens)))
+            floor = min(num_new, self.kv.block_size)
+            num_new = max(floor, min(num_new, chunk_within(cost, start)))
         return num_new
 
     def _unpause_by_preemption(self, out: SchedulerOutput) -> bool:
-        """Nothing could run: if paused beams hold the blocks a waiting sequence
+        """Nothing could run: if paused sequences hold the blocks a waiting sequence
         needs (their group waits on that sequence), preempt the newest of them."""
         if not any(not s.paused for s in self.waiting):
             return False
@@ -216,56 +215,21 @@ class Scheduler:
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Make sure `seq` has blocks for `num_new` more tokens, preempting from the back."""
-        need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
-        while need > self.pool.num_free:
+        while not self.kv.can_grow(seq, num_new):
             victim = next(s for s in reversed(self.running) if not s.in_flight)  # `seq` itself at the latest
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
-        if need > 0:
-            seq.block_table.extend(self.pool.allocate(need))
+        self.kv.grow(seq, num_new)
         return True
 
-    def _admit(self, seq: Sequence, budget: int, cost: float, copies: list[tuple[int, int]]) -> int | None:
-        """Give a waiting sequence its blocks for this step; None if they do not fit.
-
-        With the prefix cache, a fresh sequence starts from the longest cached
-        prefix of its tokens: full blocks shared by reference, a partial one copied.
-        A sequence that still wants prompt logprobs takes no hit (vLLM's rule): cached
-        tokens have no hidden states to give logprobs, so it computes the whole prompt
-        (its blocks still go into the cache).
-        """
-        pool = self.pool
-        match = None
-        if self.cache is not None and not seq.block_table and not seq.wants_prompt_logprobs:
-            match = self.cache.match(_key_tokens(seq))
-            pool.incref(match.blocks)
-            if match.copy_block is not None:
-                pool.incref([match.copy_block])  # pinned: the allocation below must not evict it
-            seq.block_table = list(match.blocks)
-            seq.num_computed_tokens = match.num_tokens
-        num_new = self._chunk(seq, budget, cost)
-        need = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
-        fits = need <= pool.num_free
-        if fits:
-            seq.block_table.extend(pool.allocate(need))
-        if match is not None:
-            if match.copy_block is not None:
-                if fits:
-                    copies.append((match.copy_block, seq.block_table[len(match.blocks)]))
-                    self.cache.stats.copies += 1
-                pool.free([match.copy_block])
-            if not fits:  # undo: the shared blocks go back to the cache
-                pool.free(seq.block_table)
-                seq.block_table, seq.num_computed_tokens = [], 0
-                return None
-            seq.cache_nodes = list(match.nodes)
-            if seq.num_preemptions == 0:
-                seq.cache_hit_kind = match.kind
-                seq.num_cached_tokens = min(match.num_tokens, seq.prompt_len)
-                self.cache.record(seq.prompt_len, seq.num_cached_tokens)
-        return num_new if fits else None
+    def _admit(self, seq: Sequence, budget: int, cost: float) -> int | None:
+        """A waiting sequence's tokens this step, its blocks given (None: they do not fit). With the prefix
+        cache, a fresh sequence starts from the longest cached prefix of its tokens."""
+        admission = self.kv.match(seq)
+        num_new = self._chunk(seq, budget, cost, start=max(admission.num_tokens, seq.num_computed_tokens))
+        return num_new if self.kv.admit(seq, admission, num_new) else None
 
     # ------------------------------------------------------------ n > 1
     @staticmethod
@@ -282,102 +246,40 @@ class Scheduler:
         # The last prompt token is recomputed: its logits give this choice's first token.
         return seq.prompt_len - 1
 
-    def _fork(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> int | None:
-        """Share the parent's prompt KV: full blocks by reference, the partial one by copy.
-
-            parent blocks: [ full | full | partial ]   (prompt positions 0 .. P-2 shared)
-            child blocks:  [ same | same | copy    ]   (writes P-1 onwards itself)
-        """
-        parent = seq.fork_parent
-        assert parent is not None
+    def _fork(self, seq: Sequence, budget: int) -> int | None:
+        """Share the parent's prompt KV but for its last token, whose logits give this choice's first token."""
         shared = self._shared_prefix_len(seq)
         num_new = min(seq.prompt_len - shared, budget)
-        bs = self.pool.block_size
-        num_full, partial = divmod(shared, bs)
-        need = self.pool.blocks_for_tokens(shared + num_new) - num_full
-        if need > self.pool.num_free:
+        if not self.kv.fork(seq, seq.fork_parent, shared, num_new):
             return None
-        full = parent.block_table[:num_full]
-        self.pool.incref(full)
-        fresh = self.pool.allocate(need)
-        if partial:
-            copies.append((parent.block_table[num_full], fresh[0]))
-        seq.block_table = full + fresh
-        seq.cache_nodes = parent.cache_nodes[:num_full]
-        seq.num_computed_tokens = shared
         seq.num_cached_tokens = shared
         seq.fork_parent = None
         return num_new
 
-    # ------------------------------------------------------------ beam search
-    def fork_beam(self, parent: Sequence, token_id: int) -> Sequence:
-        """A new beam: `parent`'s tokens plus `token_id`, sharing the parent's KV.
-
-        Full blocks are shared by reference and a partial last block is copied
-        (the copy runs before the next forward). Without a free block for the
-        copy, or when the parent holds no KV (preempted), the beam starts over
-        in the waiting queue and is recomputed.
-        """
-        child = Sequence(
-            request_id=parent.request_id,
-            prompt_token_ids=parent.prompt_token_ids,
-            params=parent.params,
-            priority=parent.priority,
-            arrival=parent.arrival,
-            token_ids=parent.token_ids + [token_id],
-            seed=parent.seed,
-            num_prompt_logprobs=parent.num_prompt_logprobs,
-        )
-        if parent.grammar is not None:
-            child.grammar = parent.grammar.fork()
-            child.grammar.accept(token_id)
+    # ------------------------------------------------------------ continuations
+    def add_fork(self, child: Sequence, parent: Sequence) -> None:
+        """Add `child`, a continuation of `parent`'s tokens (a beam), sharing the KV the parent computed.
+        It runs at once; without a free block for the copy of a partial last block, or when the parent
+        holds no KV (preempted), it waits and is recomputed."""
         self._by_id[child.seq_id] = child
         computed = parent.num_computed_tokens if parent.block_table else 0
-        num_full, partial = divmod(computed, self.pool.block_size)
-        if computed and self.pool.can_allocate(1 if partial else 0):
-            full = parent.block_table[:num_full]
-            self.pool.incref(full)
-            child.block_table = list(full)
-            if partial:
-                (fresh,) = self.pool.allocate(1)
-                self._pending_copies.append((parent.block_table[num_full], fresh))
-                child.block_table.append(fresh)
-            child.num_computed_tokens = computed
-            child.cache_nodes = parent.cache_nodes[:num_full]
+        if computed and self.kv.fork(child, parent, computed, 0):
             child.status = SequenceStatus.RUNNING
             bisect.insort(self.running, child, key=Sequence.sort_key)
         else:
             child.status = SequenceStatus.WAITING
             bisect.insort(self.waiting, child, key=Sequence.sort_key)
-        return child
 
     # ------------------------------------------------------------ preemption
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free the blocks, keep the known tokens."""
         _take(self.running, seq)
-        self._release(seq)
+        self.kv.release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
-
-    def _release(self, seq: Sequence) -> None:
-        """Drop the sequence's block references; with the prefix cache, its
-        computed content stays findable (the last partial block included)."""
-        if not seq.block_table:
-            return
-        if self.cache is not None:
-            self._cache_full_blocks(seq)
-            bs = self.pool.block_size
-            num_full, partial = divmod(seq.num_computed_tokens, bs)
-            if partial:
-                parent = seq.cache_nodes[num_full - 1] if num_full else None
-                key = tuple(_key_tokens(seq)[num_full * bs : seq.num_computed_tokens])
-                self.cache.insert_partial(parent, key, seq.block_table[num_full])
-        self.pool.free(seq.block_table)
-        seq.block_table = []
-        seq.cache_nodes = []
 
     # ------------------------------------------------------------ plan / update
     @staticmethod
@@ -416,43 +318,13 @@ class Scheduler:
             seq.num_computed_tokens += num_new
             if seq.wants_prompt_logprobs:  # the plan asked for every prompt position computed so far
                 seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, min(seq.num_computed_tokens, seq.prompt_len - 1))
-            if self.cache is not None:
-                self._cache_full_blocks(seq)
+            self.kv.commit(seq)
         for s in sampled:
             seq = self._by_id.get(s.seq_id)
             if seq is None:
                 continue
-            if s.error is None and not seq.params.use_beam_search:  # beams grow by the engine's selection
+            if s.error is None:
                 seq.token_ids.append(s.token_id)
-
-    def _cache_full_blocks(self, seq: Sequence) -> None:
-        """Index every computed full block of `seq` not indexed yet."""
-        bs = self.pool.block_size
-        num_full = seq.num_computed_tokens // bs
-        if len(seq.cache_nodes) >= num_full:
-            return
-        keys = _key_tokens(seq)
-        for i in range(len(seq.cache_nodes), num_full):
-            parent = seq.cache_nodes[-1] if seq.cache_nodes else None
-            node = self.cache.insert_full(parent, tuple(keys[i * bs : (i + 1) * bs]), seq.block_table[i])
-            if node.block_id != seq.block_table[i]:
-                # The content was cached already (the same prompt admitted in the same step, or
-                # a prompt-logprobs request that took no hit): hold the cached block instead of
-                # the copy. A sequence then holds every node on its path, so an unreferenced
-                # cached block never has a referenced child and eviction always finds a leaf.
-                self.pool.incref([node.block_id])
-                self.pool.free([seq.block_table[i]])
-                seq.block_table[i] = node.block_id
-            seq.cache_nodes.append(node)
-
-
-def _key_tokens(seq: Sequence) -> list:
-    """The cache key of a sequence's tokens: token ids, with (token, content hash)
-    at positions that carry extra content (an image placeholder), so equal tokens
-    with different images never match."""
-    if not seq.extra_keys:
-        return seq.token_ids
-    return [(t, seq.extra_keys[i]) if i in seq.extra_keys else t for i, t in enumerate(seq.token_ids)]
 
 
 def _take(queue: list[Sequence], seq: Sequence) -> None:

@@ -43,8 +43,8 @@ class Sequence:
     # For n > 1: siblings wait for the first sequence of their request to compute
     # the prompt, then share its blocks (see Scheduler._fork).
     fork_parent: Sequence | None = None
-    # Beam search: a beam that has sampled waits, unscheduled, until its group's
-    # beams are all sampled and the engine picks the next beams.
+    # Held by its group (a beam that has sampled, engine/beam.py): its next token is the
+    # group's choice, so it is never scheduled again; it keeps its KV for what continues it.
     paused: bool = False
     in_flight: bool = False  # in a pipeline micro-batch that has not come back: not scheduled, not preempted
     num_preemptions: int = 0

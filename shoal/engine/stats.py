@@ -36,6 +36,20 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class EngineFacts:
+    """What the engine serves, fixed when it is built: the model, its format and where it runs."""
+
+    model: str = ""  # as configured (a path or a name)
+    path: str | None = None  # the checkpoint file or folder that was loaded
+    architecture: str = ""
+    dtype: str = ""
+    device: str = ""
+    weight_format: str = "none"  # the projections' format as built (quant.WeightFormat)
+    # the checkpoint's own sampling defaults (generation_config.json, GGUF metadata), for the layers above
+    generation_defaults: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
 class StepStats:
     batch_size: int  # sequences in the step
     prefill_tokens: int  # prompt tokens computed (chunks)
@@ -50,6 +64,7 @@ class StepStats:
 @dataclass(frozen=True)
 class EngineSnapshot:
     time: float
+    facts: EngineFacts = field(default_factory=EngineFacts)
     counters: EngineStats = field(default_factory=EngineStats)  # a copy, never the engine's own
     computed_prompt_tokens: int = 0
     running: int = 0
@@ -85,6 +100,7 @@ class EngineSnapshot:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["counters"] = dataclasses.asdict(self.counters)
+        d["facts"] = {**vars(self.facts), "generation_defaults": dict(self.facts.generation_defaults)}
         for k in ("finished_by_reason", "prefix_cache", "prompt_throughput", "generation_throughput"):
             d[k] = dict(d[k]) if d[k] is not None else None
         d["last_step"] = dataclasses.asdict(self.last_step) if self.last_step else None
@@ -98,7 +114,7 @@ class StatsMonitor:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.snapshot = EngineSnapshot(time=engine.clock(), kv_blocks=engine.pool.num_blocks, kv_free_blocks=engine.pool.num_free,
+        self.snapshot = EngineSnapshot(time=engine.clock(), facts=engine.facts, kv_blocks=engine.pool.num_blocks, kv_free_blocks=engine.pool.num_free,
                                        kv_block_bytes=engine.runner.bytes_per_block)
         self._last_step: StepStats | None = None
         self._computed_prompt_tokens = 0
@@ -139,6 +155,7 @@ class StatsMonitor:
                                            "cached_bytes": pc.cached_bytes, "pool_bytes": pc.pool_bytes})
         self.snapshot = EngineSnapshot(
             time=now,
+            facts=e.facts,
             counters=dataclasses.replace(s),
             computed_prompt_tokens=self._computed_prompt_tokens,
             running=e.num_running,

@@ -579,7 +579,7 @@ class DistributedExecutor:
 
 def start_rank0(config: EngineConfig):
     """Start (or meet) the other ranks, build rank 0's shard: (DistributedExecutor, ModelPart)."""
-    from shoal.engine.builder import build_part
+    from shoal.runner.build import build_part
 
     par = config.parallel
     workers: list[subprocess.Popen] = []

@@ -20,7 +20,7 @@ log = logging.getLogger("shoal.worker")
 
 
 def serve_forwards(group: RankGroup) -> None:
-    from shoal.engine.builder import build_part
+    from shoal.runner.build import build_part
 
     config = group.broadcast()
     try:

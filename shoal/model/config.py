@@ -41,7 +41,7 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def sharded(self, shard) -> ModelConfig:
-        """The shape one tensor-parallel rank computes (shard: engine.shard_plan.TensorShard)."""
+        """The shape one tensor-parallel rank computes (shard: runner.shard_plan.TensorShard)."""
         return replace(self, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads, intermediate_size=shard.intermediate_size)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

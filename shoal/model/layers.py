@@ -30,7 +30,7 @@ STACKED_PARAMS = (
     ("gate_up_proj", "up_proj", 1),
 )
 
-# Tensor parallelism (engine/shard_plan.py): checkpoint projection -> which of its shard's ranges holds its output rows.
+# Tensor parallelism (runner/shard_plan.py): checkpoint projection -> which of its shard's ranges holds its output rows.
 # Every split is by output rows; the attention output and down projections read their whole input, gathered.
 SHARDED_PARAMS = (
     ("q_proj", "heads"),
@@ -47,7 +47,7 @@ SHARDED_PARAMS = (
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """One tensor-parallel rank's view of the split: every rank's TensorShard (engine/shard_plan.py), which is
+    """One tensor-parallel rank's view of the split: every rank's TensorShard (runner/shard_plan.py), which is
     this one, and `gather(part, widths)`, which sets every rank's [T, widths[r]] part side by side, in rank
     order, on every rank (the executor's collective).
 
@@ -59,7 +59,7 @@ class TensorParallel:
     process's at the next near tie; README, Scale-out.)
     """
 
-    shards: tuple  # engine.shard_plan.TensorShard, one per rank
+    shards: tuple  # runner.shard_plan.TensorShard, one per rank
     rank: int
     gather: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
 

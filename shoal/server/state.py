@@ -2,7 +2,7 @@
 
 Handlers read the engine only through its public surface: `validate`,
 `num_running`/`num_waiting`, `stats`, `pool`, `tokenizer`, `max_model_len`,
-`checkpoint_info`; requests go through the `AsyncEngine`.
+`facts` (what is served); requests go through the `AsyncEngine`.
 
 --max-waiting counts a request from the moment it is admitted: `admit` counts
 it in `admitted` until `release_admission` (streams.merged, as it hands the
@@ -101,14 +101,14 @@ class ServerState:
     # ------------------------------------------------------------ life cycle
     async def load(self, config: EngineConfig, on_error: Callable[[BaseException], None] | None = None) -> None:
         """Build the engine on the thread that will step it (see AsyncEngine), so /health answers meanwhile."""
+        from shoal.engine import builder
         from shoal.engine.async_engine import AsyncEngine
-        from shoal.engine.engine import Engine
 
         if self.settings.served_model_name is None:
             self.model_name = config.model
         t0 = time.perf_counter()
         try:
-            aengine = AsyncEngine(lambda: Engine.from_config(config))
+            aengine = AsyncEngine(lambda: builder.build_engine(config))
             self.attach(await asyncio.wrap_future(aengine.ready), aengine)
         except Exception as e:  # anything: the server must say so, not die silently
             self.status = "failed"
@@ -124,19 +124,19 @@ class ServerState:
         from shoal.engine.async_engine import AsyncEngine
 
         self.engine = engine
-        info = getattr(engine, "checkpoint_info", None)
+        facts = engine.facts
         model_arg = engine.config.model
         if self.settings.served_model_name is None:
             self.model_name = model_arg
         names = {self.model_name, model_arg}
-        path = getattr(info, "path", None)
+        path = facts.path
         if path is not None:
             path = Path(path)
             names |= {str(path), path.name, path.stem}
             if path.is_file():  # a .gguf: its folder names it too
                 names.add(str(path.parent))
         self.model_aliases = frozenset(names)
-        self.generation_defaults = dict(getattr(info, "generation_defaults", None) or {})
+        self.generation_defaults = dict(facts.generation_defaults)
         self.renderer = ChatRenderer(engine.tokenizer, self.settings.chat_template)
         self.token_strings = TokenStrings(engine.tokenizer)
         self.aengine = aengine if aengine is not None else AsyncEngine(engine)
@@ -154,9 +154,8 @@ class ServerState:
         e = self.engine
         if e is None:
             return (_version(), self.model_name, "", "", "")
-        runner = e.runner
-        return (_version(), self.model_name, str(getattr(runner, "dtype", "")).removeprefix("torch."),
-                str(e.weight_format), str(getattr(runner, "device", "")))
+        f = e.facts
+        return (_version(), self.model_name, f.dtype, f.weight_format, f.device)
 
     # ------------------------------------------------------------ checks for handlers
     def require_engine(self) -> None:

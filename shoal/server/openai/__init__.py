@@ -51,9 +51,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def models(request: Request) -> JSONResponse:
     state = request.app.state.shoal
     state.require_engine()
-    info = getattr(state.engine, "checkpoint_info", None)
     # The file or folder's name only: an absolute path tells any client the server's layout.
-    root = Path(str(getattr(info, "path", None) or state.engine.config.model)).name
+    root = Path(state.engine.facts.path or state.engine.config.model).name
     return JSONResponse({
         "object": "list",
         "data": [

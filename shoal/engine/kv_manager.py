@@ -1,0 +1,203 @@
+"""KVCacheManager: the one owner of KV blocks. No torch.
+
+It holds the block pool and the prefix cache, and it is the only thing that
+changes a sequence's block table. The scheduler decides order and budgets; for
+blocks it asks the manager, and gets answers it does not look inside:
+
+    match(seq)                 what the prefix cache holds of a fresh sequence's tokens (takes no references)
+    admit(seq, match, n)       pin the match and allocate for n more tokens; on a shortfall undo it all: False
+    can_grow(seq, n), grow     room for n more tokens of a running sequence
+    fork(child, parent, k, n)  the child shares the parent's first k computed tokens, and gets room for n more
+    commit(seq)                index the sequence's computed full blocks in the prefix cache
+    release(seq)               drop its references; with the cache, what it computed stays findable
+    take_copies()              block copies promised to admitted and forked sequences, for the next plan
+
+A sequence's blocks after a hit or a fork, by position:
+
+    | shared full blocks (by reference) | copied partial block | fresh blocks for the new tokens |
+    0                                   num_full * block_size  k                         k + n
+
+The copy is copy-on-write done eagerly: a partial block is never shared, so no
+one writes into a block someone else reads. Copies run in the runner before the
+plan's forward (`StepPlan.block_copies`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.engine.block_pool import KVBlockPool
+from shoal.engine.prefix_cache import PrefixCache, PrefixMatch
+from shoal.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a fresh sequence starts from: `num_tokens` of its tokens already have KV somewhere."""
+
+    match: PrefixMatch | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.match.num_tokens if self.match is not None else 0
+
+
+NO_MATCH = Admission()
+
+
+class KVCacheManager:
+    def __init__(self, pool: KVBlockPool, cache: PrefixCache | None = None) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.block_size = pool.block_size
+        self._copies: list[tuple[int, int]] = []  # (source, destination) promised, not yet in a plan
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    # ------------------------------------------------------------ admission
+    def match(self, seq: Sequence) -> Admission:
+        """The longest cached prefix of a fresh sequence's tokens. A sequence that still wants prompt
+        logprobs takes no hit (vLLM's rule): cached tokens have no hidden states to give them, so it
+        computes the whole prompt (its blocks still go into the cache)."""
+        if self.cache is None or seq.block_table or seq.wants_prompt_logprobs:
+            return NO_MATCH
+        return Admission(self.cache.match(_key_tokens(seq)))
+
+    def admit(self, seq: Sequence, admission: Admission, num_new: int) -> bool:
+        """Give a waiting sequence its matched blocks and room for `num_new` tokens after them.
+        False, with nothing taken, when the pool is short."""
+        pool, m = self.pool, admission.match
+        if m is not None:
+            pool.incref(m.blocks)
+            if m.copy_block is not None:
+                pool.incref([m.copy_block])  # pinned: the allocation below must not evict it
+            seq.block_table = list(m.blocks)
+            seq.num_computed_tokens = m.num_tokens
+        need = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
+        fits = need <= pool.num_free
+        if fits:
+            seq.block_table.extend(pool.allocate(need))
+        if m is None:
+            return fits
+        if m.copy_block is not None:
+            if fits:
+                self._copies.append((m.copy_block, seq.block_table[len(m.blocks)]))
+                self.cache.stats.copies += 1
+            pool.free([m.copy_block])
+        if not fits:  # undo: the shared blocks go back to the cache
+            pool.free(seq.block_table)
+            seq.block_table, seq.num_computed_tokens = [], 0
+            return False
+        seq.cache_nodes = list(m.nodes)
+        if seq.num_preemptions == 0:
+            seq.cache_hit_kind = m.kind
+            seq.num_cached_tokens = min(m.num_tokens, seq.prompt_len)
+            self.cache.record(seq.prompt_len, seq.num_cached_tokens)
+        return True
+
+    # ------------------------------------------------------------ growth
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        return self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
+
+    def can_grow(self, seq: Sequence, num_new: int) -> bool:
+        return self._blocks_needed(seq, num_new) <= self.pool.num_free
+
+    def grow(self, seq: Sequence, num_new: int) -> None:
+        """Room for `num_new` more tokens (check can_grow first)."""
+        need = self._blocks_needed(seq, num_new)
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+
+    def fork(self, child: Sequence, parent: Sequence, shared: int, num_new: int) -> bool:
+        """The child starts from the parent's first `shared` computed tokens: full blocks by reference,
+        a partial one by copy, then fresh blocks for `num_new` tokens. False, with nothing taken, when
+        the pool is short.
+
+            parent blocks: [ full | full | partial ]
+            child blocks:  [ same | same | copy    | fresh ... ]
+        """
+        num_full, partial = divmod(shared, self.block_size)
+        need = self.pool.blocks_for_tokens(shared + num_new) - num_full
+        if need > self.pool.num_free:
+            return False
+        full = parent.block_table[:num_full]
+        self.pool.incref(full)
+        fresh = self.pool.allocate(need)
+        if partial:
+            self._copies.append((parent.block_table[num_full], fresh[0]))
+        child.block_table = full + fresh
+        child.cache_nodes = parent.cache_nodes[:num_full]
+        child.num_computed_tokens = shared
+        return True
+
+    def take_copies(self) -> tuple[tuple[int, int], ...]:
+        """The block copies promised so far, in promise order; the plan that carries them runs them first."""
+        copies, self._copies = tuple(self._copies), []
+        return copies
+
+    # ------------------------------------------------------------ the prefix cache
+    def expire(self) -> None:
+        """Drop cached blocks idle past the cache's TTL."""
+        if self.cache is not None and self.cache.ttl is not None:
+            self.cache.expire()
+
+    def commit(self, seq: Sequence) -> None:
+        """Index every computed full block of `seq` not indexed yet."""
+        if self.cache is None:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        if len(seq.cache_nodes) >= num_full:
+            return
+        keys = _key_tokens(seq)
+        for i in range(len(seq.cache_nodes), num_full):
+            parent = seq.cache_nodes[-1] if seq.cache_nodes else None
+            node = self.cache.insert_full(parent, tuple(keys[i * bs : (i + 1) * bs]), seq.block_table[i])
+            if node.block_id != seq.block_table[i]:
+                # The content was cached already (the same prompt admitted in the same step, or
+                # a prompt-logprobs request that took no hit): hold the cached block instead of
+                # the copy. A sequence then holds every node on its path, so an unreferenced
+                # cached block never has a referenced child and eviction always finds a leaf.
+                self.pool.incref([node.block_id])
+                self.pool.free([seq.block_table[i]])
+                seq.block_table[i] = node.block_id
+            seq.cache_nodes.append(node)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's block references; with the prefix cache, its computed content stays
+        findable (the last partial block included)."""
+        if not seq.block_table:
+            return
+        if self.cache is not None:
+            self.commit(seq)
+            bs = self.block_size
+            num_full, partial = divmod(seq.num_computed_tokens, bs)
+            if partial:
+                parent = seq.cache_nodes[num_full - 1] if num_full else None
+                key = tuple(_key_tokens(seq)[num_full * bs : seq.num_computed_tokens])
+                self.cache.insert_partial(parent, key, seq.block_table[num_full])
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.cache_nodes = []
+
+    def clear_cache(self) -> int:
+        """Forget all cached prefixes; returns blocks dropped."""
+        return self.cache.clear() if self.cache is not None else 0
+
+    def check_integrity(self, block_tables) -> None:
+        """Raise AssertionError unless the pool's counts equal the references in `block_tables`
+        (every sequence that holds blocks) and the cache agrees with the pool."""
+        self.pool.check_integrity(block_tables)
+        if self.cache is not None:
+            self.cache.check_integrity()
+
+
+def _key_tokens(seq: Sequence) -> list:
+    """The cache key of a sequence's tokens: token ids, with (token, content hash)
+    at positions that carry extra content (an image placeholder), so equal tokens
+    with different images never match."""
+    if not seq.extra_keys:
+        return seq.token_ids
+    return [(t, seq.extra_keys[i]) if i in seq.extra_keys else t for i, t in enumerate(seq.token_ids)]
