@@ -120,47 +120,49 @@ SERVER_OPTS = [
     Opt("--keep-billing-header", False, None, "Anthropic API: keep x-anthropic-billing-header system blocks "
         "(dropped by default: they change every request and defeat the prefix cache)", kind="flag"),
     Opt("--ignore-eos", False, None, "server default: keep generating past EOS", kind="flag"),
-    Opt("--stop", [], str, "server default stop string (repeatable)", kind="list"),
     Opt("--log-requests", True, None, "one log line per request (default: on)", kind="bool"),
 ]
 
-# Server-level sampling defaults: unset unless given, so the model's apply.
-SERVER_SAMPLING_OPTS = [
-    Opt("--max-tokens", None, int, "default max_tokens"),
-    Opt("--temperature", None, float, "default temperature"),
-    Opt("--top-p", None, float, "default top_p"),
-    Opt("--top-k", None, int, "default top_k"),
-    Opt("--min-p", None, float, "default min_p"),
-    Opt("--repetition-penalty", None, float, "default repetition_penalty"),
-    Opt("--presence-penalty", None, float, "default presence_penalty"),
-    Opt("--frequency-penalty", None, float, "default frequency_penalty"),
+@dataclass(frozen=True)
+class SamplingFlag:
+    """A sampling option, declared once for every command that takes it (sampling_opts)."""
+
+    flag: str
+    type: Any
+    help: str
+    local: Any  # the in-process commands' default
+    server: bool = True  # also a server-wide default (`serve`)
+    kind: str = "value"
+
+
+SAMPLING_FLAGS = [
+    SamplingFlag("--max-tokens", int, "most tokens per answer", 256),
+    SamplingFlag("--temperature", float, "temperature", 0.7),
+    SamplingFlag("--top-p", float, "top_p", 1.0),
+    SamplingFlag("--top-k", int, "top_k", 0),
+    SamplingFlag("--min-p", float, "min_p", 0.0),
+    SamplingFlag("--repetition-penalty", float, "repetition_penalty", 1.0),
+    SamplingFlag("--presence-penalty", float, "presence_penalty", 0.0),
+    SamplingFlag("--frequency-penalty", float, "frequency_penalty", 0.0),
+    SamplingFlag("--seed", int, "seed", None, server=False),
+    SamplingFlag("--stop", str, "stop string (repeatable)", [], kind="list"),
 ]
 
-# For the in-process commands (generate, repl).
-LOCAL_SAMPLING_OPTS = [
-    Opt("--max-tokens", 256, int),
-    Opt("--temperature", 0.7, float),
-    Opt("--top-p", 1.0, float),
-    Opt("--top-k", 0, int),
-    Opt("--min-p", 0.0, float),
-    Opt("--repetition-penalty", 1.0, float),
-    Opt("--seed", None, int),
-    Opt("--stop", [], str, "stop string (repeatable)", kind="list"),
-]
 
-# For the client commands (chat, complete): sent only when given.
-CLIENT_SAMPLING_OPTS = [
-    Opt("--max-tokens", None, int, "most tokens per answer (default: the server's)"),
-    Opt("--temperature", None, float),
-    Opt("--top-p", None, float),
-    Opt("--top-k", None, int),
-    Opt("--min-p", None, float),
-    Opt("--repetition-penalty", None, float),
-    Opt("--presence-penalty", None, float),
-    Opt("--frequency-penalty", None, float),
-    Opt("--seed", None, int),
-    Opt("--stop", None, str, "stop string (repeatable)", kind="list"),
-]
+def sampling_opts(role: str) -> list[Opt]:
+    """The sampling flags as one command takes them. server (`serve`): server-wide defaults, unset unless given, so
+    that the model's own apply; client (`chat`, `complete`): sent only when given, so the server's apply; local
+    (`generate`, `repl`, in-process): with their own defaults."""
+    if role == "server":
+        return [Opt(f.flag, [] if f.kind == "list" else None, f.type, f"server default {f.help}", kind=f.kind) for f in SAMPLING_FLAGS if f.server]
+    if role == "client":
+        return [Opt(f.flag, None, f.type, f"{f.help} (default: the server's)", kind=f.kind) for f in SAMPLING_FLAGS]
+    return [Opt(f.flag, f.local, f.type, f.help, kind=f.kind) for f in SAMPLING_FLAGS]
+
+
+SERVER_SAMPLING_OPTS = sampling_opts("server")
+LOCAL_SAMPLING_OPTS = sampling_opts("local")
+CLIENT_SAMPLING_OPTS = sampling_opts("client")
 
 
 # For `shoal bench` (a load generator for any OpenAI-compatible server).
@@ -236,16 +238,9 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
 
 
 def sampling_params(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=a.max_tokens,
-        temperature=a.temperature,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty,
-        seed=a.seed,
-        stop=tuple(a.stop),
-    )
+    """The in-process commands' sampling (LOCAL_SAMPLING_OPTS)."""
+    v = {o.key: getattr(a, o.key) for o in LOCAL_SAMPLING_OPTS}
+    return SamplingParams(**{**v, "stop": tuple(v["stop"])})
 
 
 SERVE_OPTS = ENGINE_OPTS + PARALLEL_OPTS + SERVER_OPTS + SERVER_SAMPLING_OPTS
@@ -313,8 +308,8 @@ def server_settings(v: dict):
         log_format=v["log_format"],
         log_requests=bool(v["log_requests"]),
         ignore_eos=bool(v["ignore_eos"]) if v["ignore_eos"] else None,
+        **{o.key: v[o.key] for o in SERVER_SAMPLING_OPTS if o.key != "stop"},
         stop=tuple(v["stop"]) if v["stop"] else None,
-        **{o.key: v[o.key] for o in SERVER_SAMPLING_OPTS},
     )
 
 

@@ -252,7 +252,7 @@ def test_auto_serves_the_files_own_4_bit_codes_where_the_low_bit_layers_run(tmp_
         for dtype, quantization, want in cases:
             llm = LLM(str(tmp_path / "q4.gguf"), dtype=dtype, quantization=quantization, num_blocks=16, block_size=4, max_model_len=64)
             model = llm.engine.runner.model
-            assert llm.engine.weight_format == want, (dtype, quantization, native)
+            assert llm.engine.facts.weight_format == want, (dtype, quantization, native)
             lowbit = [m for m in model.modules() if isinstance(m, Int4Linear)]
             assert len(lowbit) == (4 * model.config.num_layers if want == "int4" else 0)
             assert all(m.native == native and m.from_codes for m in lowbit)
@@ -274,7 +274,7 @@ def test_a_tied_q8_0_table_is_read_from_the_int8_head_bit_for_bit_and_the_float_
     llm = LLM(str(tmp_path / "q.gguf"), **kw)
     model = llm.engine.runner.model
     embed = model.model.embed_tokens
-    assert isinstance(embed, quant.Int8Embedding) and llm.engine.weight_format == "int4"
+    assert isinstance(embed, quant.Int8Embedding) and llm.engine.facts.weight_format == "int4"
     ids = torch.arange(model.config.vocab_size)
     assert torch.equal(embed(ids), table) and torch.equal(embed(ids.flip(0)[:7]), table.flip(0)[:7])
     assert not any(p.shape == table.shape for p in [*model.parameters(), *model.buffers()])

@@ -21,23 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
+from shoal import __version__
 from shoal.config import EngineConfig
-from shoal.server.errors import APIError, bad_request, install_error_handlers
+from shoal.server.errors import APIError, install_error_handlers
 from shoal.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from shoal.server.middleware import LOOPBACK_ORIGIN_REGEX, AccessMiddleware, is_loopback_host
 from shoal.server.anthropic import router as anthropic_router
 from shoal.server.openai import router as openai_router
-from shoal.server.openai.chat import render_chat, tool_use
-from shoal.server.chat.render import check_prompt_chars
-from shoal.server.openai.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    HealthResponse,
-    StatsResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-    error_responses,
-)
+from shoal.server.openai.protocol import HealthResponse, StatsResponse, error_responses
 from shoal.server.settings import ServerSettings
 from shoal.server.state import RETRY_LOADING_S, ServerState
 
@@ -73,7 +64,7 @@ def create_app(
                 loading.cancel()
             state.shutdown()
 
-    app = FastAPI(title="shoal", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="shoal", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.shoal = state
     install_error_handlers(app)
     app.include_router(openai_router)
@@ -107,12 +98,6 @@ DASHBOARD_ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard
 @lru_cache(maxsize=None)
 def _asset(name: str) -> bytes:
     return importlib.resources.files("shoal.server.dashboard").joinpath(name).read_bytes()
-
-
-def _version() -> str:
-    from shoal import __version__
-
-    return __version__
 
 
 def _drop_default_422(app: FastAPI) -> None:
@@ -179,32 +164,3 @@ def _add_service_routes(app: FastAPI) -> None:
                                     **error_responses(401, 403, 500)})
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.shoal.metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 403, 404, 413, 500, 503)})
-    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-        state: ServerState = request.app.state.shoal
-        state.require_engine()
-        state.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
-            tools = tool_use(body.tools, None, None)  # checked like chat's; rendered the same way
-            shown = [dict(t) for t in tools.tools] if tools is not None else None
-            text, ids = await asyncio.to_thread(render_chat, state, body.messages, body.chat_template_kwargs, shown, body.add_generation_prompt)
-        else:
-            text = body.prompt
-            check_prompt_chars(state, len(text), "prompt")
-            add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = list(await asyncio.to_thread(state.engine.tokenizer.encode, text, add_special_tokens=add))
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len, "prompt": text})
-
-    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **error_responses(400, 401, 403, 404, 413, 500, 503)})
-    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
-        state: ServerState = request.app.state.shoal
-        state.require_engine()
-        state.check_model(body.model)
-        vocab = state.engine.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": state.engine.tokenizer.decode(body.tokens)})

@@ -22,10 +22,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal import __version__
 from shoal.config import EngineConfig
+from shoal.server.chat.render import TokenStrings
 from shoal.server.chat.template import ChatRenderer
 from shoal.server.errors import APIError, unavailable
-from shoal.server.chat.render import TokenStrings
 from shoal.server.metrics import ServerMetrics
 from shoal.server.settings import ServerSettings
 
@@ -149,13 +150,11 @@ class ServerState:
 
     def build_info(self) -> tuple[str, str, str, str, str]:
         """(version, model, dtype, quantization, device) of what is served."""
-        from shoal.server.app import _version
-
         e = self.engine
         if e is None:
-            return (_version(), self.model_name, "", "", "")
+            return (__version__, self.model_name, "", "", "")
         f = e.facts
-        return (_version(), self.model_name, f.dtype, f.weight_format, f.device)
+        return (__version__, self.model_name, f.dtype, f.weight_format, f.device)
 
     # ------------------------------------------------------------ checks for handlers
     def require_engine(self) -> None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import aclosing, asynccontextmanager
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from shoal.engine.async_engine import EngineUnavailable, RequestFailed
 from shoal.server.errors import APIError, new_request_id, server_failure, unavailable
@@ -113,8 +114,10 @@ def engine_error(exc: BaseException, request_id: str | None = None) -> APIError:
     alone failed, and the message already says why in words fit for the client.
     EngineUnavailable: a rank was lost (503, try again later). Anything else
     (EngineDeadError included) may hold internal text: the client gets a request
-    id, the log the details.
+    id, the log the details. An APIError is already the client's error.
     """
+    if isinstance(exc, APIError):
+        return exc
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     if isinstance(exc, EngineUnavailable):
@@ -124,6 +127,36 @@ def engine_error(exc: BaseException, request_id: str | None = None) -> APIError:
     request_id = request_id or new_request_id()
     log.error("request %s failed in the engine", request_id, exc_info=exc)
     return server_failure(request_id, code="engine_failure")
+
+
+# What a request that lost its client answers (nobody reads it; nginx's code for it).
+CLIENT_CLOSED = 499
+
+
+async def answer(handler: Awaitable[Response]) -> Response:
+    """The handler's response, or 499 when its client went away first: every route that runs requests answers through this."""
+    try:
+        return await handler
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+
+
+@asynccontextmanager
+async def tracked(state, request_id: str, requests: Sequence[GenerationRequest]):
+    """A RequestTracker for a non-streamed answer, finished with the outcome of the block: ok, disconnected
+    (re-raised), or error, re-raised as the error the client gets (engine_error)."""
+    tracker = RequestTracker(state, request_id, requests)
+    outcome = "error"
+    try:
+        yield tracker
+        outcome = "ok"
+    except ClientDisconnected:
+        outcome = "disconnected"
+        raise
+    except Exception as e:
+        raise engine_error(e, request_id) from None
+    finally:
+        tracker.finish(outcome)
 
 
 class RequestTracker:

@@ -8,12 +8,11 @@ from fastapi.responses import JSONResponse, Response
 from shoal.server.anthropic.messages import count_tokens, create_message, error_body
 from shoal.server.anthropic.protocol import CountTokensRequest, CountTokensResponse, ErrorResponse, MessageResponse, MessagesRequest
 from shoal.server.errors import register_error_format
-from shoal.server.streams import ClientDisconnected
+from shoal.server.streams import answer
 
 router = APIRouter()
 register_error_format("/v1/messages", error_body)
 
-CLIENT_CLOSED = 499
 _ERRORS = {s: {"model": ErrorResponse, "description": d} for s, d in (
     (400, "The request is invalid (invalid_request_error); the message names the field"),
     (401, "A missing or wrong API key (authentication_error)"),
@@ -31,10 +30,7 @@ _EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": 
 
 @router.post("/v1/messages", responses={200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": _EVENT}}}, **_ERRORS})
 async def messages(body: MessagesRequest, request: Request) -> Response:
-    try:
-        return await create_message(body, request, request.app.state.shoal)
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED)
+    return await answer(create_message(body, request, request.app.state.shoal))
 
 
 @router.post("/v1/messages/count_tokens", responses={200: {"model": CountTokensResponse}, **_ERRORS})

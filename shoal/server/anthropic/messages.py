@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -28,14 +27,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from shoal.server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from shoal.server.chat.params import check_prompt, compile_constraint, constraint, fit_max_tokens, resolve_params
+from shoal.server.chat.params import constraint, engine_requests, resolve_params
 from shoal.server.chat.pipeline import DeltaPipeline
 from shoal.server.chat.reasoning import END, START
 from shoal.server.chat.render import ToolUse, render_messages
 from shoal.server.chat.tools import ToolCall
 from shoal.server.errors import APIError, bad_request
 from shoal.server.sse import dumps
-from shoal.server.streams import ClientDisconnected, RequestTracker, engine_error, merged, run_to_end
+from shoal.server.streams import RequestTracker, engine_error, merged, run_to_end, tracked
 from shoal.types import FinishReason, GenerationRequest, RequestOutput, ThinkingBudget
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -245,11 +244,8 @@ async def create_message(body: MessagesRequest, http: Request, state) -> JSONRes
     budget = thinking_budget(state, body)
     if budget is not None:
         params = replace(params, thinking_budget=budget)
-    await compile_constraint(state, structured, param)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    req = GenerationRequest(rid, tuple(ids), params, prompt=text, arrival_time=time.monotonic())
-    check_prompt(state, req, "messages")
-    req, _ = fit_max_tokens(state, req)
+    (req,), _ = await engine_requests(state, rid, [(text, ids)], params, structured, param)
     job = _Message(state, rid, body, req, tools.parser_name(state) if tools is not None else None)
     if body.stream:
         return StreamingResponse(job.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -295,15 +291,11 @@ class _Message:
         return {"id": self.rid, "type": "message", "role": "assistant", "model": self.state.model_name}
 
     async def complete(self, http: Request) -> JSONResponse:
-        tracker = RequestTracker(self.state, self.rid, [self.req])
-        try:
+        async with tracked(self.state, self.rid, [self.req]) as tracker:
             (out,) = await run_to_end(self.state.aengine, [self.req], http, tracker)
-        except ClientDisconnected:
-            tracker.finish("disconnected")
-            raise
-        except Exception as e:
-            tracker.finish("error")
-            raise engine_error(e, self.rid) from None
+            return JSONResponse(self._body(out))
+
+    def _body(self, out: RequestOutput) -> dict:
         whole = DeltaPipeline(self.reasoning, self.tool_parser).feed(out.outputs[0].text, final=True)
         content: list[dict] = []
         if whole.reasoning:
@@ -312,9 +304,7 @@ class _Message:
             content.append({"type": "text", "text": whole.text})
         content.extend(_tool_use_block(call) for call in whole.calls)
         stop_reason, stop_sequence = self._stop(out, bool(whole.calls))
-        tracker.finish("ok")
-        return JSONResponse({**self._shell(), "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                             "usage": self._usage(out)})
+        return {**self._shell(), "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage(out)}
 
     async def stream(self) -> AsyncIterator[bytes]:
         tracker = RequestTracker(self.state, self.rid, [self.req])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import fields, replace
 from typing import Annotated
 
@@ -150,6 +151,29 @@ async def compile_constraint(state, spec: StructuredOutput | None, param: str | 
         await asyncio.to_thread(state.engine.grammars.compile, spec)
     except GrammarError as e:
         raise bad_request(f"{param} cannot be used for structured output: {e}", param) from None
+
+
+# ---------------------------------------------------------------- the engine's requests
+
+
+async def engine_requests(state, rid: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+                          structured: StructuredOutput | None, structured_param: str | None, *, priority: int = 0,
+                          prompt_param: str = "messages") -> tuple[list[GenerationRequest], list[int | None]]:
+    """Every protocol's last steps, once its prompts are rendered and its parameters resolved: compile the
+    constraint, then per prompt the engine's request (ids `rid`, or `rid-i` for several), checked as the engine
+    will check it, with max_tokens clipped to the room the context leaves. Returns the requests and the
+    clipped max_tokens (None: unchanged). Any problem is a 400 that names its field."""
+    await compile_constraint(state, structured, structured_param)
+    arrival = time.monotonic()
+    reqs, clipped = [], []
+    for i, (text, ids) in enumerate(prompts):
+        req = GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids), params, priority=priority, prompt=text,
+                                arrival_time=arrival)
+        check_prompt(state, req, prompt_param)
+        req, clip = fit_max_tokens(state, req)
+        reqs.append(req)
+        clipped.append(clip)
+    return reqs, clipped
 
 
 # ---------------------------------------------------------------- the engine's checks

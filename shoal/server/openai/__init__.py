@@ -1,4 +1,4 @@
-"""The OpenAI-compatible adapter: /v1/chat/completions, /v1/completions, /v1/models."""
+"""The OpenAI-compatible adapter: /v1/chat/completions, /v1/completions, /v1/models, and vLLM's /tokenize, /detokenize."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from shoal.server.openai.protocol import (
     ModelList,
     error_responses,
 )
-from shoal.server.streams import ClientDisconnected
+from shoal.server.openai.tokenize import router as tokenize_router
+from shoal.server.streams import answer
 
 router = APIRouter()
+router.include_router(tokenize_router)
 
-# What a request that lost its client answers (nobody reads it; nginx's code for it).
-CLIENT_CLOSED = 499
 _GENERATION_ERRORS = error_responses(400, 401, 403, 404, 413, 500, 503)
 
 
@@ -33,18 +33,12 @@ def _generated(model) -> dict:
 
 @router.post("/v1/chat/completions", responses=_generated(ChatCompletionResponse))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    try:
-        return await create_chat_completion(body, request, request.app.state.shoal)
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED)
+    return await answer(create_chat_completion(body, request, request.app.state.shoal))
 
 
 @router.post("/v1/completions", responses=_generated(CompletionResponse))
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    try:
-        return await create_completion(body, request, request.app.state.shoal)
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED)
+    return await answer(create_completion(body, request, request.app.state.shoal))
 
 
 @router.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 403, 500, 503)})

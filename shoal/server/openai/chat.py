@@ -7,7 +7,6 @@ stall the event loop (and /health with it).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -15,8 +14,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from shoal.server.errors import APIError, bad_request
-from shoal.server.chat.params import check_prompt, compile_constraint, fit_max_tokens, resolve_params
+from shoal.server.errors import bad_request
+from shoal.server.chat.params import engine_requests, resolve_params
 from shoal.server.openai.common import (
     chat_logprobs,
     check_sequences,
@@ -34,8 +33,8 @@ from shoal.server.chat.pipeline import DeltaPipeline
 from shoal.server.chat.render import ToolUse, render_messages
 from shoal.server.chat.tools import ToolCall
 from shoal.server.sse import DONE, DeltaEncoder, encode_event
-from shoal.server.streams import ClientDisconnected, RequestTracker, engine_error, merged, run_to_end
-from shoal.types import GenerationRequest
+from shoal.server.streams import RequestTracker, engine_error, merged, run_to_end, tracked
+from shoal.types import GenerationRequest, RequestOutput
 
 _IMAGE_PARTS = {"image_url", "image", "input_image"}
 _AUDIO_PARTS = {"input_audio", "audio"}
@@ -148,11 +147,8 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
         extra_stop=state.renderer.default_stop,
         structured=structured,
     )
-    await compile_constraint(state, structured, structured_param)
     rid = new_id("chatcmpl")
-    req = GenerationRequest(rid, tuple(ids), params, priority=body.priority or 0, prompt=text, arrival_time=time.monotonic())
-    check_prompt(state, req, "messages")
-    req, clipped = fit_max_tokens(state, req)
+    (req,), (clipped,) = await engine_requests(state, rid, [(text, ids)], params, structured, structured_param, priority=body.priority or 0)
     chat = _Chat(state, rid, body, req, tools.parser_name(state) if tools is not None else None)
     headers = clipped_headers([clipped])
     if body.stream:
@@ -167,7 +163,6 @@ class _Chat:
         self.rid = rid
         self.body = body
         self.req = req
-        self.tracker: RequestTracker | None = None  # made when the work starts (a stream may never start)
         self.created = now()
         self.parser = state.settings.reasoning_parser
         self.text_of = state.token_strings if req.params.logprobs is not None else None
@@ -184,18 +179,11 @@ class _Chat:
 
     # ------------------------------------------------------------ non-streaming
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
-        self.tracker = RequestTracker(self.state, self.rid, [self.req])
-        try:
-            (out,) = await run_to_end(self.state.aengine, [self.req], http, self.tracker)
-        except ClientDisconnected:
-            self.tracker.finish("disconnected")
-            raise
-        except APIError:
-            self.tracker.finish("error")
-            raise
-        except Exception as e:
-            self.tracker.finish("error")
-            raise engine_error(e, self.rid) from None
+        async with tracked(self.state, self.rid, [self.req]) as tracker:
+            (out,) = await run_to_end(self.state.aengine, [self.req], http, tracker)
+            return JSONResponse(self._body(out), headers=headers)
+
+    def _body(self, out: RequestOutput) -> dict:
         choices = []
         for c in out.outputs:
             whole = DeltaPipeline(self.parser, self.tool_parser).feed(c.text, final=True)
@@ -216,7 +204,6 @@ class _Chat:
                     "stop_reason": c.stop_reason,
                 }
             )
-        self.tracker.finish("ok")
         body = {
             "id": self.rid,
             "object": "chat.completion",
@@ -227,11 +214,11 @@ class _Chat:
         }
         if self.body.prompt_logprobs is not None:
             body["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, self.state.token_strings)
-        return JSONResponse(body, headers=headers)
+        return body
 
     # ------------------------------------------------------------ streaming
     async def stream(self) -> AsyncIterator[bytes]:
-        self.tracker = RequestTracker(self.state, self.rid, [self.req])
+        tracker = RequestTracker(self.state, self.rid, [self.req])
         n = self.req.params.n
         fast = DeltaEncoder(
             lambda key, text: self._chunk([{"index": key[0], "delta": {key[1]: text}, "logprobs": None, "finish_reason": None}])
@@ -247,7 +234,7 @@ class _Chat:
                 yield encode_event(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
             async with aclosing(merged(self.state.aengine, [self.req])) as outputs:
                 async for _, out in outputs:
-                    self.tracker.observe(0, out)
+                    tracker.observe(0, out)
                     last = out
                     for c in out.outputs:
                         i = c.index
@@ -284,4 +271,4 @@ class _Chat:
             yield encode_event(err.body())
             yield DONE
         finally:
-            self.tracker.finish(outcome)
+            tracker.finish(outcome)

@@ -15,16 +15,15 @@ nothing generated. vLLM's `prompt_logprobs: k` adds each choice's
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from shoal.server.errors import APIError, bad_request
+from shoal.server.errors import bad_request
 from shoal.server.chat.render import check_prompt_chars
-from shoal.server.chat.params import check_prompt, compile_constraint, fit_max_tokens, resolve_params
+from shoal.server.chat.params import engine_requests, resolve_params
 from shoal.server.openai.common import (
     check_sequences,
     check_unsupported,
@@ -39,7 +38,7 @@ from shoal.server.openai.common import (
 )
 from shoal.server.openai.protocol import CompletionRequest
 from shoal.server.sse import DONE, DeltaEncoder, encode_event
-from shoal.server.streams import ClientDisconnected, RequestTracker, engine_error, merged, run_to_end
+from shoal.server.streams import RequestTracker, engine_error, merged, run_to_end, tracked
 from shoal.types import FinishReason, GenerationRequest, RequestOutput, TokenLogprobs
 
 # OpenAI's default for /v1/completions when max_tokens is not given.
@@ -111,18 +110,9 @@ async def create_completion(body: CompletionRequest, http: Request, state) -> JS
         prompt_logprobs=prompt_k,
         structured=structured,
     )
-    await compile_constraint(state, structured, structured_param)
     rid = new_id("cmpl")
-    arrival = time.monotonic()
-    reqs, clipped = [], []
-    for i, (text, ids) in enumerate(prompts):
-        req = GenerationRequest(
-            rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids), params, priority=body.priority or 0, prompt=text, arrival_time=arrival
-        )
-        check_prompt(state, req, "prompt")
-        req, clip = fit_max_tokens(state, req)
-        reqs.append(req)
-        clipped.append(clip)
+    reqs, clipped = await engine_requests(state, rid, prompts, params, structured, structured_param, priority=body.priority or 0,
+                                          prompt_param="prompt")
     tokenizer = state.engine.tokenizer
     echo = [(text if text is not None else tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
     job = _Completion(state, rid, body, reqs, echo, echo_only)
@@ -142,7 +132,6 @@ class _Completion:
         self.reqs = reqs
         self.echo = echo
         self.echo_only = echo_only  # max_tokens 0: whatever the engine samples is dropped
-        self.tracker: RequestTracker | None = None  # made when the work starts (a stream may never start)
         self.n = reqs[0].params.n
         self.created = now()
         self.text_of = state.token_strings if body.logprobs is not None else None
@@ -158,23 +147,12 @@ class _Completion:
         }
 
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
-        self.tracker = RequestTracker(self.state, self.rid, self.reqs)
-        try:
-            finals = await run_to_end(self.state.aengine, self.reqs, http, self.tracker)
-        except ClientDisconnected:
-            self.tracker.finish("disconnected")
-            raise
-        except APIError:
-            self.tracker.finish("error")
-            raise
-        except Exception as e:
-            self.tracker.finish("error")
-            raise engine_error(e, self.rid) from None
-        choices = [self._choice(p, out, c) for p, out in enumerate(finals) for c in out.outputs]
-        if self.echo_only:
-            finals = [_without_output(out) for out in finals]
-        self.tracker.finish("ok")
-        return JSONResponse(self._chunk(choices, usage=usage(finals)), headers=headers)
+        async with tracked(self.state, self.rid, self.reqs) as tracker:
+            finals = await run_to_end(self.state.aengine, self.reqs, http, tracker)
+            choices = [self._choice(p, out, c) for p, out in enumerate(finals) for c in out.outputs]
+            if self.echo_only:
+                finals = [_without_output(out) for out in finals]
+            return JSONResponse(self._chunk(choices, usage=usage(finals)), headers=headers)
 
     def _choice(self, p: int, out: RequestOutput, c) -> dict:
         """One finished choice: echo and generated text, logprobs (the prompt's first when echoed)."""
@@ -217,7 +195,7 @@ class _Completion:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
     async def stream(self) -> AsyncIterator[bytes]:
-        self.tracker = RequestTracker(self.state, self.rid, self.reqs)
+        tracker = RequestTracker(self.state, self.rid, self.reqs)
         fast = DeltaEncoder(lambda index, text: self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}]))
         total = len(self.reqs) * self.n
         sent_logprobs = [0] * total
@@ -232,7 +210,7 @@ class _Completion:
                         yield fast.encode(index, self.echo[index // self.n])
             async with aclosing(merged(self.state.aengine, self.reqs)) as outputs:
                 async for p, out in outputs:
-                    self.tracker.observe(p, out)
+                    tracker.observe(p, out)
                     finals[p] = out
                     for c in out.outputs:
                         index = p * self.n + c.index
@@ -260,7 +238,7 @@ class _Completion:
             yield encode_event(engine_error(e, self.rid).body())
             yield DONE
         finally:
-            self.tracker.finish(outcome)
+            tracker.finish(outcome)
 
 
 def _without_output(out: RequestOutput) -> RequestOutput:

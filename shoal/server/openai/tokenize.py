@@ -1,0 +1,47 @@
+"""vLLM's /tokenize and /detokenize: a prompt or OpenAI chat messages to token ids, rendered as a chat
+completion renders them (`render_chat`, through the shared renderer in server/chat/render.py), and back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from shoal.server.chat.render import check_prompt_chars
+from shoal.server.errors import bad_request
+from shoal.server.openai.chat import render_chat, tool_use
+from shoal.server.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, error_responses
+
+router = APIRouter()
+
+
+@router.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 403, 404, 413, 500, 503)})
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    state = request.app.state.shoal
+    state.require_engine()
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        tools = tool_use(body.tools, None, None)  # checked like chat's; rendered the same way
+        shown = [dict(t) for t in tools.tools] if tools is not None else None
+        text, ids = await asyncio.to_thread(render_chat, state, body.messages, body.chat_template_kwargs, shown, body.add_generation_prompt)
+    else:
+        text = body.prompt
+        check_prompt_chars(state, len(text), "prompt")
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = list(await asyncio.to_thread(state.engine.tokenizer.encode, text, add_special_tokens=add))
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len, "prompt": text})
+
+
+@router.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **error_responses(400, 401, 403, 404, 413, 500, 503)})
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    state = request.app.state.shoal
+    state.require_engine()
+    state.check_model(body.model)
+    vocab = state.engine.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+    return JSONResponse({"prompt": state.engine.tokenizer.decode(body.tokens)})
