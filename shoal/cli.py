@@ -382,7 +382,7 @@ def _torchrun_parallel() -> dict:
 
 def _run_worker_rank(rank: int | None, v: dict) -> int:
     """Run one tensor-parallel rank other than 0 in this process until rank 0 stops it (rank None: torchrun's)."""
-    from shoal.executor.distributed import RankGroup
+    from shoal.executor.group import RankGroup
     from shoal.executor.worker import run_rank
 
     par = engine_config(v).parallel
@@ -396,7 +396,7 @@ def _run_worker_rank(rank: int | None, v: dict) -> int:
 
 def cmd_worker(a: argparse.Namespace) -> int:
     """`shoal worker`: this machine's tensor-parallel ranks, for a `shoal serve --nnodes N` elsewhere."""
-    from shoal.executor.distributed import spawn_worker
+    from shoal.executor.launch import spawn_worker
 
     v = {**_defaults(ENGINE_OPTS), **vars(a)}
     _setup_logging(v.get("log_level", "info"), v["log_format"])

@@ -36,7 +36,20 @@ def llm():
     return LLM("smollm2", dtype="float32", quantization="none", max_model_len=1024, check_integrity=True)
 
 
+_REFERENCES: dict = {}
+
+
 def _hf_greedy(hf, ids, eos):
+    """transformers' greedy continuation and top-5 at each step. Every reference in this module is the default model
+    (hf_default_model, or a copy cast to a dtype), so it is computed once per (dtype, prompt) and shared: the float32
+    and bfloat16 references serve the float tests and the int4 ones alike."""
+    key = (next(hf.parameters()).dtype, tuple(ids), tuple(eos))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _generate(hf, ids, eos)
+    return _REFERENCES[key]
+
+
+def _generate(hf, ids, eos):
     out = hf.generate(
         torch.tensor([ids]), max_new_tokens=N, do_sample=False, output_scores=True, return_dict_in_generate=True,
         eos_token_id=list(eos), pad_token_id=0,

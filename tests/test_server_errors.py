@@ -177,3 +177,25 @@ def test_an_engine_failure_while_streaming_ends_the_stream_with_an_error_event(h
     assert events[-1] == "data: [DONE]"
     assert '"error"' in events[-2] and "request id" in events[-2] and "simulated" not in events[-2]
     assert chat(h).status_code == 200
+
+
+@pytest.mark.parametrize("path, body, error_type", [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}, "service_unavailable_error"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "service_unavailable_error"),
+    ("/v1/messages", {"messages": CHAT, "max_tokens": 2}, "overloaded_error"),
+])
+def test_a_client_error_raised_while_a_request_runs_reaches_the_client_as_it_is(h, srv, monkeypatch, path, body, error_type):
+    """Every protocol's answer goes through one handler: an APIError out of the engine side (here a 503 while the
+    request runs) is the client's error as it stands, in the protocol's format, never turned into a 500."""
+    from shoal.server.errors import unavailable
+
+    async def refusing(request):
+        raise unavailable("the cluster is restarting", 7, "cluster_unavailable")
+        yield  # an async generator, as AsyncEngine.generate is
+
+    monkeypatch.setattr(srv.app.state.shoal.aengine, "generate", refusing)
+    r = h.post(path, json={"model": srv.app.state.shoal.model_name, **body})
+    assert r.status_code == 503 and r.headers["retry-after"] == "7", r.text
+    err = r.json()["error"]
+    assert err["type"] == error_type and "the cluster is restarting" in err["message"]
+    assert h.get("/stats").json()["in_flight_requests"] == 0

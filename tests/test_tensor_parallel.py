@@ -17,7 +17,7 @@ from shoal import LLM, SamplingParams
 from shoal.config import ParallelConfig
 from shoal.runner.shard_plan import TensorShard, plan_tensor_parallel, split_evenly
 from shoal.executor import shm as shm_module
-from shoal.executor.distributed import RankGroup
+from shoal.executor.group import RankGroup
 from shoal.executor.shm import SharedMemoryChannel
 from shoal.model.layers import shard_slice
 from shoal.model.loader import load_checkpoint
@@ -413,7 +413,7 @@ def test_a_second_machine_joins_with_shoal_worker_and_rejoins_after_a_restart(tm
     import subprocess
     import sys
 
-    from shoal.executor.distributed import free_port
+    from shoal.executor.launch import free_port
 
     path = make_tiny_model("mistral", tmp_path / "m")
     port = free_port("127.0.0.1")
@@ -459,7 +459,7 @@ def test_torchrun_starts_every_rank_as_shoal_serve(tmp_path):
     import httpx
     import openai
 
-    from shoal.executor.distributed import free_port
+    from shoal.executor.launch import free_port
 
     path = make_tiny_model("llama", tmp_path / "m")
     alone = LLM(str(path), dtype="float32", num_blocks=512, block_size=8).generate("Hello there", SamplingParams(temperature=0, max_tokens=6))
@@ -534,7 +534,7 @@ def test_pipeline_plans_even_explicit_and_by_free_memory():
 
 
 def test_int8_wire_rounds_each_row_to_its_own_scale():
-    from shoal.executor.distributed import decode_wire, encode_wire, wire_bytes_per_token
+    from shoal.executor.wire import decode_wire, encode_wire, wire_bytes_per_token
 
     h = torch.randn(5, 64, dtype=torch.bfloat16) * torch.tensor([[0.01], [1.0], [30.0], [1e-3], [5.0]]).to(torch.bfloat16)
     q, scale = encode_wire(h, "int8")

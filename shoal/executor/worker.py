@@ -14,7 +14,9 @@ import sys
 
 import torch
 
-from shoal.executor.distributed import HEARTBEAT, RankGroup, first_line, part_bytes, rank_info
+from shoal.executor.group import RankGroup, first_line
+from shoal.executor.heartbeat import HEARTBEAT, start_beating
+from shoal.executor.stage import PipelineStage, part_bytes, rank_info
 
 log = logging.getLogger("shoal.worker")
 
@@ -38,10 +40,7 @@ def serve_forwards(group: RankGroup) -> None:
              info["hidden"], info.get("vocab", "whole" if part.runner.model.model.embed_tokens is not None else "none"),
              part.runner.num_blocks, info["threads"])
     runner = part.runner
-    stages, wire = config.parallel.pipeline_parallel_size, config.parallel.pp_wire_dtype
-    tp = config.parallel.tensor_parallel_size
-    stage, local = config.parallel.place(group.rank)
-    last = stage == stages - 1
+    stage = PipelineStage(group, runner, config.parallel) if config.parallel.pipeline_parallel_size > 1 else None
     sending: list = []  # this stage's outputs still going out (it does not wait: the next micro-batch may be there)
     with torch.inference_mode():
         while True:
@@ -50,23 +49,12 @@ def serve_forwards(group: RankGroup) -> None:
                 break
             if batch == HEARTBEAT:  # rank 0 is idle and alive
                 continue
-            if stages == 1 or batch.empty:  # tensor parallel: every rank runs the whole batch on its shard
+            if stage is None:  # tensor parallel: every rank runs the whole batch on its shard
                 hidden = runner.forward(batch)
                 if runner.model.vocab is not None:  # and its slice of the logits, gathered on rank 0
                     runner.logits(batch, hidden)
                 continue
-            # a pipeline stage: the previous stage's hidden states in (stage 0: the embedding), this stage's layers,
-            # out to the same place in the next stage (the last stage's first rank sends back to rank 0 uncompressed,
-            # for the logits; its other ranks hold the same output)
-            hidden = None
-            if stage > 0:
-                hidden = group.recv_hidden(len(batch.token_ids), runner.config.hidden_size, group.rank - tp, wire, runner.dtype)
-            out = runner.forward(batch, hidden)
-            sending = [s for s in sending if not s.done()]
-            if not last:
-                sending += group.send_hidden(out, group.rank + tp, wire)
-            elif local == 0:
-                sending += group.send_hidden(out, 0, None)
+            sending = [s for s in sending if not s.done()] + stage.run(batch)
     for s in sending:
         s.work.wait()
     log.info("rank %d: stopped by rank 0", group.rank)
@@ -76,7 +64,7 @@ def serve_forwards(group: RankGroup) -> None:
 def run_rank(group: RankGroup, rejoin: bool) -> None:
     """Serve forwards until rank 0 says stop. `rejoin`: when the group breaks (another rank was lost, rank 0
     is restarting the ranks: --restart-workers), meet it again and reload, instead of exiting."""
-    group.start_beating()
+    start_beating(group)
     while True:
         try:
             serve_forwards(group)
