@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from shoal import LLM, SamplingParams  # first: shoal sets MKL's strict mode before torch computes anything
 from shoal.model.attention.common import SeqSpan, slot_mapping
 from shoal.model.attention.invariant import InvariantAttention
-from shoal.model.layers import INVARIANT_K, InvariantLinear, pads_single_row, wide_dtype
+from shoal.model.invariance import INVARIANT_K, InvariantLinear, pads_single_row, wide_dtype
 from shoal.model.quant import Int4Linear, Int8Linear
 from shoal.runner.model_runner import seeded_generator
 from shoal.runner.sampler import SamplerRow, SamplingBatch, sample

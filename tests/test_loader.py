@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from shoal.model.gguf_loader import unpermute_qk
 from shoal.model.loader import load_checkpoint, resolve_model_path, template_end_of_turn_id
+from shoal.model.weights import load_weights
 from tiny_models import ARCHS, make_tiny_model
 
 TEXTS = [
@@ -537,7 +538,7 @@ def test_gguf_q4_codes_are_the_stored_blocks_and_feed_int4_projections(tmp_path)
 
     weights = WeightFormat("int4", torch.bfloat16)
     model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, 64, weights.linear)
-    model.load_weights(ckpt.state_dict)
+    load_weights(model, ckpt.state_dict)
     model = model.to(torch.bfloat16)
     projections = [m for m in model.modules() if isinstance(m, Int4Linear)]
     # qkv, o and down from codes; gate_up is rounded (its up half is Q8_0)

@@ -14,6 +14,7 @@ from shoal.config import EngineConfig
 from shoal.runner.build import engine_dtype
 from shoal.model.loader import load_checkpoint, open_gguf, planned_weight_format
 from shoal.model.registry import model_class
+from shoal.model.weights import load_weights
 from shoal.runner.model_runner import KVCacheSpec, ModelRunner, forward_batch
 from shoal.types import ScheduledSeq, StepPlan
 from conftest import require_native_kernels
@@ -32,7 +33,7 @@ def tiny(request, tmp_path_factory):
 def build_runner(path, num_blocks=64, block_size=4):
     ckpt = load_checkpoint(str(path), progress=False)
     model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, 512)
-    model.load_weights(ckpt.state_dict)
+    load_weights(model, ckpt.state_dict)
     model.eval()
     return ModelRunner(model, KVCacheSpec(num_blocks, block_size, 0), ckpt.eos_token_ids, torch.device("cpu"), torch.float32)
 

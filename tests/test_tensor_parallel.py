@@ -19,7 +19,7 @@ from shoal.runner.shard_plan import TensorShard, plan_tensor_parallel, split_eve
 from shoal.executor import shm as shm_module
 from shoal.executor.group import RankGroup
 from shoal.executor.shm import SharedMemoryChannel
-from shoal.model.layers import shard_slice
+from shoal.model.weights import shard_slice
 from shoal.model.loader import load_checkpoint
 from shoal.model.quant import Int4Linear, Q4Codes
 from server_utils import LiveServer, tiny_engine_config

@@ -150,7 +150,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     are rounded later stay float32 until then. Everything else is `dtype`.
 
     select_for(config, weight_format) -> select(hf_name) -> (dim, start, length) | None | False: read only that
-    part of each tensor (a tensor-parallel rank's rows or columns, layers.shard_slice), or
+    part of each tensor (a tensor-parallel rank's rows or columns, weights.shard_slice), or
     nothing of it (False: another pipeline stage's).
     Rows are read from the file's blocks as they are; columns too where they fall on
     quantization blocks, else the tensor is read whole and the model slices it.

@@ -137,8 +137,8 @@ def load_checkpoint(
     rounds them, or a GGUF's 4-bit codes as stored (see gguf_loader.load_gguf).
 
     select_for(hf_config, weight_format) -> select(name) -> (dim, start, length) | None | False reads only that
-    part of each tensor: a tensor-parallel rank's rows or columns (layers.shard_slice), or
-    nothing of it (False: a tensor another pipeline stage holds, layers.stage_name).
+    part of each tensor: a tensor-parallel rank's rows or columns (weights.shard_slice), or
+    nothing of it (False: a tensor another pipeline stage holds, weights.stage_name).
     gguf_reader: the GGUF already parsed (open_gguf), not parsed again.
     """
     path = resolve_model_path(str(name_or_path))

@@ -13,10 +13,12 @@ import torch
 from shoal import kernels
 from shoal.config import STRICT_MKL, EngineConfig
 from shoal.model.config import ModelConfig
-from shoal.model.layers import Rotary, TensorParallel, bind_attributes, make_row_invariant, shard_slice, stage_name
+from shoal.model.invariance import make_row_invariant
+from shoal.model.layers import Rotary, TensorParallel, bind_attributes
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
+from shoal.model.weights import load_weights, shard_slice, stage_name
 from shoal.runner.host import keep_freed_memory
 from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
 from shoal.runner.shard_plan import plan_pipeline, plan_tensor_parallel
@@ -98,7 +100,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
     model.model.rotary = Rotary(model.config, max_model_len).to(device)
-    model.load_weights(ckpt.state_dict)
+    load_weights(model, ckpt.state_dict)
     model = model.to(dtype).eval()
     head = rank == 0 or model.vocab is not None  # rank 0 computes the logits, or every rank its slice of them
     weights.finish_head(model, logits=head)

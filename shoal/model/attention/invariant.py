@@ -44,7 +44,7 @@ import torch
 
 from shoal import kernels
 from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
-from shoal.model.layers import wide_dtype, wide_matmul
+from shoal.model.invariance import wide_dtype, wide_matmul
 
 # Keys per tile: the length of every p.v reduction. 128 keys x 64 dims is 16 KiB of
 # bf16 per head; shorter tiles mean more matmuls per step.
@@ -110,10 +110,10 @@ class InvariantAttention:
         self.native = device.type == "cpu" and (native is not False) and kernels.available()
         torch_cpu = device.type == "cpu" and not self.native
         # where the host's GEMMs in this dtype are not row-invariant (MKL's float32 on AMD EPYC, emulated
-        # bfloat16): products in a wider dtype, rounded once (layers.wide_dtype, a probe run once per dtype)
+        # bfloat16): products in a wider dtype, rounded once (invariance.wide_dtype, a probe run once per dtype)
         self.wide = wide_dtype(dtype) if torch_cpu else None
         # MKL's float32 and oneDNN's half-precision batched GEMMs take another path for a single
-        # row than for several (tests/test_invariance.py, layers.pads_single_row): such a matmul runs on the row twice.
+        # row than for several (tests/test_invariance.py, invariance.pads_single_row): such a matmul runs on the row twice.
         self.pad_single_row = torch_cpu and (self.wide or dtype) in (torch.float32, torch.float16, torch.bfloat16)
 
     # ------------------------------------------------------------ plan -> metadata

@@ -1,0 +1,147 @@
+"""Checkpoint tensors into a model: HF's names mapped onto the fused projections, and each rank's or pipeline
+stage's part chosen, as data (STACKED_PARAMS, SHARDED_PARAMS). The loaders call `stage_name` and `shard_slice`
+to read only what a rank holds; `load_weights` copies it in."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.model.config import ModelConfig
+
+# (fused parameter, checkpoint parameter, shard index): weight-name mapping as data.
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+# Tensor parallelism (runner/shard_plan.py): checkpoint projection -> which of its shard's ranges holds its output rows.
+# Every split is by output rows; the attention output and down projections read their whole input, gathered.
+SHARDED_PARAMS = (
+    ("q_proj", "heads"),
+    ("k_proj", "kv_heads"),
+    ("v_proj", "kv_heads"),
+    ("o_proj", "hidden"),
+    ("gate_proj", "intermediate"),
+    ("up_proj", "intermediate"),
+    ("down_proj", "hidden"),
+    ("embed_tokens", "vocab"),  # without pipeline stages (TensorShard.vocab)
+    ("lm_head", "vocab"),
+)
+
+
+@torch.no_grad()
+def load_weights(model, state_dict: dict) -> None:
+    """Copy HF-named tensors into `model` (a DecoderForCausalLM: all of it, a pipeline stage's layers or a
+    tensor-parallel rank's part), fusing the stacked projections; every parameter must be set.
+
+    A projection whose layer loads by parts (a low-bit format, see quant.PartLoader)
+    takes its weight through `load_part` (a float tensor or a GGUF's Q4 codes) and
+    packs it in `finish_loading`; everything else is copied into its parameter.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in state_dict.items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if "rotary_emb" in name:
+            continue
+        name = stage_name(name, model.layer_range, model.model.embed_tokens is not None)
+        if name is None:  # another pipeline stage's
+            continue
+        if model.shard is not None:
+            tensor = _shard_tensor(name, tensor, model.shard, model.head_dim)
+        target, shard = name, None
+        for fused, part, index in STACKED_PARAMS:
+            if f".{part}." in name:
+                target, shard = name.replace(f".{part}.", f".{fused}."), index
+                break
+        owner_name, _, leaf = target.rpartition(".")
+        owner = modules.get(owner_name)
+        if leaf == "weight" and hasattr(owner, "load_part"):
+            owner.load_part(shard or 0, tensor)
+            continue
+        if not isinstance(tensor, torch.Tensor):  # 4-bit codes for a float layer
+            tensor = tensor.dequantized()
+        if shard is not None:
+            _copy_shard(params[target], tensor, shard, model.config, target.split(".")[-2])
+            loaded.add(f"{target}#{shard}")
+            continue
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+        params[name].copy_(tensor)
+        loaded.add(name)
+    missing = [n for n in params if not _is_loaded(n, loaded)]
+    missing += [f"{n}.weight (parts {m.missing_parts()})" for n, m in modules.items() if hasattr(m, "load_part") and m.missing_parts()]
+    if missing:
+        raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    for m in modules.values():
+        if hasattr(m, "finish_loading"):
+            m.finish_loading()
+
+
+def _shard_tensor(name: str, tensor, shard, head_dim: int):
+    """This rank's rows or columns of a checkpoint tensor (SHARDED_PARAMS), unless the loader
+    already read only those (`shard_slice`); others whole."""
+    where = shard_slice(name, shard, head_dim)
+    if where is None:
+        return tensor
+    dim, start, length = where
+    if getattr(tensor, "codes", tensor).shape[dim] == length:  # a Tensor, or a GGUF's Q4Codes
+        return tensor
+    return tensor.narrow(dim, start, length)
+
+
+def stage_name(name: str, layers: tuple[int, int], first: bool) -> str | None:
+    """`name` renumbered for a pipeline stage holding decoder layers [first, end) (layer i -> i - first),
+    or None when the stage does not hold it (another stage's layer; the embedding and head off stage 0)."""
+    if name.startswith("model.layers."):
+        index, _, rest = name[len("model.layers.") :].partition(".")
+        i = int(index)
+        return f"model.layers.{i - layers[0]}.{rest}" if layers[0] <= i < layers[1] else None
+    if not first and (name.startswith("model.embed_tokens.") or name.startswith("lm_head.")):
+        return None
+    return name
+
+
+def shard_slice(name: str, shard, head_dim: int) -> tuple[int, int, int] | None:
+    """(dimension, start, length) of tensor-parallel `shard`'s part of checkpoint tensor `name`
+    (SHARDED_PARAMS: rows of weights and biases alike), or None where every rank holds it whole.
+    Loaders call it to read only that part (loader.load_checkpoint's select_for)."""
+    for part, what in SHARDED_PARAMS:
+        if f".{part}." in f".{name}" and getattr(shard, what) is not None:
+            a, b = getattr(shard, what)
+            if what in ("heads", "kv_heads"):
+                a, b = a * head_dim, b * head_dim
+            return 0, a, b - a
+    return None
+
+
+def _shard_sizes(config: ModelConfig, fused: str) -> list[int]:
+    if fused == "qkv_proj":
+        return [config.q_size, config.kv_size, config.kv_size]
+    return [config.intermediate_size, config.intermediate_size]
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int, config: ModelConfig, fused: str) -> None:
+    sizes = _shard_sizes(config, fused)
+    offset = sum(sizes[:shard])
+    dst = param.narrow(0, offset, sizes[shard])
+    if dst.shape != tensor.shape:
+        raise ValueError(f"{fused} shard {shard}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+    dst.copy_(tensor)
+
+
+def _is_loaded(name: str, loaded: set[str]) -> bool:
+    if name in loaded:
+        return True
+    for fused, _, shard in STACKED_PARAMS:
+        if f".{fused}." in name:
+            n = 3 if fused == "qkv_proj" else 2
+            return all(f"{name}#{i}" in loaded for i in range(n))
+    return False
