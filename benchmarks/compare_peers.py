@@ -24,6 +24,9 @@ Peers (see benchmarks/peers/setup.sh for how they are installed):
 AVX2 path (SHOAL_CPU_ISA=avx2, which also caps torch's kernels and makes `--dtype auto` float32, as on such
 a CPU) against `.peers/llama-server-avx2`, llama.cpp built with native tuning, AVX-512 and AVX-VNNI off.
 `--isa baseline` does the same for the x86-64 baseline (SSE2) against `.peers/llama-server-baseline`.
+
+`--against-rev REV` adds shoal as it was at git revision REV (a worktree in .peers/rev-REV, same venv, same
+kernels where their sources are the same) as a peer: a change's before and after, taking turns in one run.
 Results go to compare_peers-ISA.{md,json}; without --isa, to compare_peers-KIND (publish.cpu_kind).
 
 Every peer decodes greedily (temperature 0). The random scenarios ask for exact
@@ -162,6 +165,19 @@ class Shoal(Peer):
     def command(self, port, gguf):
         cmd = [sys.executable, "-m", "shoal.cli", "serve", "--model", str(gguf), "--port", str(port), "--no-log-requests"]
         return cmd + list(self.flags)
+
+
+class ShoalAt(Shoal):
+    """shoal at another git revision, from a worktree of it (PYTHONPATH first, so its `shoal` package is imported)."""
+
+    def __init__(self, rev: str) -> None:
+        commit = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        self.source = PEERS_DIR / f"rev-{commit}"
+        if not self.source.exists():
+            subprocess.run(["git", "worktree", "add", "--detach", str(self.source), commit], cwd=ROOT, check=True, capture_output=True)
+        super().__init__(f"shoal@{commit}")
+        self.label = f"shoal at {commit} (before)"
+        self.env = {**self.env, "PYTHONPATH": str(self.source)}
 
 
 class TransformersServe(Peer):
@@ -505,7 +521,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="servers take turns this many times; each result is the round with the median headline metric")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
+    ap.add_argument("--against-rev", default=None, metavar="REV", help="also run shoal as it was at this git revision")
     a = ap.parse_args(argv)
+    if a.against_rev:
+        peers.append(ShoalAt(a.against_rev))
+        if a.peers is not None:
+            a.peers.append(peers[-1].name)
 
     from shoal.model.loader import resolve_model_path
 

@@ -120,13 +120,15 @@ class AccessMiddleware:
             scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
             scope["headers"].append((b"content-type", b"application/json"))
         started = False
+        with self.state.serving() as admission:
 
-        async def send_tracked(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+            async def send_tracked(message) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    admission.release()  # the answer is complete: nothing of it waits any more
+                await send(message)
 
-        with self.state.serving():
             try:
                 await self.app(scope, receive, send_tracked)
             except Exception as exc:
@@ -134,7 +136,7 @@ class AccessMiddleware:
                     raise
                 request_id = new_request_id()
                 log.error("request %s (%s %s) failed", request_id, scope["method"], scope["path"], exc_info=exc)
-                await _send_error(send, server_failure(request_id), scope["path"])
+                await _send_error(send_tracked, server_failure(request_id), scope["path"])
 
     def _refusal(self, scope, headers: dict[bytes, bytes]) -> APIError | None:
         """Why the request is refused before it runs (Host, Origin, API key), or None."""

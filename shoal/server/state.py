@@ -193,12 +193,14 @@ class ServerState:
         return self.settings.request_byte_limit(self.engine.max_model_len if self.engine is not None else None)
 
     @contextmanager
-    def serving(self) -> Iterator[None]:
-        """Around one HTTP request: what it was admitted for and did not hand to the engine is released at the end."""
+    def serving(self) -> Iterator[_Admission]:
+        """Around one HTTP request: what it was admitted for and did not hand to the engine is released at the end,
+        at the latest (the middleware releases it before the response's last byte goes out: a client that has its
+        answer never sees its request still counted)."""
         admission = _Admission(self)
         token = _ADMISSION.set(admission)
         try:
-            yield
+            yield admission
         finally:
             _ADMISSION.reset(token)
             admission.release()

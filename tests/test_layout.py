@@ -1,0 +1,92 @@
+"""The package's shape: imports point one way. A circle means two modules each need the other to be understood
+(and one of them is half-initialized while the other loads)."""
+
+import ast
+from pathlib import Path
+
+import shoal
+
+PACKAGE = Path(shoal.__file__).parent
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every shoal module -> the shoal modules it imports, at any depth (a lazy import inside a function counts).
+    `from pkg import name` counts `pkg.name` where that is a module, else `pkg`; a package's own __init__, which
+    Python runs before any of its modules, is not counted as a dependency of them."""
+    modules = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = f
+    graph = {m: set() for m in modules}
+    for m, f in modules.items():
+        pkg = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                subs = [f"{base}.{a.name}" for a in node.names]
+                names = [x for x in subs if x in modules] + ([base] if any(x not in modules for x in subs) else [])
+            else:
+                continue
+            for n in names:
+                while n and n not in modules:
+                    n = n.rpartition(".")[0]
+                if n and n != m and not m.startswith(n + "."):
+                    graph[m].add(n)
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_finder_sees_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_in_the_package():
+    graph = _imports()
+    assert "shoal.engine.engine" in graph and "shoal.engine.scheduler" in graph["shoal.engine.engine"]  # it reads the code
+    assert _circles(graph) == []
+
+
+def test_dependencies_run_one_way_from_engine_to_executor_to_runner():
+    graph = _imports()
+    runner = {m for m in graph if m.startswith("shoal.runner")}
+    executor = {m for m in graph if m.startswith("shoal.executor")}
+    assert not any(d.startswith(("shoal.engine", "shoal.executor", "shoal.server")) for m in runner for d in graph[m])
+    assert not any(d.startswith(("shoal.engine", "shoal.server")) for m in executor for d in graph[m] if m != "shoal.executor.worker")
