@@ -239,13 +239,31 @@ def test_two_ranks_are_batch_invariant_in_bfloat16_with_int4_weights(tmp_path):
 # ---------------------------------------------------------------- the default GGUF, served
 
 
-def test_default_gguf_over_two_ranks_keeps_its_codes_and_tracks_transformers(default_gguf_path, hf_default_model):
-    """Two ranks on the default model in its default configuration: rank 0's projections are the file's own
-    4-bit codes, split by output rows, and greedy answers follow transformers in the same dtype (the top-5 rule)."""
-    from test_real_model import PROMPTS as REAL_PROMPTS
-    from test_real_model import _assert_greedy_matches
+@pytest.fixture(scope="module")
+def default_one(default_gguf_path):
+    """The default model in its default configuration, in one process: shared by the tests that only read it."""
+    with LLM(str(default_gguf_path), max_model_len=1024) as llm:
+        yield llm
 
+
+@pytest.fixture(scope="class")
+def tp2(default_gguf_path):
+    """The default model over two tensor-parallel ranks, for one class's tests."""
     with LLM(str(default_gguf_path), max_model_len=1024, tensor_parallel_size=2) as llm:
+        yield llm
+
+
+class TestTheDefaultModelOverTwoRanks:
+    """The tests that only read a two-rank engine of the default model share one. Its rank 0 holds this process's
+    process group, so no other distributed engine may start while it lives: the class's scope ends it."""
+
+    def test_it_keeps_the_file_codes_and_tracks_transformers(self, tp2, hf_default_model):
+        """Two ranks on the default model in its default configuration: rank 0's projections are the file's own
+        4-bit codes, split by output rows, and greedy answers follow transformers in the same dtype (the top-5 rule)."""
+        from test_real_model import PROMPTS as REAL_PROMPTS
+        from test_real_model import _assert_greedy_matches
+
+        llm = tp2
         assert llm.engine.facts.weight_format == "int4"
         model = llm.engine.runner.model
         layer = model.model.layers[0]
@@ -258,43 +276,54 @@ def test_default_gguf_over_two_ranks_keeps_its_codes_and_tracks_transformers(def
         ref = copy.deepcopy(hf_default_model).to(model.model.norm.weight.dtype)
         _assert_greedy_matches(llm, ref, REAL_PROMPTS[:4], min_exact=1)
         capital = llm.chat([{"role": "user", "content": "What is the capital of Germany?"}], SamplingParams(temperature=0, max_tokens=16))
-    assert "Berlin" in capital[0].outputs[0].text
+        assert "Berlin" in capital[0].outputs[0].text
+
+    def test_it_answers_as_one_process(self, tp2, default_one):
+        """The issue's check: the default model at TP=2 gives one process's greedy tokens and logprobs, bit for bit,
+        in the default configuration too, where a projection's input is rounded to int8 per block of 32, so that a
+        sum of two ranks' partial sums would tip roundings and part the answers at the next near tie (it did, in 11
+        of 12 prompts, before the split by output rows). (Prefix-cache hits from the other tests change no bits.)"""
+        assert _greedy_answers(tp2, 8, 32) == _greedy_answers(default_one, 8, 32)
+
+    def test_each_rank_holds_half_the_model(self, tp2, default_one):
+        """Weights per rank on the default model in its default configuration: two tensor-parallel ranks hold half
+        the model each (half the vocabulary's int8 table each, which serves as both embedding and head; no float
+        copy of it for the invariant paths)."""
+        tp = _rank_weights(tp2)
+        whole = _weights(default_one)
+        assert all(0.4 * whole < b < 0.6 * whole for b in tp) and sum(tp) < 1.05 * whole  # the vocabulary split too
 
 
-@pytest.mark.parametrize("config, prompts, tokens", [
-    ({}, 8, 32),  # the default: int4 codes, int8-rounded activations, the dtype auto picks
-    ({"dtype": "float32", "quantization": "none"}, 4, 24),
-], ids=["default", "float32-weights"])
-def test_default_gguf_over_two_ranks_answers_as_one_process(default_gguf_path, config, prompts, tokens):
-    """The issue's check: the default model at TP=2 gives one process's greedy tokens and logprobs, bit for bit,
-    in the default configuration too, where a projection's input is rounded to int8 per block of 32, so that a
-    sum of two ranks' partial sums would tip roundings and part the answers at the next near tie (it did, in 11
-    of 12 prompts, before the split by output rows)."""
+def _greedy_answers(llm, prompts: int, tokens: int) -> list[tuple]:
     from test_real_model import PROMPTS as REAL_PROMPTS
 
+    ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in REAL_PROMPTS[:prompts]]
+    return _tokens(llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=tokens, logprobs=2)))
+
+
+def _rank_weights(llm) -> list[int]:
+    return [r.get("weights_bytes") for r in llm.engine.executor.cluster()["ranks"]]
+
+
+def _weights(llm) -> int:
+    model = llm.engine.runner.model
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def test_the_default_model_with_float32_weights_over_two_ranks_answers_as_one_process(default_gguf_path):
+    """As above, with the GGUF dequantized to float32 weights."""
     def answers(**kw) -> list[tuple]:
-        with LLM(str(default_gguf_path), max_model_len=512, **config, **kw) as llm:
-            ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in REAL_PROMPTS[:prompts]]
-            outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=tokens, logprobs=2))
-            return _tokens(outs)
+        with LLM(str(default_gguf_path), max_model_len=512, dtype="float32", quantization="none", **kw) as llm:
+            return _greedy_answers(llm, 4, 24)
 
     assert answers(tensor_parallel_size=2) == answers()
 
 
-def test_ranks_hold_their_part_of_the_default_model_and_no_more(default_gguf_path):
-    """Weights per rank on the default model in its default configuration: two tensor-parallel ranks hold half
-    the model each (half the vocabulary's int8 table each, which serves as both embedding and head; no float
-    copy of it for the invariant paths), and two pipeline stages about half each."""
-
-    def weights(**kw) -> list[int]:
-        with LLM(str(default_gguf_path), max_model_len=256, kv_cache_memory=64 * 2**20, **kw) as llm:
-            return [r.get("weights_bytes") for r in llm.engine.executor.cluster()["ranks"]]
-
-    with LLM(str(default_gguf_path), max_model_len=256, kv_cache_memory=64 * 2**20) as one:
-        model = one.engine.runner.model
-        whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    tp, pp = weights(tensor_parallel_size=2), weights(pipeline_parallel_size=2)
-    assert all(0.4 * whole < b < 0.6 * whole for b in tp) and sum(tp) < 1.05 * whole  # the vocabulary split too
+def test_two_pipeline_stages_hold_half_the_default_model_each(default_gguf_path, default_one):
+    """Two pipeline stages of the default model in its default configuration hold about half its weights each."""
+    whole = _weights(default_one)
+    with LLM(str(default_gguf_path), max_model_len=256, kv_cache_memory=64 * 2**20, pipeline_parallel_size=2) as llm:
+        pp = _rank_weights(llm)
     assert all(0.4 * whole < b < 0.6 * whole for b in pp) and sum(pp) < 1.05 * whole
 
 
