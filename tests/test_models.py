@@ -120,6 +120,7 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch, tiny_llama_path):
     from shoal.runner.model_runner import resolve_dtype
 
+    monkeypatch.delenv("SHOAL_CPU_ISA", raising=False)  # the CPU is the mocked one, whatever path the suite is forced onto
     cpu = torch.device("cpu")
     for avx512_bf16, amx, expected in [(True, False, torch.bfloat16), (False, True, torch.bfloat16), (False, False, torch.float32)]:
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
@@ -143,6 +144,7 @@ def test_auto_dtype_is_float32_for_low_bit_codes_on_the_native_kernels(monkeypat
     rounding derailed the default model on a CPU with native bf16 (tests/test_server_real_model.py's question was
     answered in French). So `--dtype auto` is float32 there, and bfloat16 stays for float weights, where it pays."""
     require_native_kernels()
+    monkeypatch.delenv("SHOAL_CPU_ISA", raising=False)  # the CPU is the mocked one, whatever path the suite is forced onto
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     cpu = torch.device("cpu")
     gguf, reader = str(default_gguf_path), open_gguf(default_gguf_path)
