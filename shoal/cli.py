@@ -693,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_logging(level: str, fmt: str = "text") -> None:
     """Log lines at `level`, as text or JSON; worker processes this one starts read the same from the environment."""
-    from shoal.server.logs import configure_logging
+    from shoal.logs import configure_logging
 
     os.environ["SHOAL_LOG_LEVEL"], os.environ["SHOAL_LOG_FORMAT"] = level, fmt
     configure_logging(level, fmt)

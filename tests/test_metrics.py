@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server_utils import LiveServer, tiny_engine
 from shoal.server import ServerSettings
-from shoal.server.logs import JsonFormatter
+from shoal.logs import JsonFormatter
 from shoal.types import GenerationRequest, SamplingParams
 
 

@@ -80,7 +80,7 @@ def run_rank(group: RankGroup, rejoin: bool) -> None:
 def setup_logging(rank: int) -> None:
     """A started rank logs as the process that started it did (`shoal serve` or `shoal worker` set
     SHOAL_LOG_LEVEL and SHOAL_LOG_FORMAT), with its rank on every line."""
-    from shoal.server.logs import configure_logging
+    from shoal.logs import configure_logging
 
     configure_logging(os.environ.get("SHOAL_LOG_LEVEL", "info"), os.environ.get("SHOAL_LOG_FORMAT", "text"), f"rank {rank} ",
                       {"rank": rank})
