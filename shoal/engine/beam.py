@@ -32,15 +32,19 @@ class Hypothesis:
 
 
 class BeamSearch(RequestState):
+    def __init__(self, request, metrics, ctx) -> None:
+        super().__init__(request, metrics, ctx)
+        self.live: list[Sequence] = []
+        self.scores: dict[int, float] = {}  # seq_id -> cumulative logprob
+        self.candidates: dict[int, list[tuple[int, float]]] = {}  # seq_id -> (token, logprob), once it has sampled
+        self.hyps: list[Hypothesis] = []
+        self._done = False
+
     def start(self, grammar) -> None:
         request, p = self.request, self.request.params
         seq = Sequence(request.request_id, list(request.prompt_token_ids), p, priority=request.priority, seed=p.seed)
         seq.grammar = self.ctx.constraint(p, grammar)
-        self.live: list[Sequence] = [seq]
-        self.scores: dict[int, float] = {seq.seq_id: 0.0}  # seq_id -> cumulative logprob
-        self.candidates: dict[int, list[tuple[int, float]]] = {}
-        self.hyps: list[Hypothesis] = []
-        self._done = False
+        self.live, self.scores = [seq], {seq.seq_id: 0.0}
         self.ctx.scheduler.add(seq)
 
     @property

@@ -26,16 +26,13 @@ def build_engine(config: EngineConfig) -> Engine:
         part = build_part(config)
         executor = LocalExecutor(part.runner)
     runner, ckpt = part.runner, part.checkpoint
-    facts = EngineFacts(
-        model=str(config.model), path=str(ckpt.path),
-        architecture=runner.config.architecture, dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
-        weight_format=part.weight_format, generation_defaults=MappingProxyType(dict(ckpt.generation_defaults)),
-    )
+    facts = EngineFacts.of(config.model, runner, path=str(ckpt.path), weight_format=part.weight_format,
+                           generation_defaults=MappingProxyType(dict(ckpt.generation_defaults)))
     engine = Engine(executor, ckpt.tokenizer, ckpt.eos_token_ids, config, part.max_model_len, facts=facts)
     log.info(
         "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks%s",
-        time.perf_counter() - t0, runner.config.architecture, str(runner.dtype).removeprefix("torch."),
-        f" ({part.weight_format} weights)" if part.weight_format != "none" else "", runner.device, part.max_model_len,
+        time.perf_counter() - t0, facts.architecture, facts.dtype,
+        f" ({facts.weight_format} weights)" if facts.weight_format != "none" else "", facts.device, part.max_model_len,
         runner.num_blocks, _parallel_words(config.parallel),
     )
     return engine

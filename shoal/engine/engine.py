@@ -49,10 +49,7 @@ class Engine:
         self.clock = clock  # every timing in RequestMetrics and the snapshot; tests pass a fake one
         self.executor = executor
         runner = self.runner = executor.runner
-        self.facts = facts or EngineFacts(
-            model=str(config.model), architecture=runner.config.architecture,
-            dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
-        )
+        self.facts = facts or EngineFacts.of(config.model, runner)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len

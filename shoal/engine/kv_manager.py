@@ -75,10 +75,9 @@ class KVCacheManager:
                 pool.incref([m.copy_block])  # pinned: the allocation below must not evict it
             seq.block_table = list(m.blocks)
             seq.num_computed_tokens = m.num_tokens
-        need = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
-        fits = need <= pool.num_free
+        fits = self.can_grow(seq, num_new)
         if fits:
-            seq.block_table.extend(pool.allocate(need))
+            self.grow(seq, num_new)
         if m is None:
             return fits
         if m.copy_block is not None:

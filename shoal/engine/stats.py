@@ -48,6 +48,13 @@ class EngineFacts:
     # the checkpoint's own sampling defaults (generation_config.json, GGUF metadata), for the layers above
     generation_defaults: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
 
+    @classmethod
+    def of(cls, model, runner, **checkpoint) -> EngineFacts:
+        """The facts of `runner` (this process's ModelRunner) serving `model`; `checkpoint`: what only the loaded
+        checkpoint tells (path, weight_format, generation_defaults)."""
+        return cls(model=str(model), architecture=runner.config.architecture, dtype=str(runner.dtype).removeprefix("torch."),
+                   device=str(runner.device), **checkpoint)
+
 
 @dataclass(frozen=True)
 class StepStats:
