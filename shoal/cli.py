@@ -73,12 +73,12 @@ ENGINE_OPTS = [
     Opt("--prefix-cache-ttl", None, float, "drop cached prefixes idle this many seconds (default: only when space is needed)"),
     Opt("--deterministic", False, None, "batch-invariant decoding with any weights: a greedy or seeded answer does not "
         "change with the load, chunking or prefix-cache hits (the default already is, with a GGUF's 4-bit weights; "
-        "with float weights it costs 8-20%% of the speed; README, Determinism)", kind="flag"),
+        "with float weights it costs 8-20%% of the speed; docs/guides/determinism.md)", kind="flag"),
     Opt("--attention", "auto", str, "attention backend: auto (batch-invariant with int8/int4 weights, sdpa with float "
         "ones), invariant, or sdpa (fastest; answers may change with the load)", choices=("auto", "invariant", "sdpa")),
 ]
 
-# Scale-out (README): the model over several processes. `shoal worker` takes these too.
+# Scale-out (docs/guides/scale-out.md): the model over several processes. `shoal worker` takes these too.
 PARALLEL_OPTS = [
     Opt("--tensor-parallel-size", 1, int, "split every layer's heads and MLP columns over this many processes "
         "(on one machine shoal starts them itself; with --nnodes they are spread over machines)"),
@@ -268,10 +268,39 @@ def load_config_file(path: str | Path) -> dict:
             names = ", ".join(sorted(k.replace("_", "-") for k in [*known, *CONFIG_ONLY_KEYS]))
             raise ValueError(f"unknown key {raw_key!r} in {path} (known: {names})")
         opt = known.get(key)
-        if opt is not None and opt.kind == "list" and isinstance(value, str):
-            value = [value]
+        if opt is None:  # log_level
+            if value not in LOG_LEVELS:
+                raise ValueError(f"{raw_key!r} in {path} must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
+        else:
+            value = _config_value(opt, value, f"{raw_key!r} in {path}")
         out[key] = value
     return out
+
+
+def _config_value(opt: Opt, value, where: str):
+    """A YAML value as its flag would have parsed it: the same type and choices, or one line saying what is wrong."""
+    if value is None:
+        return None
+    if opt.kind in ("bool", "flag"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, not {value!r}")
+        return value
+    many = opt.kind == "list" or opt.nargs is not None
+    items = value if isinstance(value, list) else [value]
+    if not many and isinstance(value, list):
+        raise ValueError(f"{where} takes one value, not a list")
+    converted = []
+    for item in items:
+        if isinstance(item, (dict, list)) or (isinstance(item, bool) and opt.type is not None):
+            raise ValueError(f"{where}: {item!r} is not a valid {getattr(opt.type, '__name__', 'value')}")
+        try:
+            item = opt.type(str(item)) if opt.type is not None else item
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: {item!r} is not a valid {opt.type.__name__}") from None
+        if opt.choices is not None and item not in opt.choices:
+            raise ValueError(f"{where} must be one of {', '.join(map(str, opt.choices))}, not {item!r}")
+        converted.append(item)
+    return converted if many else converted[0]
 
 
 def serve_values(a: argparse.Namespace) -> dict:
@@ -285,6 +314,16 @@ def serve_values(a: argparse.Namespace) -> dict:
         values.update(load_config_file(a.config))
     values.update(given)
     return values
+
+
+def exposure_warning(settings) -> str | None:
+    """What to say when the server listens beyond this machine with no key."""
+    from shoal.server.middleware import is_loopback_host
+
+    if settings.api_key or is_loopback_host(settings.host):
+        return None
+    return (f"listening on {settings.host} without --api-key: anyone who can reach this address can use the server "
+            "(docs/guides/security.md)")
 
 
 def server_settings(v: dict):
@@ -357,8 +396,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.getLogger("shoal").info(
         "serving %s on http://%s:%d (OpenAI API under /v1, Anthropic's at /v1/messages, Prometheus at /metrics; "
         "/health answers 503 until the model is loaded)",
-        config.model, shown, port, 
+        config.model, shown, port,
     )
+    if (warning := exposure_warning(settings)) is not None:
+        logging.getLogger("shoal").warning(warning)
     server.run(sockets=[sock])
     if failed:
         print(f"shoal: the model failed to load: {failed[0]}", file=sys.stderr)
@@ -701,14 +742,20 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
+def deterministic_requested(a: argparse.Namespace) -> bool:
+    """--deterministic, given as a flag or in `serve`'s YAML config."""
+    config = getattr(a, "config", None)
+    return bool(getattr(a, "deterministic", None) or (config and load_config_file(config).get("deterministic")))
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     _setup_logging(getattr(a, "log_level", "info"))
-    if getattr(a, "deterministic", False):  # before torch computes anything: MKL reads it once
-        os.environ.setdefault("MKL_CBWR", STRICT_MKL)
     from shoal.client import ClientError
 
     try:
+        if deterministic_requested(a):  # before torch computes anything: MKL reads it once
+            os.environ.setdefault("MKL_CBWR", STRICT_MKL)
         return a.func(a)
     except (ValueError, FileNotFoundError, ClientError) as e:
         print(f"shoal: {e}", file=sys.stderr)

@@ -12,7 +12,7 @@ GiB = 1 << 30
 
 # MKL's float32 GEMM gives a row other bits depending on how many rows share the call (a GEMV for one row,
 # other blockings for a few); in this strict reproducible mode it computes every row the same way, at up to
-# half the speed of a one-sequence float32 decode (README, Determinism). MKL reads MKL_CBWR once, at its
+# half the speed of a one-sequence float32 decode (docs/guides/determinism.md). MKL reads MKL_CBWR once, at its
 # first call, so it must be in the environment before torch computes anything.
 STRICT_MKL = "AUTO,STRICT"
 
@@ -81,7 +81,7 @@ WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many processes hold the model (README, Scale-out). Rank 0 serves; the others only compute."""
+    """How many processes hold the model (docs/guides/scale-out.md). Rank 0 serves; the others only compute."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # contiguous layer ranges, one per stage (of tensor_parallel_size ranks each)
@@ -92,7 +92,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"  # rank 0's address, where the others meet it
     master_port: int = 0  # 0: a free port (one machine only)
     timeout: float = 300.0  # seconds a collective may wait for a rank (loading included)
-    shared_memory: bool = True  # ranks on one machine sum and broadcast through /dev/shm, not gloo (executor/shm.py)
+    shared_memory: bool = True  # ranks on one machine gather and broadcast through /dev/shm, not gloo (executor/shm.py)
     restart_workers: bool = False  # after a lost rank: start the ranks again and resume (else 503 until restarted)
     heartbeat_timeout: float = 5.0  # seconds without a rank's heartbeat before rank 0 takes it for hung
 
@@ -147,7 +147,7 @@ class EngineConfig:
     quantization: str | None = "auto"
     check_integrity: bool = False  # run the pool's integrity check after every step (tests)
     # "sdpa": attention kernels picked by the step's shape (fast; a greedy answer may change with the load);
-    # "invariant": --deterministic, a token is computed the same way whatever else is in the step (README, Determinism);
+    # "invariant": --deterministic, a token is computed the same way whatever else is in the step (docs/guides/determinism.md);
     # "auto": invariant with int8/int4 weights (their kernels are row-invariant as they are, so only attention
     # costs anything: ~10% at one stream), sdpa with float weights (where the linears would need splitting too)
     attention: str = "auto"

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from server_utils import LiveServer, tiny_engine
-from shoal.cli import build_parser, engine_config, serve_values, server_settings
+from shoal.cli import build_parser, engine_config, exposure_warning, serve_values, server_settings
 from shoal.server import ServerSettings
 from shoal.server.chat.params import resolve_params
 from shoal.server.openai.protocol import ChatCompletionRequest
@@ -115,6 +115,32 @@ def test_yaml_config_errors_are_readable(tmp_path):
         serve_values(build_parser().parse_args(["serve", "--config", str(tmp_path / "none.yaml")]))
 
 
+
+@pytest.mark.parametrize("line, message", [
+    ("max-waiting: ten", "'max-waiting' in .*: 'ten' is not a valid int"),
+    ("max-waiting: [1, 2]", "'max-waiting' in .* takes one value, not a list"),
+    ("log-format: xml", "'log-format' in .* must be one of text, json, not 'xml'"),
+    ("dtype: float64", "'dtype' in .* must be one of .*, not 'float64'"),
+    ("metrics-public: yes please", "'metrics-public' in .* must be true or false"),
+    ("temperature: true", "'temperature' in .*: True is not a valid float"),
+    ("log-level: loud", "'log-level' in .* must be one of debug, info, warning, error"),
+])
+def test_yaml_values_are_checked_as_their_flags_are(tmp_path, line, message):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(line + "\n")
+    with pytest.raises(ValueError, match=message):
+        serve_values(build_parser().parse_args(["serve", "--config", str(cfg)]))
+
+
+def test_yaml_values_take_their_flags_types(tmp_path):
+    cfg = tmp_path / "shoal.yaml"
+    cfg.write_text('max-waiting: "10"\ntemperature: 0\nstop: END\nallowed-origins: [https://a.example, https://b.example]\n')
+    v = serve_values(build_parser().parse_args(["serve", "--config", str(cfg)]))
+    assert (v["max_waiting"], v["temperature"], v["stop"]) == (10, 0.0, ["END"])
+    assert v["allowed_origins"] == ["https://a.example", "https://b.example"]
+    assert type(v["temperature"]) is float
+
+
 # ---------------------------------------------------------------- chat templates
 
 
@@ -178,3 +204,14 @@ def test_one_log_line_per_request_and_prompts_at_debug(engine, caplog):
     for part in (f"model={srv.state.model_name}", f"prompt={r.usage.prompt_tokens}", "cached=", "completion=3", "ttft=", "tok/s", "finish=length"):
         assert part in info[0], (part, info[0])
     assert any("prompt token ids" in ln for ln in lines) and any("rendered prompt" in ln and "<|im_start|>" in ln for ln in lines)
+
+
+def test_a_keyless_server_beyond_loopback_is_warned_about():
+    def settings(*flags):
+        return server_settings(serve_values(build_parser().parse_args(["serve", *flags])))
+
+    assert exposure_warning(settings()) is None  # 127.0.0.1
+    assert exposure_warning(settings("--host", "localhost")) is None
+    assert exposure_warning(settings("--host", "0.0.0.0", "--api-key", "k")) is None
+    assert "0.0.0.0 without --api-key" in exposure_warning(settings("--host", "0.0.0.0"))
+    assert "without --api-key" in exposure_warning(settings("--host", "192.0.2.7"))

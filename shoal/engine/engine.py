@@ -38,7 +38,7 @@ class Engine:
         clock=time.monotonic,
         facts: EngineFacts | None = None,
     ) -> None:
-        """executor: how the engine reaches the model (shoal/executor): `execute(plan)`, `runner`
+        """executor: how the engine reaches the model (shoal/executor): `submit(plan)` up to `depth` steps in flight, `collect(ticket)`, `failure`, `runner`
         (this process's ModelRunner), `cluster()`, `close()`. A bare ModelRunner is taken as a local one.
         facts: what is served (the builder knows the checkpoint); by default what the runner tells."""
         from shoal.executor import LocalExecutor  # noqa: PLC0415 (the executor imports torch; the engine's bookkeeping does not)

@@ -17,7 +17,7 @@ the AVX2 path honestly; a path the CPU lacks is a startup error). The log says w
 takes and why. Every op is written once for 16 float lanes (vec.h) and compiled per path, so the
 AVX2 and AVX-512 paths give the same bits; the baseline has no FMA, so its bits differ.
 
-`make setup` builds the library once (`python -m shoal.kernels`, about 30 s); a process
+`make setup` builds the library once (`python -m shoal.kernels`, 20-30 s on two cores); a process
 that finds it missing builds it on first use. It lives beside the virtual environment, or
 under ~/.cache when that is not writable, named by a hash of the source, the compiler
 and torch's version, so a change to any of them builds afresh. Where it cannot build (no

@@ -4,8 +4,12 @@ Given an `EngineConfig`, the app loads the model in a worker thread when it
 starts, so `/health` answers (503, "loading") while the weights load; given a
 ready `Engine` it serves at once. Routes:
 
-    POST /v1/chat/completions, POST /v1/completions, GET /v1/models   (openai/)
-    GET /health, GET /stats, GET /v1/cluster, POST /tokenize, POST /detokenize         (here)
+    POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+    POST /tokenize, POST /detokenize                                     (openai/)
+    POST /v1/messages, POST /v1/messages/count_tokens                    (anthropic/)
+    GET /health, GET /stats, GET /v1/cluster, GET /metrics, the dashboard (here)
+
+The docs' HTTP reference is generated from this app's route table and OpenAPI document.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ def _drop_default_422(app: FastAPI) -> None:
 def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse, "description": "Loading, or the model failed to load"}})
     async def health(request: Request) -> JSONResponse:
+        """200 once the model is loaded and every rank holding part of it answers; 503 while loading, after a failed load, or while a rank is lost."""
         state: ServerState = request.app.state.shoal
         if state.status == "ok" and state.engine.executor.failure is not None:  # a rank is gone: no step can run until it is back
             return JSONResponse({"status": "failed", "model_loaded": True, "error": state.cluster_down_message}, status_code=503,
@@ -133,28 +138,30 @@ def _add_service_routes(app: FastAPI) -> None:
 
     @app.get("/stats", responses={200: {"model": StatsResponse}, **error_responses(401, 403, 500)})
     async def stats(request: Request) -> JSONResponse:
+        """The engine's latest snapshot as JSON: throughput, KV and prefix-cache figures, the last step, and the timing records of recent requests."""
         return JSONResponse(request.app.state.shoal.stats())
 
     @app.get("/v1/cluster", responses={200: {"description": "The ranks that hold the model: each with its rank, host, pid, "
-                                             "layer range, heads, memory and state (README, Scale-out)"},
+                                             "layer range, heads, memory and state"},
                                        **error_responses(401, 403, 503)})
     async def cluster(request: Request) -> JSONResponse:
+        """The processes that hold the model (one without tensor or pipeline parallelism), with their state."""
         state: ServerState = request.app.state.shoal
         state.require_engine()
         return JSONResponse(state.engine.executor.cluster())
 
-    @app.get("/", include_in_schema=False)
+    @app.get("/", include_in_schema=False, description="Redirects to the dashboard.")
     async def root() -> RedirectResponse:
         return RedirectResponse("/dashboard")
 
-    @app.get("/dashboard", include_in_schema=False)
+    @app.get("/dashboard", include_in_schema=False, description="The live dashboard: a page that polls /stats once a second.")
     async def dashboard(request: Request) -> Response:
         page = _asset("index.html")
         if request.app.state.shoal.settings.api_key:  # the page asks for the key before it asks /stats
             page = page.replace(b"<body>", b'<body data-auth="required">', 1)
         return Response(page, media_type="text/html; charset=utf-8")
 
-    @app.get("/dashboard/{name}", include_in_schema=False)
+    @app.get("/dashboard/{name}", include_in_schema=False, description="The dashboard's script and style sheet.")
     async def dashboard_asset(name: str) -> Response:
         if name not in DASHBOARD_ASSETS:
             raise APIError(404, f"no such dashboard file: {name}")
@@ -163,4 +170,5 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
                                     **error_responses(401, 403, 500)})
     async def metrics(request: Request) -> Response:
+        """Prometheus metrics in the text format (the metrics reference lists them)."""
         return Response(request.app.state.shoal.metrics.render(), media_type=METRICS_CONTENT_TYPE)

@@ -15,6 +15,8 @@ registry, so several servers in one process (the tests) do not share numbers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,33 +28,94 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # No `*_created` series: a third of a scrape's lines, which nothing here reads (vLLM drops them too).
 disable_created_metrics()
 
-# vLLM's buckets, so its dashboards' quantiles mean the same here.
+# vLLM's buckets (with finer ones below 0.3 s for the latencies), so its dashboards' quantiles read the same here.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM starts these at 0.3 s; on a CPU a queue or a prefill often takes milliseconds, so finer buckets come first.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family as `/metrics` serves it: the docs' metrics reference is generated from these."""
+
+    name: str
+    type: str  # counter | gauge | histogram | info | summary (prometheus_client's names)
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+def _hist(name: str, help: str, buckets: tuple) -> tuple[Family, tuple]:
+    return Family(f"shoal:{name}", "histogram", help), buckets
+
+
+# Observed once per finished request, from its RequestMetrics record (ServerMetrics.observe).
+HISTOGRAMS = {
+    "ttft": _hist("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS),
+    "itl": _hist("inter_token_latency_seconds", "Time between the steps that gave a request tokens.", ITL_BUCKETS),
+    "tpot": _hist("request_time_per_output_token_seconds", "Decode time per output token after the first, per request.", ITL_BUCKETS),
+    "e2e": _hist("e2e_request_latency_seconds", "Time from arrival to the end of the request.", LATENCY_BUCKETS),
+    "queue": _hist("request_queue_time_seconds", "Time from arrival to the first step that scheduled the request.", LATENCY_BUCKETS),
+    "prefill": _hist("request_prefill_time_seconds", "Time from the first scheduling to the first token.", LATENCY_BUCKETS),
+    "decode": _hist("request_decode_time_seconds", "Time from the first token to the last.", LATENCY_BUCKETS),
+    "prompt_len": _hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
+    "gen_len": _hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
+}
+HTTP_REQUESTS = Family("shoal:http_requests", "counter", "HTTP requests answered, by route and status (unknown paths count as `other`).", ("route", "status"))
+
+# Read at scrape time from the engine's snapshot and the server's counters (_SnapshotCollector).
+SNAPSHOT = {f.name.removeprefix("shoal:"): f for f in (
+    Family("shoal:client_disconnects", "counter", "Requests aborted because their client went away."),
+    Family("shoal:requests_rejected_overloaded", "counter", "Requests refused with 503 for --max-waiting."),
+    Family("shoal:model_loaded", "gauge", "1 once the model is loaded and serving."),
+    Family("shoal:build_info", "gauge", "Version, model and how it runs (always 1).", ("version", "model", "dtype", "quantization", "device")),
+    Family("shoal:prompt_tokens", "counter", "Prompt tokens of requests admitted."),
+    Family("shoal:prompt_tokens_cached", "counter", "Prompt tokens served from the prefix cache (or a fork's shared prompt)."),
+    Family("shoal:prompt_tokens_computed", "counter", "Prompt tokens the model computed."),
+    Family("shoal:generation_tokens", "counter", "Tokens generated."),
+    Family("shoal:request_success", "counter", "Requests finished, by finish reason.", ("finished_reason",)),
+    Family("shoal:request_aborts", "counter", "Requests aborted (client gone or abort())."),
+    Family("shoal:num_preemptions", "counter", "Sequences preempted for lack of KV blocks (recomputed later)."),
+    Family("shoal:engine_steps", "counter", "Engine steps run."),
+    Family("shoal:num_requests_running", "gauge", "Sequences in the running queue."),
+    Family("shoal:num_requests_waiting", "gauge", "Sequences waiting to be scheduled."),
+    Family("shoal:kv_cache_usage_perc", "gauge", "Fraction of KV blocks held by requests (cached, unreferenced blocks count as free)."),
+    Family("shoal:kv_cache_used_bytes", "gauge", "KV cache bytes held by requests."),
+    Family("shoal:kv_cache_total_bytes", "gauge", "KV cache bytes in the pool."),
+    Family("shoal:step_batch_size", "gauge", "Sequences in the last engine step."),
+    Family("shoal:step_tokens", "gauge", "Tokens computed in the last engine step."),
+    Family("shoal:step_duration_seconds", "gauge", "Duration of the last engine step."),
+    Family("shoal:prefix_cache_queries", "counter", "Prefix-cache lookups."),
+    Family("shoal:prefix_cache_hits", "counter", "Prefix-cache hits by kind.", ("kind",)),
+    Family("shoal:prefix_cache_hit_tokens", "counter", "Prompt tokens the prefix cache served."),
+    Family("shoal:prefix_cache_evictions", "counter", "Cached blocks evicted."),
+    Family("shoal:prefix_cache_cached_blocks", "gauge", "Blocks the prefix cache holds."),
+    Family("shoal:prefix_cache_cached_bytes", "gauge", "KV bytes the prefix cache holds."),
+)}
+
+DEFAULT_COLLECTORS = (ProcessCollector, PlatformCollector, GCCollector)
+
+
+def catalog() -> list[Family]:
+    """Every family `/metrics` can serve, shoal's own and prometheus_client's collectors'."""
+    families = [f for f, _ in HISTOGRAMS.values()] + [HTTP_REQUESTS] + list(SNAPSHOT.values())
+    scratch = CollectorRegistry()
+    for make in DEFAULT_COLLECTORS:
+        for m in make(registry=scratch).collect():
+            labels = tuple(dict.fromkeys(k for s in m.samples for k in s.labels))
+            families.append(Family(m.name, m.type, m.documentation, labels))
+    return families
 
 
 class ServerMetrics:
     def __init__(self, state) -> None:
         self.registry = r = CollectorRegistry()
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        GCCollector(registry=r)
-
-        def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"shoal:{name}", doc, buckets=buckets, registry=r)
-
-        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between the steps that gave a request tokens.", ITL_BUCKETS)
-        self.tpot = hist("request_time_per_output_token_seconds", "Decode time per output token after the first, per request.", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the end of the request.", LATENCY_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Time from arrival to the first step that scheduled the request.", LATENCY_BUCKETS)
-        self.prefill = hist("request_prefill_time_seconds", "Time from the first scheduling to the first token.", LATENCY_BUCKETS)
-        self.decode = hist("request_decode_time_seconds", "Time from the first token to the last.", LATENCY_BUCKETS)
-        self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.gen_len = hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
-        self.http = Counter("shoal:http_requests", "HTTP requests answered, by route and status.", ["route", "status"], registry=r)
+        for make in DEFAULT_COLLECTORS:
+            make(registry=r)
+        for attr, (family, buckets) in HISTOGRAMS.items():
+            setattr(self, attr, Histogram(family.name, family.help, buckets=buckets, registry=r))
+        self.http = Counter(HTTP_REQUESTS.name, HTTP_REQUESTS.help, list(HTTP_REQUESTS.labels), registry=r)
         r.register(_SnapshotCollector(state))
 
     def observe(self, m: RequestMetrics) -> None:
@@ -85,53 +148,49 @@ class _SnapshotCollector:
     def collect(self):
         state = self.state
         c = state.counters
-        yield _counter("client_disconnects", "Requests aborted because their client went away.", c.client_disconnects)
-        yield _counter("requests_rejected_overloaded", "Requests refused with 503 for --max-waiting.", c.rejected_overloaded)
-        yield _gauge("model_loaded", "1 once the model is loaded and serving.", 1 if state.status == "ok" else 0)
-        info = GaugeMetricFamily("shoal:build_info", "Version, model and how it runs.", labels=["version", "model", "dtype", "quantization", "device"])
-        info.add_metric(list(state.build_info()), 1)
-        yield info
+        yield _family("client_disconnects", c.client_disconnects)
+        yield _family("requests_rejected_overloaded", c.rejected_overloaded)
+        yield _family("model_loaded", 1 if state.status == "ok" else 0)
+        yield _family("build_info", {tuple(state.build_info()): 1})
         engine = state.engine
         if engine is None:
             return
         s = engine.snapshot
         n = s.counters
-        yield _counter("prompt_tokens", "Prompt tokens of requests admitted.", n.prompt_tokens)
-        yield _counter("prompt_tokens_cached", "Prompt tokens served from the prefix cache (or a fork's shared prompt).", n.cached_prompt_tokens)
-        yield _counter("prompt_tokens_computed", "Prompt tokens the model computed.", s.computed_prompt_tokens)
-        yield _counter("generation_tokens", "Tokens generated.", n.generated_tokens)
-        done = CounterMetricFamily("shoal:request_success", "Requests finished, by finish reason.", labels=["finished_reason"])
-        for reason in ("stop", "length", "abort", "error"):
-            done.add_metric([reason], s.finished_by_reason.get(reason, 0))
-        yield done
-        yield _counter("request_aborts", "Requests aborted (client gone or abort()).", n.requests_aborted)
-        yield _counter("num_preemptions", "Sequences preempted for lack of KV blocks (recomputed later).", n.preemptions)
-        yield _counter("engine_steps", "Engine steps run.", n.steps)
-        yield _gauge("num_requests_running", "Sequences in the running queue.", s.running)
-        yield _gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.waiting)
-        yield _gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (cached, unreferenced blocks count as free).", s.kv_usage)
-        yield _gauge("kv_cache_used_bytes", "KV cache bytes held by requests.", s.kv_used_bytes)
-        yield _gauge("kv_cache_total_bytes", "KV cache bytes in the pool.", s.kv_total_bytes)
+        yield _family("prompt_tokens", n.prompt_tokens)
+        yield _family("prompt_tokens_cached", n.cached_prompt_tokens)
+        yield _family("prompt_tokens_computed", s.computed_prompt_tokens)
+        yield _family("generation_tokens", n.generated_tokens)
+        yield _family("request_success", {(r,): s.finished_by_reason.get(r, 0) for r in ("stop", "length", "abort", "error")})
+        yield _family("request_aborts", n.requests_aborted)
+        yield _family("num_preemptions", n.preemptions)
+        yield _family("engine_steps", n.steps)
+        yield _family("num_requests_running", s.running)
+        yield _family("num_requests_waiting", s.waiting)
+        yield _family("kv_cache_usage_perc", s.kv_usage)
+        yield _family("kv_cache_used_bytes", s.kv_used_bytes)
+        yield _family("kv_cache_total_bytes", s.kv_total_bytes)
         if s.last_step is not None:
-            yield _gauge("step_batch_size", "Sequences in the last engine step.", s.last_step.batch_size)
-            yield _gauge("step_tokens", "Tokens computed in the last engine step.", s.last_step.num_tokens)
-            yield _gauge("step_duration_seconds", "Duration of the last engine step.", s.last_step.duration)
+            yield _family("step_batch_size", s.last_step.batch_size)
+            yield _family("step_tokens", s.last_step.num_tokens)
+            yield _family("step_duration_seconds", s.last_step.duration)
         pc = s.prefix_cache
         if pc is not None:
-            yield _counter("prefix_cache_queries", "Prefix-cache lookups.", pc["lookups"])
-            hits = CounterMetricFamily("shoal:prefix_cache_hits", "Prefix-cache hits by kind.", labels=["kind"])
-            for kind in ("extension", "supersequence", "divergence"):
-                hits.add_metric([kind], pc[f"hits_{kind}"])
-            yield hits
-            yield _counter("prefix_cache_hit_tokens", "Prompt tokens the prefix cache served.", pc["hit_tokens"])
-            yield _counter("prefix_cache_evictions", "Cached blocks evicted.", pc["evictions"])
-            yield _gauge("prefix_cache_cached_blocks", "Blocks the prefix cache holds.", pc["cached_blocks"])
-            yield _gauge("prefix_cache_cached_bytes", "KV bytes the prefix cache holds.", pc["cached_bytes"])
+            yield _family("prefix_cache_queries", pc["lookups"])
+            yield _family("prefix_cache_hits", {(k,): pc[f"hits_{k}"] for k in ("extension", "supersequence", "divergence")})
+            yield _family("prefix_cache_hit_tokens", pc["hit_tokens"])
+            yield _family("prefix_cache_evictions", pc["evictions"])
+            yield _family("prefix_cache_cached_blocks", pc["cached_blocks"])
+            yield _family("prefix_cache_cached_bytes", pc["cached_bytes"])
 
 
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(f"shoal:{name}", doc, value=value)
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"shoal:{name}", doc, value=value)
+def _family(key: str, value):
+    """The catalog's family `key` with a value, or with {label values: value} where it has labels."""
+    f = SNAPSHOT[key]
+    cls = CounterMetricFamily if f.type == "counter" else GaugeMetricFamily
+    if not f.labels:
+        return cls(f.name, f.help, value=value)
+    family = cls(f.name, f.help, labels=list(f.labels))
+    for labels, v in value.items():
+        family.add_metric(list(labels), v)
+    return family

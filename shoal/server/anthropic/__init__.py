@@ -30,9 +30,11 @@ _EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": 
 
 @router.post("/v1/messages", responses={200: {"model": MessageResponse, "content": {"text/event-stream": {"schema": _EVENT}}}, **_ERRORS})
 async def messages(body: MessagesRequest, request: Request) -> Response:
+    """Anthropic's Messages API: a reply to a conversation, whole or as a stream of Anthropic's events; tools, thinking and `output_config.format`."""
     return await answer(create_message(body, request, request.app.state.shoal))
 
 
 @router.post("/v1/messages/count_tokens", responses={200: {"model": CountTokensResponse}, **_ERRORS})
 async def messages_count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
+    """The number of input tokens the conversation renders to, as `usage.input_tokens` would count them."""
     return await count_tokens(body, request.app.state.shoal)

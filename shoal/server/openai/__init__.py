@@ -33,16 +33,19 @@ def _generated(model) -> dict:
 
 @router.post("/v1/chat/completions", responses=_generated(ChatCompletionResponse))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    """OpenAI's chat completions: a reply to a conversation, whole or streamed (SSE); tools, `response_format`, logprobs, `n`."""
     return await answer(create_chat_completion(body, request, request.app.state.shoal))
 
 
 @router.post("/v1/completions", responses=_generated(CompletionResponse))
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    """OpenAI's (legacy) completions: a continuation of a text or token-id prompt, whole or streamed; `echo` and logprobs score prompts."""
     return await answer(create_completion(body, request, request.app.state.shoal))
 
 
 @router.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 403, 500, 503)})
 async def models(request: Request) -> JSONResponse:
+    """The served model, in OpenAI's list format."""
     state = request.app.state.shoal
     state.require_engine()
     # The file or folder's name only: an absolute path tells any client the server's layout.

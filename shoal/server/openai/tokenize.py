@@ -18,6 +18,7 @@ router = APIRouter()
 
 @router.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 403, 404, 413, 500, 503)})
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """Token ids of a prompt or of a chat conversation rendered by the model's template (vLLM's /tokenize)."""
     state = request.app.state.shoal
     state.require_engine()
     state.check_model(body.model)
@@ -37,6 +38,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
 
 @router.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **error_responses(400, 401, 403, 404, 413, 500, 503)})
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    """The text of a list of token ids (vLLM's /detokenize)."""
     state = request.app.state.shoal
     state.require_engine()
     state.check_model(body.model)
