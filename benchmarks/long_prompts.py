@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_peers import FORCED_BUILDS, THREADS, LlamaServer, Server, Shoal  # noqa: E402
 from publish import cpu_flags, cpu_kind, machine, machine_line, publish, table  # noqa: E402
 
-LENGTHS = (500, 2000, 4000, 6000, 8000)  # the README table, and 6,000: the determinism issue's target
+LENGTHS = (500, 2000, 4000, 6000, 8000)  # the benchmarks page's table, and 6,000: the determinism issue's target
 CONTEXT = 8192  # the model's positions; room for the longest prompt and its token
 WORDS = ("time year people way day man thing woman life child world school state family student group country problem "
          "hand part place case week company system program question work government number night point home water room "

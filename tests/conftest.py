@@ -14,7 +14,7 @@ import pytest
 from shoal.config import STRICT_MKL  # shoal.config imports no torch
 
 # float32 batch invariance needs MKL's strict reproducible mode, read at MKL's first call: set before any
-# test computes anything (what `shoal serve --deterministic` does at start-up; README, Determinism)
+# test computes anything (what `shoal serve --deterministic` does at start-up; docs/guides/determinism.md)
 os.environ.setdefault("MKL_CBWR", STRICT_MKL)
 
 

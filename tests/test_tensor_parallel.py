@@ -674,7 +674,7 @@ def test_pipeline_in_bfloat16_with_a_bfloat16_wire_is_exact_and_int8_wire_stays_
     path = make_tiny_model("llama", tmp_path / "m")
     # int8 weights: shoal's low-bit kernels are row-invariant by construction, so what is checked is the wire's
     # rounding (float bf16 weights go through MKL's float32 GEMM here, which changed a row's last bit with the
-    # batch in one heap state: README, Determinism)
+    # batch in one heap state: docs/guides/determinism.md)
     kw = dict(dtype="bfloat16", num_blocks=256, block_size=4, attention="invariant", quantization="int8")
     with LLM(str(path), **kw) as llm:
         alone = _tokens(llm.generate(PROMPTS, GREEDY))

@@ -1,6 +1,6 @@
 """Structured output: a grammar compiled once per constraint, one matcher per sequence. No torch.
 
-Built on llguidance (the README says why it and not xgrammar). The flow:
+Built on llguidance (docs/architecture/dependencies.md says why it and not xgrammar). The flow:
 
     StructuredOutput (plain data on SamplingParams)
       -> GrammarCompiler.compile: llguidance's grammar, validated against the tokenizer,

@@ -34,7 +34,7 @@ class TensorParallel:
     sums partial outputs once, so that every output of every projection is summed on one rank in one
     process's order: the ranks give one process's bits. (With activations rounded to int8 before each
     low-bit projection, a partial sum's last bit can tip a rounding, and answers would part from one
-    process's at the next near tie; README, Scale-out.)
+    process's at the next near tie; docs/guides/scale-out.md.)
     """
 
     shards: tuple  # runner.shard_plan.TensorShard, one per rank
