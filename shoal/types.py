@@ -17,10 +17,14 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # client went away or abort() was called
-    ERROR = "error"  # this request alone failed; RequestOutput.error says why
+    STOP = "stop"
+    """EOS, a stop token id or a stop string."""
+    LENGTH = "length"
+    """`max_tokens` or the context limit."""
+    ABORT = "abort"
+    """Client went away or abort() was called."""
+    ERROR = "error"
+    """This request alone failed; RequestOutput.error says why."""
 
 
 @dataclass(frozen=True)
@@ -31,11 +35,16 @@ class StructuredOutput:
     it by value (engine/structured.py), so equal constraints share one compilation.
     """
 
-    json_schema: str | None = None  # a JSON schema, serialized
-    json_object: bool = False  # any JSON object
+    json_schema: str | None = None
+    """A JSON schema, serialized."""
+    json_object: bool = False
+    """Any JSON object."""
     regex: str | None = None
-    choice: tuple[str, ...] | None = None  # exactly one of these strings
-    grammar: str | None = None  # a Lark grammar, or llama.cpp's GBNF (`root ::= ...`)
+    """A regular expression the whole reply matches."""
+    choice: tuple[str, ...] | None = None
+    """Exactly one of these strings."""
+    grammar: str | None = None
+    """A Lark grammar, or llama.cpp's GBNF (`root ::= ...`)."""
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -78,36 +87,59 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int | None = 16  # None: up to the context limit
-    temperature: float = 1.0  # 0 (or below MIN_SAMPLING_TEMPERATURE) means greedy
-    top_k: int = 0  # 0 or -1: off
+    """Independent choices; they share the prompt's KV blocks."""
+    max_tokens: int | None = 16
+    """Tokens to generate at most; None: up to the context limit."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 (or below MIN_SAMPLING_TEMPERATURE) is greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 or -1: off)."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches this (1: off)."""
     min_p: float = 0.0
+    """Drop tokens less likely than this fraction of the most likely one (0: off)."""
     typical_p: float = 1.0
-    repetition_penalty: float = 1.0  # HF/CTRL style, over prompt and output tokens
-    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    """Typical sampling, as in transformers (1: off)."""
+    repetition_penalty: float = 1.0
+    """HF/CTRL style, over prompt and output tokens."""
+    presence_penalty: float = 0.0
+    """OpenAI style, over output tokens."""
     frequency_penalty: float = 0.0
+    """OpenAI style, over output tokens, growing with each repeat."""
     logit_bias: dict[int, float] | None = None
+    """Added to these token ids' logits before sampling."""
     no_repeat_ngram_size: int = 0
+    """Ban any n-gram of this size from appearing twice (0: off)."""
     seed: int | None = None
-    logprobs: int | None = None  # None: none; k: the chosen token's plus the top k
-    prompt_logprobs: int | None = None  # None: none; k: each prompt token's plus the top k at its position
+    """Per request: the same seed gives the same text alone, in a batch, or after preemption."""
+    logprobs: int | None = None
+    """Per generated token, the chosen token's logprob plus the top k (None: none)."""
+    prompt_logprobs: int | None = None
+    """Each prompt token's logprob plus the top k at its position (None: none)."""
     min_tokens: int = 0
+    """No end of sequence (EOS, stop ids) before this many tokens."""
     ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token."""
     stop: tuple[str, ...] = ()
+    """Stop strings; the text ends before them unless include_stop_str_in_output."""
     stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the choice, besides the model's EOS set."""
     include_stop_str_in_output: bool = False
+    """Keep the matched stop string in the text."""
     skip_special_tokens: bool = True
-    # Beam search is a mode of the same engine: num_beams > 1 switches it on.
+    """Leave special tokens out of the text."""
     num_beams: int = 1
+    """Beam search when above 1, returning the n best hypotheses."""
     length_penalty: float = 1.0
+    """Beam search: scores are divided by length to this power, as in transformers."""
     early_stopping: bool = False
-    # Grammar-constrained decoding: every sampled token keeps the output inside this
-    # constraint, and the choice ends when the grammar is complete.
+    """Beam search: stop once num_beams hypotheses are finished."""
     structured: StructuredOutput | None = None
-    # Reasoning capped at a number of tokens (Anthropic's thinking.budget_tokens); a
-    # `structured` constraint, when both are given, takes precedence.
+    """Grammar-constrained decoding: every sampled token keeps the output inside this constraint, and the choice ends
+    when the grammar is complete."""
     thinking_budget: ThinkingBudget | None = None
+    """Reasoning capped at a number of tokens (Anthropic's thinking.budget_tokens); a `structured` constraint, when
+    both are given, takes precedence."""
 
     def __post_init__(self) -> None:
         # Normalize the list-ish fields so equal params compare and hash equal.
@@ -203,14 +235,23 @@ class CompletionOutput:
     """One of the n choices of a request: cumulative, with the newest delta."""
 
     index: int
+    """Which of the n choices this is."""
     text: str = ""
+    """The text so far."""
     token_ids: list[int] = field(default_factory=list)
+    """The generated token ids so far."""
     logprobs: list[TokenLogprobs] | None = None
+    """Per generated token, with `SamplingParams.logprobs`: the chosen token's logprob and the top k."""
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None  # the stop string or token id that matched
+    """Set once the choice is finished."""
+    stop_reason: str | int | None = None
+    """The stop string or token id that matched."""
     delta_text: str = ""
+    """The text this step added."""
     delta_token_ids: list[int] = field(default_factory=list)
+    """The token ids this step added."""
     cumulative_logprob: float = 0.0
+    """The sum of the chosen tokens' logprobs."""
 
     @property
     def finished(self) -> bool:
@@ -222,18 +263,23 @@ class RequestOutput:
     """What the engine reports for a request after a step."""
 
     request_id: str
+    """The id the request was given."""
     prompt_token_ids: list[int]
+    """The prompt as token ids."""
     outputs: list[CompletionOutput]
+    """The n choices (or the n best beams)."""
     finished: bool
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    """True once every choice is finished."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
     metrics: RequestMetrics | None = None
-    # One entry per prompt token (the first None: nothing predicts it) when the params ask
-    # for prompt_logprobs; set on every output once complete (from the end of the prefill
-    # on), the same list each time.
+    """The request's timing record (RequestMetrics), a copy."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # Set, with finished=True and every choice's finish_reason ERROR, when this request
-    # alone failed: a message safe to show the client (the details are in the log).
+    """One entry per prompt token (the first None: nothing predicts it) when the params ask for prompt_logprobs; set
+    on every output once complete (from the end of the prefill on), the same list each time."""
     error: str | None = None
+    """Set, with finished=True and every choice's finish_reason ERROR, when this request alone failed: a message safe
+    to show the client (the details are in the log)."""
 
     @property
     def num_prompt_tokens(self) -> int:
