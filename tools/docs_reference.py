@@ -36,9 +36,7 @@ def _cell(text) -> str:
 
 
 def _flag_row(action: argparse.Action) -> str:
-    names = ", ".join(f"`{n}`" for n in action.option_strings) or f"`{action.dest.upper()}`"
-    if isinstance(action, argparse.BooleanOptionalAction):
-        names = ", ".join(f"`{n}`" for n in action.option_strings)
+    names = ", ".join(f"`{n}`" for n in action.option_strings) or f"`{action.dest.upper()}`"  # a positional: its name
     value = ""
     if action.choices:
         value = " \\| ".join(f"`{c}`" for c in action.choices)
@@ -54,14 +52,17 @@ def _flag_row(action: argparse.Action) -> str:
     return f"| {names} | {value} | {_cell(action.help or '')} |"
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def subcommands(parser: argparse.ArgumentParser | None = None) -> dict[str, argparse.ArgumentParser]:
     """shoal's subcommands by name, in the parser's order."""
     if parser is None:
         from shoal.cli import build_parser
 
         parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices.items())
+    return dict(_subparsers(parser).choices.items())
 
 
 def cli_flags(parser: argparse.ArgumentParser) -> set[str]:
@@ -74,7 +75,7 @@ def cli_reference() -> str:
 
     parser = build_parser()
     subs = subcommands(parser)
-    helps = {a.dest: a.help for a in next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))._choices_actions}
+    helps = {a.dest: a.help for a in _subparsers(parser)._choices_actions}
     out = ["Generated from `shoal`'s argument parser when the docs are built. `shoal COMMAND --help` prints the same.", ""]
     out += ["| command | what it does |", "|---|---|"]
     out += [f"| [`shoal {name}`](#shoal-{name}) | {_cell(helps.get(name, ''))} |" for name in subs]
