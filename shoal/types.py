@@ -45,6 +45,16 @@ class StructuredOutput:
     """Exactly one of these strings."""
     grammar: str | None = None
     """A Lark grammar, or llama.cpp's GBNF (`root ::= ...`)."""
+    # How a JSON constraint (json_schema, json_object) is turned into a grammar:
+    layout: str | None = None
+    """`compact` (one line), `flexible` (the model's whitespace, bounded), or None: the server's default."""
+    whitespace_pattern: str | None = None
+    """A regex for the whitespace allowed at each place in the JSON (vLLM's `whitespace_pattern`); overrides layout."""
+    strict: bool = False
+    """OpenAI's strict mode: no property the schema does not name, and every property required."""
+    extra_properties: bool = False
+    """Objects that do not say (no `additionalProperties`) may take extra properties, as JSON Schema reads them.
+    By default they take none, as llama.cpp, xgrammar and Outlines have it."""
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -54,6 +64,8 @@ class StructuredOutput:
             raise ValueError(f"a structured output constraint needs exactly one of json_schema, json_object, regex, choice, grammar; got {set_ or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("choice must be a non-empty list of non-empty strings")
+        if self.layout not in (None, "compact", "flexible"):
+            raise ValueError(f"layout must be compact or flexible, not {self.layout!r}")
 
     @property
     def kind(self) -> str:

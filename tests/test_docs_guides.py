@@ -389,31 +389,3 @@ def test_the_variable_check_sees_what_it_should():
     assert {"SHOAL_API_KEY", "XDG_CACHE_HOME", "CXX", "RANK", "MKL_CBWR"} <= named
     assert "SHOAL_NO_SUCH_THING" in variables_named("set `SHOAL_NO_SUCH_THING=1`")
     assert "SHOAL_NO_SUCH_THING" not in variables_read_by_shoal()
-
-
-# ---------------------------------------------------------------- links
-
-
-ALLOWED_LINKS = {"../reference/cli.md", "../reference/http.md", "../reference/metrics.md", "observability.md",
-                 "security.md", "configuration.md", "service.md", "scale-out.md", "openai.md", "anthropic.md",
-                 "shoal.service"}
-
-
-def slug(heading: str) -> str:
-    """The anchor MkDocs' toc extension gives a heading."""
-    s = re.sub(r"[^\w\s-]", "", heading.strip().lower())
-    return re.sub(r"[\s-]+", "-", s)
-
-
-@pytest.mark.parametrize("name", PAGES)
-def test_links_go_to_known_pages_and_anchors(name):
-    text = prose(page(name))
-    anchors = {slug(h) for h in re.findall(r"^#+\s+(.*)$", text, re.M)}
-    links = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert links
-    for link in links:
-        target, _, anchor = link.partition("#")
-        if target:
-            assert target in ALLOWED_LINKS, f"{name} links to {link}"
-        else:
-            assert anchor in anchors, f"{name} links to #{anchor}, which is no heading of the page"

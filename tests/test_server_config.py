@@ -38,6 +38,28 @@ def test_each_field_comes_from_the_first_level_that_sets_it():
     assert (p.temperature, p.top_p, p.max_tokens, p.ignore_eos, p.stop) == (0.0, 0.5, 4, False, ())
 
 
+def test_a_json_reply_takes_a_frequency_penalty_unless_a_level_sets_one():
+    from shoal.server.chat.params import JSON_FREQUENCY_PENALTY
+    from shoal.types import StructuredOutput
+
+    schema, other = StructuredOutput(json_schema='{"type": "object"}'), StructuredOutput(regex="[a-z]+")
+
+    def penalty(request, settings=ServerSettings(), model=None, structured=schema, tool_call=False):
+        req = ChatCompletionRequest(messages=CHAT, **request)
+        state = SimpleNamespace(settings=settings, generation_defaults=model or {})
+        return resolve_params(req, state, max_tokens=None, default_max_tokens=None, logprobs=None, structured=structured,
+                              tool_call=tool_call).frequency_penalty
+
+    assert JSON_FREQUENCY_PENALTY == 0.5
+    assert penalty({}) == 0.5
+    assert penalty({}, structured=StructuredOutput(json_object=True)) == 0.5
+    assert penalty({"frequency_penalty": 0.0}) == 0.0  # the request's own value, zero included
+    assert penalty({}, settings=ServerSettings(frequency_penalty=0.0)) == 0.0  # the server's
+    assert penalty({}, model={"frequency_penalty": 0.2}) == 0.2  # the model's
+    assert penalty({}, tool_call=True) == 0.0  # a forced tool call is not a JSON reply the client asked for
+    assert penalty({}, structured=other) == 0.0 and penalty({}, structured=None) == 0.0
+
+
 def test_unset_everywhere_gives_the_built_in_defaults():
     p = _resolve({}, ServerSettings(), {}, default_max_tokens=16)
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.ignore_eos, p.n, p.seed) == (1.0, 1.0, 0, 16, False, 1, None)

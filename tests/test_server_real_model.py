@@ -1,5 +1,8 @@
 """The server on the real default model (SmolLM2-135M-Instruct): a question with a known answer."""
 
+from typing import Literal
+
+import pydantic
 import pytest
 
 from server_utils import LiveServer
@@ -64,3 +67,52 @@ def test_forced_tool_call_on_the_real_model_through_the_manual_format(srv):
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and "city" in call.function.arguments
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+# ---------------------------------------------------------------- structured output, as the SDKs' docs use it
+
+
+class City(pydantic.BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+class Pet(pydantic.BaseModel):
+    name: str
+    species: Literal["cat", "dog", "fish", "bird"]
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+    pets: list[Literal["cat", "dog", "fish", "bird"]]
+
+
+class Owner(pydantic.BaseModel):
+    name: str
+    pets: list[Pet]
+
+
+PROMPTS = [("Describe Paris.", City), ("Describe Tokyo.", City), ("Invent a person.", Person), ("Invent a pet owner.", Owner)]
+
+
+def test_openai_sdk_parse_finishes_on_the_default_model(srv):
+    """`chat.completions.parse` as OpenAI's docs call it: no temperature, no max_tokens (the context is the bound)."""
+    client = srv.openai()
+    for prompt, model in PROMPTS:
+        r = client.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": prompt}], response_format=model)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert isinstance(r.choices[0].message.parsed, model)
+
+
+def test_langchain_with_structured_output_finishes_on_the_default_model(srv):
+    """LangChain's docs build the chat model with temperature 0; a reply that ran out would raise LengthFinishReasonError."""
+    import langchain_openai
+
+    chat = langchain_openai.ChatOpenAI(model="smollm2", base_url=srv.url + "/v1", api_key="unused", temperature=0, max_retries=0)
+    for prompt, model in PROMPTS:
+        out = chat.with_structured_output(model, method="json_schema").invoke(prompt)
+        assert isinstance(out, model), out
+    paris = chat.with_structured_output(City, method="json_schema").invoke("Describe Paris.")
+    assert paris.name == "Paris" and -(2**63) <= paris.population < 2**63

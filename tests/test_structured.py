@@ -39,7 +39,8 @@ SCHEMA = {
     "required": ["name", "age", "role", "tags", "address"],
     "additionalProperties": False,
 }
-JSON_SPEC = StructuredOutput(json_schema=json.dumps(SCHEMA))
+# One line: random weights would spend their tokens on the flexible layout's whitespace (bounded, tested below).
+JSON_SPEC = StructuredOutput(json_schema=json.dumps(SCHEMA), layout="compact")
 TOOLS = [
     {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                                                            "unit": {"enum": ["c", "f"]}},
@@ -219,7 +220,7 @@ def test_lark_and_gbnf_grammars(llm):
 
 def test_forced_tool_call_from_two_tools_is_always_a_valid_call(llm):
     schema = forced_tool_call_schema(TOOLS)
-    spec = StructuredOutput(json_schema=json.dumps(schema))
+    spec = StructuredOutput(json_schema=json.dumps(schema), layout="compact")
     outs = llm.generate(prompts(12), [SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured=spec) for s in range(12)])
     assert_valid_json(outs, schema)
     names = {json.loads(t)["name"] for t in texts(outs)}
@@ -267,6 +268,124 @@ def test_an_uncompilable_constraint_is_refused_before_the_loop(llm):
     with pytest.raises(ValueError, match="objekt"):
         llm.generate([prompts(1)[0]], SamplingParams(structured=StructuredOutput(json_schema='{"type": "objekt"}')))
     assert not llm.engine.has_unfinished()
+
+
+# ---------------------------------------------------------------- schema keywords, layouts, strict, bounds
+
+# One schema per keyword users rely on, bounded so that random weights finish too.
+KEYWORDS = {
+    "minItems/maxItems": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2, "maxItems": 4},
+    "minLength/maxLength": {"type": "string", "minLength": 2, "maxLength": 5},
+    "pattern": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+    "format date": {"type": "string", "format": "date"},
+    "format date-time": {"type": "string", "format": "date-time"},
+    "format email": {"type": "string", "format": "email", "maxLength": 24},
+    "format uuid": {"type": "string", "format": "uuid"},
+    "enum/const": {"type": "object", "properties": {"k": {"const": "x"}, "e": {"enum": [1, "two", None]}}, "required": ["k", "e"]},
+    "anyOf": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]},
+    "oneOf": {"oneOf": [{"type": "object", "properties": {"t": {"const": "a"}}, "required": ["t"]},
+                        {"type": "object", "properties": {"t": {"const": "b"}, "n": {"type": "integer", "minimum": 0, "maximum": 5}}, "required": ["t", "n"]}]},
+    "$ref/$defs": {"$defs": {"p": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}},
+                   "type": "array", "items": {"$ref": "#/$defs/p"}, "maxItems": 3},
+    "required, in property order": {"type": "object", "properties": {"b": {"type": "boolean"}, "a": {"type": "boolean"}, "c": {"type": "boolean"}},
+                                    "required": ["b", "c"]},
+    "integer": {"type": "integer"},
+    "number": {"type": "number"},
+}
+
+
+def assert_keyword_reply(name, schema, text):
+    doc = json.loads(text)
+    jsonschema.validate(doc, schema, format_checker=jsonschema.FormatChecker())
+    if name == "required, in property order":
+        assert list(doc) == [k for k in ("b", "a", "c") if k in doc]
+    if name == "integer":
+        assert -(2**63) <= doc < 2**63 and len(text.strip()) <= 20
+    if name == "number":
+        assert re.fullmatch(r"-?[0-9]{1,16}(\.[0-9]{1,10})?", text.strip()), text  # no exponent, digits bounded
+
+
+@pytest.mark.parametrize("layout", ["compact", "flexible"])
+def test_every_keyword_holds_in_seeded_samples(llm, layout):
+    specs = [(name, schema, StructuredOutput(json_schema=json.dumps(schema), layout=layout)) for name, schema in KEYWORDS.items()]
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=400, structured=spec) for _, _, spec in specs for seed in range(4)]
+    outs = llm.generate(prompts(len(params)), params)
+    for (name, schema, _), o in zip([x for x in specs for _ in range(4)], outs, strict=True):
+        c = o.outputs[0]
+        assert c.finish_reason is FinishReason.STOP, (name, c.text)
+        assert_keyword_reply(name, schema, c.text)
+
+
+def test_the_flexible_layout_bounds_whitespace_so_random_weights_finish(llm):
+    """At most one newline and 24 spaces or tabs at each place: a model cannot loop in whitespace."""
+    spec = StructuredOutput(json_schema=json.dumps(SCHEMA), layout="flexible")
+    outs = llm.generate(prompts(10), [SamplingParams(temperature=1.0, seed=s, max_tokens=1200, structured=spec) for s in range(10)])
+    assert_valid_json(outs)
+    for t in texts(outs):
+        assert not re.search(r"\n[ \t]*\n", t) and not re.search(r"[ \t]{25}", t), t
+    assert any("\n" in t for t in texts(outs))  # the model's own layout, not one line
+
+
+def test_a_custom_whitespace_pattern_is_the_only_whitespace(llm):
+    spec = StructuredOutput(json_schema=json.dumps(SCHEMA), whitespace_pattern="[ ]{0,1}")
+    outs = llm.generate(prompts(6), [SamplingParams(temperature=1.0, seed=s, max_tokens=300, structured=spec) for s in range(6)])
+    assert_valid_json(outs)
+    for t in texts(outs):
+        outside = re.sub(r'"(?:[^"\\]|\\.)*"', '""', t)  # whitespace inside strings is the string's
+        assert not re.search(r"[\n\t]|  ", outside), t
+
+
+def test_integers_at_the_int64_edges(llm):
+    for schema in ({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},  # compiles (it did not before)
+                   {"type": "integer", "minimum": 2**63 - 2000},
+                   {"type": "integer", "maximum": -(2**63) + 2000}):
+        spec = StructuredOutput(json_schema=json.dumps(schema))
+        outs = llm.generate(prompts(6), [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured=spec) for s in range(6)])
+        for t in texts(outs):
+            value = json.loads(t)
+            assert -(2**63) <= value <= 2**63 - 1, t
+            jsonschema.validate(value, schema)
+
+
+def test_strict_means_every_property_and_no_other(llm):
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": ["x", "y"]}, "c": {"type": "boolean"}},
+              "required": ["a"], "additionalProperties": True}
+    strict = StructuredOutput(json_schema=json.dumps(schema), strict=True, layout="compact")
+    outs = llm.generate(prompts(8), [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured=strict) for s in range(8)])
+    for t in texts(outs):
+        assert list(json.loads(t)) == ["a", "b", "c"], t
+    # Without strict, the optional ones may be left out, and no unnamed property is written either
+    # unless the request asks for JSON Schema's own default.
+    unsaid = {k: v for k, v in schema.items() if k != "additionalProperties"}
+    loose = StructuredOutput(json_schema=json.dumps(unsaid), layout="compact")
+    outs = llm.generate(prompts(8), [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured=loose) for s in range(8)])
+    keys = [list(json.loads(t)) for t in texts(outs)]
+    assert all(set(k) <= {"a", "b", "c"} and k[0] == "a" for k in keys), keys
+    assert any(k != ["a", "b", "c"] for k in keys), keys  # some reply used the freedom
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "array", "uniqueItems": True}, ["uniqueItems"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}, ["dependentRequired"]),
+    ({"type": "array", "contains": {"const": 1}}, ["contains"]),
+    ({"type": "string", "format": "ssn"}, ["format", "ssn"]),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, ["oneOf", "anyOf"]),
+])
+def test_unsupported_keywords_are_refused_by_name(compiler, schema, words):
+    with pytest.raises(GrammarError) as e:
+        compiler.compile(StructuredOutput(json_schema=json.dumps(schema)))
+    for w in words:
+        assert w in str(e.value)
+    assert "coerce_one_of" not in str(e.value)  # llguidance's option, not the user's
+
+
+def test_json_object_mode_has_the_same_bounds(llm):
+    spec = StructuredOutput(json_object=True, layout="compact")
+    outs = llm.generate(prompts(8), [SamplingParams(temperature=1.0, seed=s, max_tokens=300, structured=spec) for s in range(8)])
+    for c in (c for o in outs for c in o.outputs):
+        assert c.text.startswith("{")
+        for number in re.findall(r'(?<=[:\[,] )-?[0-9][0-9.eE+-]*', re.sub(r'"(?:[^"\\]|\\.)*"', '""', c.text)):
+            assert re.fullmatch(r"-?[0-9]{1,16}(\.[0-9]{1,10})?", number), (number, c.text)
 
 
 # ---------------------------------------------------------------- HTTP
@@ -325,6 +444,31 @@ def test_vllm_spellings_on_chat_and_completions(srv, extra, ok):
     assert ok(r.choices[0].text), r.choices[0].text
 
 
+def test_vllms_layout_options_mean_what_they_say(srv):
+    client = srv.openai()
+
+    def reply(**opts):
+        r = client.chat.completions.create(model=srv.state.model_name, messages=CHAT, temperature=1.0, seed=3, max_tokens=600,
+                                           extra_body={"structured_outputs": {"json": SCHEMA, **opts}})
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        return re.sub(r'"(?:[^"\\]|\\.)*"', '""', r.choices[0].message.content)  # strings' own whitespace aside
+
+    compact = reply(disable_any_whitespace=True)
+    assert "\n" not in compact and re.fullmatch(r'\{"": .*\}', compact) and ", " in compact  # one line, as json.dumps writes it
+    assert re.search(r"[\n\t]|  ", reply(whitespace_pattern="[ ]{0,1}")) is None
+    assert reply(disable_any_whitespace=False, disable_additional_properties=True)
+
+
+def test_strict_response_format_writes_every_property(srv):
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": ["x", "y"]}}, "required": ["a"]}
+    client = srv.openai()
+    for seed in range(4):
+        fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+        r = client.chat.completions.create(model=srv.state.model_name, messages=CHAT, response_format=fmt, temperature=1.0, seed=seed, max_tokens=200)
+        assert list(json.loads(r.choices[0].message.content)) == ["a", "b"]
+
+
 def test_json_object_reply_is_an_object_or_was_cut(srv):
     client = srv.openai()
     r = client.chat.completions.create(model=srv.state.model_name, messages=CHAT, response_format={"type": "json_object"}, temperature=0.0, max_tokens=200)
@@ -348,6 +492,12 @@ def test_json_object_reply_is_an_object_or_was_cut(srv):
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", ["non-empty list"]),
         ({"guided_json": "{not json"}, "guided_json", ["not valid JSON"]),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", ["one output constraint"]),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+         "response_format.json_schema.schema", ["uniqueItems", "not support"]),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "yes"}}},
+         "response_format.json_schema.strict", ["true or false"]),
+        ({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": "no"}}, "structured_outputs.disable_any_whitespace", ["true or false"]),
+        ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": "[ "}}, "structured_outputs.json", ["unclosed"]),
     ],
 )
 def test_bad_constraints_are_a_400_naming_the_problem_and_the_server_goes_on(srv, fields, param, words):
@@ -391,6 +541,19 @@ def test_real_model_json_object_and_forced_tool_calls(real):
     spec = StructuredOutput(json_schema=json.dumps(schema))
     outs = real.chat([call] * 5, [SamplingParams(temperature=1.0, seed=s, max_tokens=128, structured=spec) for s in range(5)])
     assert_valid_json(outs, schema)
+
+
+@pytest.mark.slow
+def test_real_model_every_keyword_holds_in_seeded_samples(real):
+    ask = [{"role": "user", "content": "Answer with JSON."}]
+    cases = [(name, schema) for name, schema in KEYWORDS.items() for _ in range(3)]
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=200, frequency_penalty=0.5, structured=StructuredOutput(json_schema=json.dumps(schema)))
+              for i, (_, schema) in enumerate(cases)]
+    outs = real.chat([ask] * len(cases), params)
+    for (name, schema), o in zip(cases, outs, strict=True):
+        c = o.outputs[0]
+        assert c.finish_reason is FinishReason.STOP, (name, c.text)
+        assert_keyword_reply(name, schema, c.text)
 
 
 # ---------------------------------------------------------------- thinking budgets

@@ -35,13 +35,17 @@ from collections import OrderedDict
 
 import llguidance
 
+from shoal.engine import json_schema
 from shoal.types import StructuredOutput, ThinkingBudget
 
 log = logging.getLogger("shoal.structured")
 
-# JSON as people (and models) write it, on one line: `{"a": 1, "b": [2, 3]}`. Flexible
-# whitespace would let a small model emit newlines forever inside an object.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The JSON layout when a request does not choose one (json_schema.py: compact or flexible). Measured on 26
+# schemas (benchmarks/results/structured_finish.md): without a penalty the flexible layout finished more
+# replies (81-83% against 69-76%), but with the server's default frequency penalty for JSON replies the
+# compact one finishes the most (100%, 98%, 95% at temperatures 0, 0.7, 1 against 96%, 98%, 95%), in the
+# fewest tokens.
+DEFAULT_LAYOUT = "compact"
 
 # llguidance's defaults, tightened: about 4 ms to build a grammar's lexer (initial fuel,
 # ~50k/ms), about 7 ms of lexer work per mask (step fuel, ~14k/ms), and ~2 kB per lexer
@@ -231,10 +235,13 @@ class GrammarCompiler:
 def _grammar(spec: StructuredOutput) -> str:
     """llguidance's grammar text for a constraint."""
     try:
-        if spec.json_schema is not None:
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.json_schema, defaults=JSON_OPTIONS)
-        if spec.json_object:
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if spec.json_schema is not None or spec.json_object:
+            if spec.json_object:
+                schema = json_schema.json_object_schema()
+            else:
+                schema = json_schema.prepare(json.loads(spec.json_schema), strict=spec.strict, extra_properties=spec.extra_properties)
+            layout = json_schema.json_options(spec.layout or DEFAULT_LAYOUT, spec.whitespace_pattern)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=layout)
         if spec.regex is not None:
             return llguidance.grammar_from("regex", spec.regex)
         if spec.choice is not None:
@@ -256,8 +263,14 @@ def _first_allowed(mask: bytes, skip: set[int]) -> int | None:
 
 
 def _message(error: str) -> str:
-    """llguidance's message without its debugging tail."""
-    return error.replace("<non-verbose/>", "").strip() or "the grammar could not be compiled"
+    """llguidance's message without its debugging tail, in the words of a schema's author where it names llguidance's own options."""
+    error = error.replace("<non-verbose/>", "").strip() or "the grammar could not be compiled"
+    if "Unimplemented keys" in error:
+        keys = error.split("Unimplemented keys:", 1)[1].split("\n")[0].strip()
+        return f"the JSON schema uses keywords that structured output does not support: {keys}"
+    if "oneOf constraints are not supported" in error:
+        return "a oneOf whose branches may overlap is not supported (only disjoint ones are): use anyOf"
+    return error
 
 
 def forced_tool_call_schema(tools: list[dict]) -> dict:

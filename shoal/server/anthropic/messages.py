@@ -240,7 +240,7 @@ async def create_message(body: MessagesRequest, http: Request, state) -> JSONRes
         raise bad_request("stop_sequences must not hold empty strings", "stop_sequences")
     text, ids = await asyncio.to_thread(render, state, body, tools)
     params = resolve_params(body, state, max_tokens=body.max_tokens, default_max_tokens=None, logprobs=None,
-                            extra_stop=state.renderer.default_stop, structured=structured)
+                            extra_stop=state.renderer.default_stop, structured=structured, tool_call=param == "tools")
     budget = thinking_budget(state, body)
     if budget is not None:
         params = replace(params, thinking_budget=budget)

@@ -8,6 +8,12 @@ Each sampling field comes from the first level that sets it:
 
     request field > server settings (flags / YAML) > the model's generation_config
                   > its card's recommendation (models that ship none: loader.CARD_DEFAULTS) > built-in default
+
+One built-in default depends on the request: a reply held to a JSON schema or to `json_object`
+(not a forced tool call) takes `frequency_penalty` JSON_FREQUENCY_PENALTY when no level sets one.
+Small models otherwise repeat an array's items or a value's digits until `max_tokens`; the penalty
+counts the reply's own tokens only, so copying from the prompt is not discouraged
+(benchmarks/results/structured_finish.md).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ _BUILTIN = SamplingParams()
 # Fields that go through the whole chain. The model's generation_config only
 # ever suggests sampling shape (temperature, top_p, ...), never lengths or stops.
 _CHAINED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+JSON_FREQUENCY_PENALTY = 0.5
 _MODEL_ONLY = ("typical_p", "no_repeat_ngram_size")
 
 
@@ -49,11 +56,13 @@ def resolve_params(
     prompt_logprobs: int | None = None,
     extra_stop: tuple[str, ...] = (),
     structured: StructuredOutput | None = None,
+    tool_call: bool = False,
 ) -> SamplingParams:
     """The request's SamplingParams: each field from the first level that sets it.
 
     `req`: the protocol's request; its sampling fields are read by their common names
     (`temperature`, `top_p`, `top_k`, `stop`, `seed`, ...), None or absent when not given.
+    `tool_call`: `structured` is a forced tool call's, not a JSON reply the client asked for.
     """
     settings, model = state.settings, state.generation_defaults
     kw: dict = {}
@@ -62,6 +71,8 @@ def resolve_params(
             if level is not None:
                 kw[name] = level
                 break
+    if "frequency_penalty" not in kw and structured is not None and not tool_call and (structured.json_schema or structured.json_object):
+        kw["frequency_penalty"] = JSON_FREQUENCY_PENALTY
     for name in _MODEL_ONLY:
         if model.get(name) is not None:
             kw[name] = model[name]

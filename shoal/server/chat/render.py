@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shoal.engine.structured import JSON_OPTIONS, forced_tool_call_schema
+from shoal.engine import json_schema
+from shoal.engine.structured import forced_tool_call_schema
 from shoal.server.chat.tools import forced_calls_schema, manual_tool_messages, parser_for_template, template_tool_calls
 from shoal.server.errors import bad_request
 from shoal.types import StructuredOutput
@@ -55,7 +56,8 @@ class ToolUse:
         if self.parser_name(state) == "json":
             return StructuredOutput(json_schema=json.dumps(forced_calls_schema(defs, self.name, self.parallel)))
         before, after, between = state.renderer.tool_call_layout
-        schema = {**forced_tool_call_schema(defs), "x-guidance": JSON_OPTIONS}
+        # compact, as the template's json.dumps writes a call: the next turn's prompt then repeats the generated tokens
+        schema = {**json_schema.prepare(forced_tool_call_schema(defs)), "x-guidance": json_schema.COMPACT}
         more = f" ({json.dumps(between)} call)*" if parallel else ""
         lark = f"start: call{more}\ncall: {json.dumps(before)} body {json.dumps(after)}\nbody: %json {json.dumps(schema)}\n"
         return StructuredOutput(grammar=lark)

@@ -146,6 +146,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
         prompt_logprobs=body.prompt_logprobs,
         extra_stop=state.renderer.default_stop,
         structured=structured,
+        tool_call=structured_param == "tools",
     )
     rid = new_id("chatcmpl")
     (req,), (clipped,) = await engine_requests(state, rid, [(text, ids)], params, structured, structured_param, priority=body.priority or 0)

@@ -15,6 +15,7 @@ Bounds on the work one request may ask for:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -46,8 +47,10 @@ def check_unsupported(body: SamplingFields) -> None:
 # ---------------------------------------------------------------- structured output
 
 _VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-# vLLM's options that shoal's grammars fix (whitespace) or choose themselves (the backend).
-_VLLM_IGNORED = {"disable_any_whitespace", "disable_fallback", "disable_additional_properties", "whitespace_pattern", "backend"}
+# vLLM's options of a JSON constraint's layout, as its own fields mean them (engine/json_schema.py).
+_VLLM_LAYOUT = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+# vLLM's options about its grammar backends: shoal has one.
+_VLLM_IGNORED = {"disable_fallback", "backend"}
 
 
 def output_constraint(body: SamplingFields) -> tuple[StructuredOutput | None, str | None]:
@@ -90,12 +93,15 @@ def _response_format(fmt) -> StructuredOutput | None:
         raise bad_request("response_format.json_schema.name must be a string", "response_format.json_schema.name")
     if "schema" not in spec:
         return StructuredOutput(json_object=True)  # a name without a schema: any JSON object
-    return constraint("json", spec["schema"], "response_format.json_schema.schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("response_format.json_schema.strict must be true or false", "response_format.json_schema.strict")
+    return dataclasses.replace(constraint("json", spec["schema"], "response_format.json_schema.schema"), strict=bool(strict))
 
 
 def _vllm_structured(opts: dict) -> tuple[StructuredOutput, str]:
     given = [k for k in _VLLM_KINDS if opts.get(k) not in (None, False)]
-    unknown = sorted(set(opts) - set(_VLLM_KINDS) - _VLLM_IGNORED)
+    unknown = sorted(set(opts) - set(_VLLM_KINDS) - set(_VLLM_LAYOUT) - _VLLM_IGNORED)
     if "structural_tag" in unknown:
         raise bad_request("structured_outputs.structural_tag is not supported: use json, regex, choice or grammar", "structured_outputs.structural_tag")
     if unknown:
@@ -105,7 +111,31 @@ def _vllm_structured(opts: dict) -> tuple[StructuredOutput, str]:
             f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}", "structured_outputs"
         )
     (kind,) = given
-    return constraint(kind, opts[kind], f"structured_outputs.{kind}"), f"structured_outputs.{kind}"
+    spec = constraint(kind, opts[kind], f"structured_outputs.{kind}")
+    if spec.json_schema is not None or spec.json_object:
+        spec = dataclasses.replace(spec, **_vllm_layout(opts))
+    return spec, f"structured_outputs.{kind}"
+
+
+def _vllm_layout(opts: dict) -> dict:
+    """vLLM's layout options: `disable_any_whitespace` (one line), `whitespace_pattern` (a regex for the
+    whitespace at each place), `disable_additional_properties` (no property a schema does not name)."""
+    out = {}
+    for key in _VLLM_LAYOUT:
+        value = opts.get(key)
+        if value is None:
+            continue
+        if key == "whitespace_pattern":
+            if not isinstance(value, str) or not value:
+                raise bad_request("structured_outputs.whitespace_pattern must be a non-empty regex", "structured_outputs.whitespace_pattern")
+            out["whitespace_pattern"] = value
+        elif not isinstance(value, bool):
+            raise bad_request(f"structured_outputs.{key} must be true or false", f"structured_outputs.{key}")
+        elif key == "disable_any_whitespace":
+            out["layout"] = "compact" if value else "flexible"
+        else:
+            out["extra_properties"] = not value
+    return out
 
 
 def check_sequences(state, num_prompts: int, n: int | None) -> None:
