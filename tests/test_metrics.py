@@ -146,6 +146,19 @@ def test_stats_reports_the_snapshot_and_recent_requests(srv):
     assert stats["kv_total_bytes"] > 0 and stats["last_step"]["batch_size"] >= 1
 
 
+def test_every_family_is_there_from_the_start_and_a_lost_rank_is_not_loaded(tiny_llama_path):
+    with LiveServer(tiny_engine(tiny_llama_path, max_model_len=64)) as s:
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics").text)}
+        assert families["shoal:prefix_cache_queries"].samples[0].value == 0  # before any request: rate() sees the first
+        assert families["shoal:model_loaded"].samples[0].value == 1
+        s.engine.executor.failure = "rank 1 is unreachable"  # what a lost rank leaves on the executor
+        try:
+            families = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics").text)}
+            assert families["shoal:model_loaded"].samples[0].value == 0  # a real lost rank: test_tensor_parallel.py
+        finally:
+            del s.engine.executor.failure
+
+
 def test_metrics_need_the_key_unless_public(tiny_llama_path):
     with LiveServer(tiny_engine(tiny_llama_path, max_model_len=64), ServerSettings(log_requests=False, api_key="k")) as s:
         assert httpx.get(s.url + "/metrics").status_code == 401

@@ -187,6 +187,9 @@ def test_allowed_origins_and_their_preflight(engine):
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://ui.example"
         r = h.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}, headers={"Origin": "https://ui.example"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+        # the page's script may read the headers shoal answers with, not only the browser
+        exposed = {v.strip().lower() for v in r.headers["access-control-expose-headers"].split(",")}
+        assert {"x-shoal-max-tokens-clipped", "retry-after"} <= exposed
         error(h.get("/v1/models", headers={"Origin": "https://other.example"}), 403, "https://other.example")
     with LiveServer(engine, ServerSettings(allowed_origins=("*",), log_requests=False)) as srv, srv.http() as h:
         assert h.get("/v1/models", headers={"Origin": "https://anyone.example"}).status_code == 200

@@ -119,6 +119,21 @@ def test_max_tokens_beyond_the_context_is_clipped_and_reported(h):
           param="min_tokens")
 
 
+def test_anthropic_messages_report_a_clipped_max_tokens_too(srv):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    for stream in (False, True):
+        raw = client.messages.with_raw_response.create(model=srv.state.model_name, max_tokens=43_000_000, messages=msgs,
+                                                      stream=stream, extra_body={"ignore_eos": True}, timeout=60)
+        assert 0 < int(raw.headers["x-shoal-max-tokens-clipped"]) < MAX_LEN
+        if not stream:
+            assert raw.parse().stop_reason == "max_tokens"
+    raw = client.messages.with_raw_response.create(model=srv.state.model_name, max_tokens=3, messages=msgs)
+    assert "x-shoal-max-tokens-clipped" not in raw.headers
+
+
 def test_logprobs_0_gives_the_sampled_tokens_entry(h, srv):
     body = complete(h, logprobs=0, temperature=0, max_tokens=3, ignore_eos=True).json()
     lp = body["choices"][0]["logprobs"]

@@ -122,7 +122,7 @@ class StatsMonitor:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.snapshot = EngineSnapshot(time=engine.clock(), facts=engine.facts, kv_blocks=engine.pool.num_blocks, kv_free_blocks=engine.pool.num_free,
-                                       kv_block_bytes=engine.runner.bytes_per_block)
+                                       kv_block_bytes=engine.runner.bytes_per_block, prefix_cache=_cache_view(engine.prefix_cache))
         self._last_step: StepStats | None = None
         self._computed_prompt_tokens = 0
         self._samples: deque[tuple[float, int, int]] = deque()  # (time, computed prompt tokens, generated tokens)
@@ -155,11 +155,6 @@ class StatsMonitor:
         while len(self._samples) > 2 and now - self._samples[1][0] > WINDOWS[-1]:
             self._samples.popleft()
         cache = e.prefix_cache
-        cache_view = None
-        if cache is not None:
-            pc = cache.stats
-            cache_view = MappingProxyType({**dataclasses.asdict(pc), "hits": pc.hits, "token_hit_rate": pc.token_hit_rate,
-                                           "cached_bytes": pc.cached_bytes, "pool_bytes": pc.pool_bytes})
         self.snapshot = EngineSnapshot(
             time=now,
             facts=e.facts,
@@ -172,7 +167,7 @@ class StatsMonitor:
             kv_free_blocks=e.pool.num_free,
             kv_block_bytes=e.runner.bytes_per_block,
             cached_blocks=cache.stats.cached_blocks if cache is not None else 0,
-            prefix_cache=cache_view,
+            prefix_cache=_cache_view(cache),
             last_step=self._last_step,
             prompt_throughput=self._rates(now, 1),
             generation_throughput=self._rates(now, 2),
@@ -188,3 +183,12 @@ class StatsMonitor:
             span = now - base[0]
             out[f"{w:g}s"] = (latest[column] - base[column]) / span if span > 0 else 0.0
         return MappingProxyType(out)
+
+
+def _cache_view(cache) -> MappingProxyType | None:
+    """The prefix cache's figures as the snapshot holds them (None without a cache)."""
+    if cache is None:
+        return None
+    pc = cache.stats
+    return MappingProxyType({**dataclasses.asdict(pc), "hits": pc.hits, "token_hit_rate": pc.token_hit_rate,
+                             "cached_bytes": pc.cached_bytes, "pool_bytes": pc.pool_bytes})

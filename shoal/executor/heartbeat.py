@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from shoal.executor.group import RankGroup, first_line
 
@@ -18,23 +19,32 @@ HEARTBEAT_S = 2.0
 BEAT_S = 0.5  # how often the other ranks count their heartbeat in rank 0's store
 
 
-def start_beating(group: RankGroup) -> None:
-        """A rank other than 0: count this process's heartbeat in rank 0's store every BEAT_S, from a thread of
-        its own, for as long as the process lives (HeartbeatWatch reads the counts)."""
+def start_beating(group: RankGroup) -> Callable[[], None]:
+    """A rank other than 0: count this process's heartbeat in rank 0's store every BEAT_S, from a thread of
+    its own (HeartbeatWatch reads the counts), until the function returned is called. The rank calls it
+    before it exits: a thread left inside a store call while the interpreter shuts down aborts the process."""
+    stopped = threading.Event()
 
-        def beat() -> None:
-            key = f"shoal/beat/{group.rank}"
-            while True:
-                try:
-                    store = group.store_client()
-                    while True:
-                        store.add(key, 1)
-                        time.sleep(BEAT_S)
-                except Exception as e:  # noqa: BLE001 (rank 0 unreachable: connect again; the steps' collectives say what broke)
-                    log.debug("rank %d: heartbeat not counted (%s)", group.rank, first_line(e))
-                    time.sleep(BEAT_S)
+    def beat() -> None:
+        key = f"shoal/beat/{group.rank}"
+        while not stopped.is_set():
+            try:
+                store = group.store_client()
+                while not stopped.is_set():
+                    store.add(key, 1)
+                    stopped.wait(BEAT_S)
+            except Exception as e:  # noqa: BLE001 (rank 0 unreachable: connect again; the steps' collectives say what broke)
+                log.debug("rank %d: heartbeat not counted (%s)", group.rank, first_line(e))
+                stopped.wait(BEAT_S)
 
-        threading.Thread(target=beat, name="shoal-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="shoal-heartbeat", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        stopped.set()
+        thread.join(timeout=4 * BEAT_S)  # a beat fails fast once rank 0 has closed its store
+
+    return stop
 
 
 class HeartbeatWatch:

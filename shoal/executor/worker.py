@@ -64,17 +64,20 @@ def serve_forwards(group: RankGroup) -> None:
 def run_rank(group: RankGroup, rejoin: bool) -> None:
     """Serve forwards until rank 0 says stop. `rejoin`: when the group breaks (another rank was lost, rank 0
     is restarting the ranks: --restart-workers), meet it again and reload, instead of exiting."""
-    start_beating(group)
-    while True:
-        try:
-            serve_forwards(group)
-            return
-        except Exception as e:
-            if not rejoin or group.address is None:
-                raise
-            log.warning("rank %d lost the group (%s); meeting rank 0 again at %s:%d", group.rank,
-                        first_line(e), *group.address)
-            group.rejoin()
+    stop_beating = start_beating(group)
+    try:
+        while True:
+            try:
+                serve_forwards(group)
+                return
+            except Exception as e:
+                if not rejoin or group.address is None:
+                    raise
+                log.warning("rank %d lost the group (%s); meeting rank 0 again at %s:%d", group.rank,
+                            first_line(e), *group.address)
+                group.rejoin()
+    finally:
+        stop_beating()
 
 
 def setup_logging(rank: int) -> None:

@@ -31,6 +31,7 @@ from shoal.server.errors import APIError, install_error_handlers
 from shoal.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from shoal.server.middleware import LOOPBACK_ORIGIN_REGEX, AccessMiddleware, is_loopback_host
 from shoal.server.anthropic import router as anthropic_router
+from shoal.server.chat.params import CLIPPED_HEADER
 from shoal.server.openai import router as openai_router
 from shoal.server.openai.protocol import HealthResponse, StatsResponse, error_responses
 from shoal.server.settings import ServerSettings
@@ -90,6 +91,7 @@ def create_app(
             allow_origin_regex=loopback_origins,
             allow_methods=["*"],
             allow_headers=["*"],
+            expose_headers=[CLIPPED_HEADER, "Retry-After"],  # readable by the page's script, not only by the browser
         )
     return app
 

@@ -68,7 +68,7 @@ HTTP_REQUESTS = Family("shoal:http_requests", "counter", "HTTP requests answered
 SNAPSHOT = {f.name.removeprefix("shoal:"): f for f in (
     Family("shoal:client_disconnects", "counter", "Requests aborted because their client went away."),
     Family("shoal:requests_rejected_overloaded", "counter", "Requests refused with 503 for --max-waiting."),
-    Family("shoal:model_loaded", "gauge", "1 once the model is loaded and serving."),
+    Family("shoal:model_loaded", "gauge", "1 while the model is loaded and serving: 0 while it loads, and while a rank holding part of it is lost."),
     Family("shoal:build_info", "gauge", "Version, model and how it runs (always 1).", ("version", "model", "dtype", "quantization", "device")),
     Family("shoal:prompt_tokens", "counter", "Prompt tokens of requests admitted."),
     Family("shoal:prompt_tokens_cached", "counter", "Prompt tokens served from the prefix cache (or a fork's shared prompt)."),
@@ -150,7 +150,8 @@ class _SnapshotCollector:
         c = state.counters
         yield _family("client_disconnects", c.client_disconnects)
         yield _family("requests_rejected_overloaded", c.rejected_overloaded)
-        yield _family("model_loaded", 1 if state.status == "ok" else 0)
+        serving = state.status == "ok" and state.engine.executor.failure is None  # a lost rank: /health says 503 too
+        yield _family("model_loaded", 1 if serving else 0)
         yield _family("build_info", {tuple(state.build_info()): 1})
         engine = state.engine
         if engine is None:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from shoal.server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from shoal.server.chat.params import constraint, engine_requests, resolve_params
+from shoal.server.chat.params import clipped_headers, constraint, engine_requests, resolve_params
 from shoal.server.chat.pipeline import DeltaPipeline
 from shoal.server.chat.reasoning import END, START
 from shoal.server.chat.render import ToolUse, render_messages
@@ -245,11 +245,12 @@ async def create_message(body: MessagesRequest, http: Request, state) -> JSONRes
     if budget is not None:
         params = replace(params, thinking_budget=budget)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    (req,), _ = await engine_requests(state, rid, [(text, ids)], params, structured, param)
+    (req,), (clipped,) = await engine_requests(state, rid, [(text, ids)], params, structured, param)
+    headers = clipped_headers([clipped])
     job = _Message(state, rid, body, req, tools.parser_name(state) if tools is not None else None)
     if body.stream:
-        return StreamingResponse(job.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await job.complete(http)
+        return StreamingResponse(job.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+    return await job.complete(http, headers)
 
 
 # ---------------------------------------------------------------- responses
@@ -290,10 +291,10 @@ class _Message:
     def _shell(self) -> dict:
         return {"id": self.rid, "type": "message", "role": "assistant", "model": self.state.model_name}
 
-    async def complete(self, http: Request) -> JSONResponse:
+    async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
         async with tracked(self.state, self.rid, [self.req]) as tracker:
             (out,) = await run_to_end(self.state.aengine, [self.req], http, tracker)
-            return JSONResponse(self._body(out))
+            return JSONResponse(self._body(out), headers=headers)
 
     def _body(self, out: RequestOutput) -> dict:
         whole = DeltaPipeline(self.reasoning, self.tool_parser).feed(out.outputs[0].text, final=True)

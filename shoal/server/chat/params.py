@@ -43,6 +43,14 @@ _BUILTIN = SamplingParams()
 # ever suggests sampling shape (temperature, top_p, ...), never lengths or stops.
 _CHAINED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 JSON_FREQUENCY_PENALTY = 0.5
+# A response whose max_tokens was clipped to the room the context left says so, with the value it ran with.
+CLIPPED_HEADER = "X-Shoal-Max-Tokens-Clipped"
+
+
+def clipped_headers(clipped: list[int | None]) -> dict[str, str]:
+    """The header for a response's clipped max_tokens: the smallest, when several prompts were clipped."""
+    values = [c for c in clipped if c is not None]
+    return {CLIPPED_HEADER: str(min(values))} if values else {}
 _MODEL_ONLY = ("typical_p", "no_repeat_ngram_size")
 
 

@@ -15,12 +15,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from shoal.server.errors import bad_request
-from shoal.server.chat.params import engine_requests, resolve_params
+from shoal.server.chat.params import clipped_headers, engine_requests, resolve_params
 from shoal.server.openai.common import (
     chat_logprobs,
     check_sequences,
     check_unsupported,
-    clipped_headers,
     finish_reason,
     new_id,
     now,

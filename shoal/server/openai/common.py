@@ -8,8 +8,8 @@ Bounds on the work one request may ask for:
   (it could not fit the context: see there);
 - a `max_tokens` larger than what the context leaves after the prompt is clipped
   to that room, and the response says so in the header
-  `X-Shoal-Max-Tokens-Clipped: <the max_tokens it ran with>` (the smallest, when
-  several prompts were clipped). The choice's finish_reason "length" already says
+  `X-Shoal-Max-Tokens-Clipped: <the max_tokens it ran with>` (`chat.params.clipped_headers`:
+  the smallest, when several prompts were clipped; the Anthropic adapter sends it too). The choice's finish_reason "length" already says
   the text stopped at the limit; the header says the limit was not the one asked for.
 """
 
@@ -25,7 +25,6 @@ from shoal.server.errors import bad_request
 from shoal.server.openai.protocol import SamplingFields
 from shoal.types import FinishReason, RequestOutput, StructuredOutput, TokenLogprobs
 
-CLIPPED_HEADER = "X-Shoal-Max-Tokens-Clipped"
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -148,11 +147,6 @@ def check_sequences(state, num_prompts: int, n: int | None) -> None:
             f"but the server allows at most {limit} per request (--max-sequences-per-request)",
             "n",
         )
-
-
-def clipped_headers(clipped: list[int | None]) -> dict[str, str]:
-    values = [c for c in clipped if c is not None]
-    return {CLIPPED_HEADER: str(min(values))} if values else {}
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:

@@ -23,11 +23,10 @@ from starlette.requests import Request
 
 from shoal.server.errors import bad_request
 from shoal.server.chat.render import check_prompt_chars
-from shoal.server.chat.params import engine_requests, resolve_params
+from shoal.server.chat.params import clipped_headers, engine_requests, resolve_params
 from shoal.server.openai.common import (
     check_sequences,
     check_unsupported,
-    clipped_headers,
     completion_logprobs,
     finish_reason,
     new_id,
