@@ -147,9 +147,8 @@ def test_a_rank_reads_only_its_rows_and_columns_of_the_gguf(default_gguf_path):
     """Rank 1 of 2 on the default GGUF: its 4-bit codes, read block by block from the file (q/k un-permuted per
     head), equal the whole file's codes sliced; the loader never builds the rest."""
     shard = plan_tensor_parallel(9, 3, 1536, 576, 2, vocab_size=49152)[1]
-    select_for = lambda hf, fmt: partial(shard_slice, shard=shard, head_dim=64)  # noqa: E731
     full = load_checkpoint(str(default_gguf_path), quantization="int4", progress=False).state_dict
-    part = load_checkpoint(str(default_gguf_path), quantization="int4", progress=False, select_for=select_for).state_dict
+    part = load_checkpoint(str(default_gguf_path), quantization="int4", progress=False, select=partial(shard_slice, shard=shard, head_dim=64)).state_dict
     _assert_rank_part(full, part, shard, 64)
     assert isinstance(part["model.layers.0.mlp.down_proj.weight"], Q4Codes)  # rows of the file's codes
     assert sum(v.numel() for v in part.values()) < 0.8 * sum(v.numel() for v in full.values())
@@ -159,7 +158,7 @@ def test_a_rank_reads_only_its_rows_and_columns_of_safetensors(tmp_path):
     path = make_tiny_model("qwen2", tmp_path / "m")  # q/k/v biases too
     shard = plan_tensor_parallel(4, 2, 128, 64, 2, vocab_size=256)[0]
     full = load_checkpoint(str(path), progress=False).state_dict
-    part = load_checkpoint(str(path), progress=False, select_for=lambda hf, fmt: partial(shard_slice, shard=shard, head_dim=16)).state_dict
+    part = load_checkpoint(str(path), progress=False, select=partial(shard_slice, shard=shard, head_dim=16)).state_dict
     _assert_rank_part(full, part, shard, 16)
 
 

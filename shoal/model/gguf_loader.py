@@ -18,6 +18,7 @@ comment says whose rule it follows.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -133,6 +134,22 @@ class GGUFFileReader(gguf.GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._array = value.view(np.ndarray)
 
+    @functools.cached_property
+    def metadata(self) -> dict[str, Any]:
+        return read_metadata(self)
+
+    @functools.cached_property
+    def tokenizer(self) -> transformers.PreTrainedTokenizerFast:
+        """Built once (~0.5 s for SmolLM2's vocabulary), whether the config is read before the load or by it."""
+        return build_tokenizer(self.metadata)
+
+    @functools.cached_property
+    def hf_config(self) -> transformers.PretrainedConfig:
+        meta = self.metadata
+        if meta["general.architecture"] not in ARCHS:
+            raise ValueError(f"GGUF architecture {meta['general.architecture']!r} is not supported (supported: {', '.join(ARCHS)})")
+        return build_config(meta, {t.name: t for t in self.tensors}, self.tokenizer)
+
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     """Every key/value of the file as Python values (str, int, float, bool, lists)."""
@@ -140,7 +157,7 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none",
-              select_for=None, reader: GGUFFileReader | None = None) -> GGUFCheckpoint:
+              select=None, reader: GGUFFileReader | None = None) -> GGUFCheckpoint:
     """Read a GGUF file into HF-named tensors, a config and a tokenizer.
 
     quantization: the format the decoder's projections will have ("none",
@@ -149,28 +166,25 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     (`Q4Codes`) and is never dequantized; with int8 or int4, projections that
     are rounded later stay float32 until then. Everything else is `dtype`.
 
-    select_for(config, weight_format) -> select(hf_name) -> (dim, start, length) | None | False: read only that
-    part of each tensor (a tensor-parallel rank's rows or columns, weights.shard_slice), or
-    nothing of it (False: another pipeline stage's).
+    select(hf_name) -> (dim, start, length) | None | False: read only that part of each tensor (a
+    tensor-parallel rank's rows or columns, weights.shard_slice), or nothing of it (False: another
+    pipeline stage's). A rank plans its part from the config first (`GGUFFileReader.hf_config`).
     Rows are read from the file's blocks as they are; columns too where they fall on
     quantization blocks, else the tensor is read whole and the model slices it.
     reader: the file already parsed (loader.open_gguf), so that decisions made before the load share its parse.
     """
     t0 = time.perf_counter()
     reader = reader if reader is not None else GGUFFileReader(path)
-    meta = read_metadata(reader)
+    meta = reader.metadata
     t1 = time.perf_counter()
-    arch = meta["general.architecture"]
-    if arch not in ARCHS:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
-
-    tokenizer = build_tokenizer(meta)
+    try:
+        config = reader.hf_config
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    tokenizer = reader.tokenizer
     t2 = time.perf_counter()
-    tensors = {t.name: t for t in reader.tensors}
-    config = build_config(meta, tensors, tokenizer)
     fmt = planned_weight_format(quantization, reader)
-    select = select_for(config, fmt) if select_for is not None else None
-    state_dict = load_state_dict(tensors.values(), ARCHS[arch], config, dtype, progress, fmt, select)
+    state_dict = load_state_dict(reader.tensors, ARCHS[meta["general.architecture"]], config, dtype, progress, fmt, select)
     t3 = time.perf_counter()
     codes = sum(isinstance(v, Q4Codes) for v in state_dict.values())
     log.info(

@@ -125,9 +125,18 @@ def open_gguf(name_or_path: str | Path) -> GGUFFileReader | None:
     return GGUFFileReader(path) if path.suffix == ".gguf" else None
 
 
+def read_config(name_or_path: str | Path, gguf_reader: GGUFFileReader | None = None) -> transformers.PretrainedConfig:
+    """A checkpoint's config alone, before its weights: what a rank plans its part from. A GGUF's is the
+    parsed reader's (its tokenizer built once, for the load after it too)."""
+    if gguf_reader is not None:
+        return gguf_reader.hf_config
+    path = resolve_model_path(str(name_or_path))
+    return open_gguf(path).hf_config if path.suffix == ".gguf" else transformers.AutoConfig.from_pretrained(path)
+
+
 def load_checkpoint(
     name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none",
-    select_for=None, gguf_reader: GGUFFileReader | None = None,
+    select=None, gguf_reader: GGUFFileReader | None = None,
 ) -> LoadedCheckpoint:
     """Load a model's weights, config, tokenizer and stop tokens.
 
@@ -136,15 +145,15 @@ def load_checkpoint(
     weights are `dtype`, but for low-bit projections: float32 until their layer
     rounds them, or a GGUF's 4-bit codes as stored (see gguf_loader.load_gguf).
 
-    select_for(hf_config, weight_format) -> select(name) -> (dim, start, length) | None | False reads only that
-    part of each tensor: a tensor-parallel rank's rows or columns (weights.shard_slice), or
-    nothing of it (False: a tensor another pipeline stage holds, weights.stage_name).
+    select(name) -> (dim, start, length) | None | False reads only that part of each tensor: a
+    tensor-parallel rank's rows or columns (weights.shard_slice), or nothing of it (False: a tensor
+    another pipeline stage holds, weights.stage_name). A rank plans it from `read_config` first.
     gguf_reader: the GGUF already parsed (open_gguf), not parsed again.
     """
     path = resolve_model_path(str(name_or_path))
     start = time.perf_counter()
     if path.suffix == ".gguf":
-        gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization, select_for=select_for, reader=gguf_reader)
+        gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization, select=select, reader=gguf_reader)
         weight_format = gg.weight_format
         config, state_dict, tokenizer = gg.config, gg.state_dict, gg.tokenizer
         generation_eos, defaults, fmt = gg.generation_eos_ids, gg.generation_defaults, "gguf"
@@ -152,7 +161,6 @@ def load_checkpoint(
     else:
         config = transformers.AutoConfig.from_pretrained(path)
         weight_format = planned_weight_format(quantization, None)
-        select = select_for(config, weight_format) if select_for is not None else None
         state_dict = load_safetensors(path, config, dtype, progress, select)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         generation_eos, defaults = read_generation_config(path, config)

@@ -112,7 +112,7 @@ def stage_name(name: str, layers: tuple[int, int], first: bool) -> str | None:
 def shard_slice(name: str, shard, head_dim: int) -> tuple[int, int, int] | None:
     """(dimension, start, length) of tensor-parallel `shard`'s part of checkpoint tensor `name`
     (SHARDED_PARAMS: rows of weights and biases alike), or None where every rank holds it whole.
-    Loaders call it to read only that part (loader.load_checkpoint's select_for)."""
+    Loaders call it to read only that part (loader.load_checkpoint's select)."""
     for part, what in SHARDED_PARAMS:
         if f".{part}." in f".{name}" and getattr(shard, what) is not None:
             a, b = getattr(shard, what)

@@ -15,7 +15,7 @@ from shoal.config import STRICT_MKL, EngineConfig
 from shoal.model.config import ModelConfig
 from shoal.model.invariance import make_row_invariant
 from shoal.model.layers import Rotary, TensorParallel, bind_attributes
-from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format
+from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
 from shoal.model.weights import load_weights, shard_slice, stage_name
@@ -51,44 +51,13 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     if device.type == "cpu":
         keep_freed_memory()
     quantization = resolve_quantization(config.quantization, device, dtype)
-    par = config.parallel
-    split = layers = None  # this rank's TensorParallel, its stage's layer range
-    stage, local = par.place(rank)
+    split = layers = select = None  # this rank's TensorParallel, its stage's layer range, what it reads of the file
     if group is not None:
-        group.set_layout(par.tensor_parallel_size)
-
-    def select_for(hf, weight_format):  # the loader asks once it has the config: read only what this rank holds
-        nonlocal split, layers
-        whole = ModelConfig.from_hf(hf)
-        tp = par.tensor_parallel_size
-        if par.pipeline_parallel_size > 1:
-            plan = {}
-            if par.pp_layers is None:  # equal work per stage, within every rank's free memory (a collective)
-                one_layer = layer_bytes(whole, weight_format, dtype)
-                plan["stage0_work"] = head_bytes(whole, weight_format, dtype) / one_layer
-                free = group.gather(free_memory(device))
-                if all(f is not None for f in free):
-                    kv = config.cache.kv_cache_memory if device.type == "cpu" else 0
-                    head = stage0_bytes(whole, dtype)
-                    # a stage's room: its tightest rank's, each rank holding 1/tp of every layer
-                    room = [min(free[s * tp : (s + 1) * tp]) - kv - (head if s == 0 else 0) for s in range(par.pipeline_parallel_size)]
-                    plan.update(free_bytes=room, layer_bytes=-(-one_layer // tp))
-            layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **plan)[stage]
-        if tp > 1:
-            vocab = whole.vocab_size if par.pipeline_parallel_size == 1 else 0  # the head is split where it is not only on rank 0
-            plan = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, whole.hidden_size, tp,
-                                        vocab_size=vocab)
-            split = TensorParallel(tuple(plan), local, group.gather_columns)
-
-        def select(name):
-            if layers is not None and stage_name(name, layers, layers[0] == 0) is None:
-                return False  # another stage's
-            return shard_slice(name, split.shard, whole.head_dim) if split is not None else None
-
-        return select
-
-    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0,
-                           select_for=select_for if size > 1 else None, gguf_reader=gguf)
+        group.set_layout(config.parallel.tensor_parallel_size)
+        whole = ModelConfig.from_hf(read_config(config.model, gguf_reader=gguf))
+        split, layers = plan_part(whole, config, rank, group, planned_weight_format(quantization, gguf), device, dtype)
+        select = part_selector(whole, split, layers)
+    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0, select=select, gguf_reader=gguf)
     hf = ckpt.hf_config
     max_model_len = config.max_model_len or hf.max_position_embeddings
     if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
@@ -142,6 +111,46 @@ def free_memory(device: torch.device) -> int | None:
 
 
 BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.5 + 4 / 32}  # codes, plus int4's two bf16 numbers per group of 32
+
+
+def plan_part(whole: ModelConfig, config: EngineConfig, rank: int, group, weight_format: str, device: torch.device,
+              dtype: torch.dtype) -> tuple[TensorParallel | None, tuple[int, int] | None]:
+    """Global rank `rank`'s part of the model (ParallelConfig.place): its tensor-parallel split (None: one rank
+    per stage) and its pipeline stage's layers (None: no stages). Planning stages by memory is a collective:
+    every rank tells its free memory."""
+    par = config.parallel
+    stage, local = par.place(rank)
+    tp, split, layers = par.tensor_parallel_size, None, None
+    if par.pipeline_parallel_size > 1:
+        plan = {}
+        if par.pp_layers is None:  # equal work per stage, within every rank's free memory
+            one_layer = layer_bytes(whole, weight_format, dtype)
+            plan["stage0_work"] = head_bytes(whole, weight_format, dtype) / one_layer
+            free = group.gather(free_memory(device))
+            if all(f is not None for f in free):
+                kv = config.cache.kv_cache_memory if device.type == "cpu" else 0
+                head = stage0_bytes(whole, dtype)
+                # a stage's room: its tightest rank's, each rank holding 1/tp of every layer
+                room = [min(free[s * tp : (s + 1) * tp]) - kv - (head if s == 0 else 0) for s in range(par.pipeline_parallel_size)]
+                plan.update(free_bytes=room, layer_bytes=-(-one_layer // tp))
+        layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **plan)[stage]
+    if tp > 1:
+        vocab = whole.vocab_size if par.pipeline_parallel_size == 1 else 0  # the head is split where it is not only on rank 0
+        plan = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, whole.hidden_size, tp, vocab_size=vocab)
+        split = TensorParallel(tuple(plan), local, group.gather_columns)
+    return split, layers
+
+
+def part_selector(whole: ModelConfig, split: TensorParallel | None, layers: tuple[int, int] | None):
+    """What a rank reads of each checkpoint tensor (load_checkpoint's `select`): nothing of another stage's
+    layers, and its own rows or columns of a tensor-parallel split."""
+
+    def select(name):
+        if layers is not None and stage_name(name, layers, layers[0] == 0) is None:
+            return False  # another stage's
+        return shard_slice(name, split.shard, whole.head_dim) if split is not None else None
+
+    return select
 
 
 def layer_bytes(c: ModelConfig, weight_format: str, dtype: torch.dtype) -> int:
