@@ -363,6 +363,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from shoal.server.listen import listening_socket
 
     v = serve_values(a)
+    strict_mkl_if(bool(v.get("deterministic")))  # given in the YAML config too; nothing has computed yet
     _setup_logging(v["log_level"], v["log_format"])
     if _torchrun_rank() is not None:
         v.update(_torchrun_parallel())
@@ -742,10 +743,10 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
-def deterministic_requested(a: argparse.Namespace) -> bool:
-    """--deterministic, given as a flag or in `serve`'s YAML config."""
-    config = getattr(a, "config", None)
-    return bool(getattr(a, "deterministic", None) or (config and load_config_file(config).get("deterministic")))
+def strict_mkl_if(deterministic: bool) -> None:
+    """--deterministic with float32 weights needs MKL_CBWR set before torch's first matmul: MKL reads it once."""
+    if deterministic:
+        os.environ.setdefault("MKL_CBWR", STRICT_MKL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -754,8 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.client import ClientError
 
     try:
-        if deterministic_requested(a):  # before torch computes anything: MKL reads it once
-            os.environ.setdefault("MKL_CBWR", STRICT_MKL)
+        strict_mkl_if(bool(getattr(a, "deterministic", None)))  # the flag; serve's YAML: cmd_serve, once it has read it
         return a.func(a)
     except (ValueError, FileNotFoundError, ClientError) as e:
         print(f"shoal: {e}", file=sys.stderr)

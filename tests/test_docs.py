@@ -177,38 +177,47 @@ def test_the_cli_reference_lists_every_flag_of_every_command_and_no_other(site):
 
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-SHOAL_COMMAND = re.compile(r"(?:^|[\s=/`])shoal(?:\.cli)?\s+[a-z]+")
+SHOAL_COMMAND = re.compile(r"(?:^|[\s=/`])shoal(?:\.cli)?\s+([a-z]+)")
 # Flags written alone in the docs' prose that belong to other programs.
 FOREIGN_FLAGS = {"--continuous-batching", "--enable-deterministic-inference"}  # transformers serve, SGLang
 ANY_COMMAND = {"--help", "--no-"}  # argparse's own; the `--no-` prefix of a switch, written alone
 
 
 def flags_named(text: str):
-    """The flags a page gives shoal: on its command lines (continuations too) and alone in its prose."""
+    """(subcommand, flag) for each flag a page gives shoal: on its command lines (continuations too) and in
+    its prose's code spans. The subcommand is None where the page names none (a flag written alone)."""
     for block in re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S):
-        continued = False
+        command = None
         for line in block.splitlines():
-            ours = continued or SHOAL_COMMAND.search(line)
-            if ours:
-                yield from FLAG.findall(line.split(" #")[0])
-            continued = bool(ours) and line.rstrip().endswith("\\")
+            m = SHOAL_COMMAND.search(line)
+            command = m.group(1) if m else command
+            if m or command:
+                yield from ((command, f) for f in FLAG.findall(line.split(" #")[0][m.end() if m else 0:]))
+            command = command if line.rstrip().endswith("\\") else None
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     for span in re.findall(r"`([^`\n]+)`", prose):
-        if span.startswith("--") or SHOAL_COMMAND.search(" " + span):
-            yield from FLAG.findall(span)
+        m = SHOAL_COMMAND.search(" " + span)
+        if span.startswith("--") or m:
+            yield from ((m.group(1) if m else None, f) for f in FLAG.findall(span))
 
 
 def test_the_docs_name_only_flags_that_exist():
-    flags = set().union(*(ref.cli_flags(p) for p in ref.subcommands().values())) | {"--log-level"}
+    """A flag on a `shoal SUB` line must be SUB's own; one written alone, any command's (or a benchmark's)."""
+    subs = {name: ref.cli_flags(p) | {"--log-level"} for name, p in ref.subcommands().items()}
+    anywhere = set().union(*subs.values())
     bench_flags = set(re.findall(r'"(--[a-z][a-z0-9-]*)"', "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))))
     named, unknown = set(), {}
     for path in [README, *DOCS.rglob("*.md")]:
-        for flag in flags_named(path.read_text()):
-            named.add(flag)
-            if flag not in flags | bench_flags | FOREIGN_FLAGS | ANY_COMMAND:
-                unknown.setdefault(flag, []).append(str(path.relative_to(ROOT)))
+        for command, flag in flags_named(path.read_text()):
+            named.add((command, flag))
+            takes = subs[command] if command in subs else anywhere | bench_flags | FOREIGN_FLAGS
+            if flag not in takes | ANY_COMMAND:
+                unknown.setdefault(f"shoal {command} {flag}" if command in subs else flag, []).append(str(path.relative_to(ROOT)))
     assert unknown == {}
-    assert {"--tensor-parallel-size", "--api-key", "--config", "--nnodes"} <= named  # the scan finds what the guides use
+    # the scan finds what the guides use, with the command each line names
+    assert {("serve", "--tensor-parallel-size"), ("serve", "--api-key"), ("serve", "--config"), ("worker", "--nnodes"),
+            ("chat", "--temperature")} <= named
+    assert list(flags_named("```sh\nshoal chat --port 1 \\\n  --max-num-seqs 2\n```")) == [("chat", "--port"), ("chat", "--max-num-seqs")]
 
 
 def test_the_http_reference_lists_every_route_and_no_other(site):

@@ -5,7 +5,7 @@
   `shoal serve` accepts, and each commented-out key shows its real default unless it says it is an example;
 - the unit file's ExecStart parses with shoal's own parser as `shoal serve --config ...`, and the page shows
   that very file;
-- every `--flag` the pages write exists on `shoal serve` (or on the subcommand a line or code span names);
+- (every `--flag` the pages write exists on the subcommand that takes it: tests/test_docs.py checks every page);
 - every environment variable the pages name is read somewhere in shoal's source, and every SHOAL_ variable
   shoal reads is in configuration.md's table;
 - the claims the pages make about the config file, the kernels' cache and shutdown match the code.
@@ -15,10 +15,10 @@ Nothing here starts a server or loads a model.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import inspect
 import logging
+import os
 import re
 import shlex
 from pathlib import Path
@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from shoal import cli
+from test_docs import ref
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDES = ROOT / "docs" / "guides"
@@ -34,8 +35,6 @@ PAGES = ("security.md", "configuration.md", "service.md")
 UNIT = GUIDES / "shoal.service"
 
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
-FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9](?![\w-])")
-SHELL = ("sh", "bash", "console", "shell")
 
 
 def page(name: str) -> str:
@@ -56,17 +55,6 @@ def prose(text: str) -> str:
     return FENCE.sub("", text)
 
 
-def subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = cli.build_parser()
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
-def options(parser: argparse.ArgumentParser) -> set[str]:
-    return {s for a in parser._actions for s in a.option_strings}
-
-
-SUBCOMMAND = re.compile(r"\bshoal\s+(serve|worker|chat|complete|models|bench|generate|repl)\b")
 
 
 # ---------------------------------------------------------------- (a) the example shoal.yaml
@@ -194,22 +182,24 @@ def test_a_bad_config_key_ends_shoal_serve_with_status_2(tmp_path, monkeypatch, 
 
 
 def test_only_serve_takes_a_config_file():
-    takers = sorted(name for name, p in subcommands().items() if "--config" in options(p))
+    takers = sorted(name for name, p in ref.subcommands().items() if "--config" in ref.cli_flags(p))
     assert takers == ["serve"]
     assert "Only `shoal serve` takes `--config`" in flat("configuration.md")
 
 
-def test_deterministic_in_the_file_sets_mkl_cbwr_as_the_flag_does(tmp_path):
-    """configuration.md says the file's `deterministic: true` does what the flag does (main sets MKL_CBWR on it)."""
+def test_deterministic_in_the_file_sets_mkl_cbwr_as_the_flag_does(tmp_path, monkeypatch):
+    """configuration.md says the file's `deterministic: true` does what the flag does: cmd_serve sets MKL_CBWR
+    from the values it resolves, the file's included."""
     on, off = tmp_path / "on.yaml", tmp_path / "off.yaml"
     on.write_text("deterministic: true\n")
     off.write_text("deterministic: false\n")
     parse = cli.build_parser().parse_args
-    assert cli.deterministic_requested(parse(["serve", "--config", str(on)]))
-    assert cli.deterministic_requested(parse(["serve", "--deterministic"]))
-    assert not cli.deterministic_requested(parse(["serve", "--config", str(off)]))
-    assert not cli.deterministic_requested(parse(["serve"]))
-    assert "deterministic_requested(a)" in inspect.getsource(cli.main) and "MKL_CBWR" in inspect.getsource(cli.main)
+    for flags, expect in ((["--config", str(on)], "AUTO,STRICT"), (["--deterministic"], "AUTO,STRICT"),
+                          (["--config", str(off)], None), ([], None)):
+        monkeypatch.delenv("MKL_CBWR", raising=False)
+        cli.strict_mkl_if(bool(cli.serve_values(parse(["serve", *flags])).get("deterministic")))
+        assert os.environ.get("MKL_CBWR") == expect, flags
+    assert "strict_mkl_if(bool(v.get(\"deterministic\")))" in inspect.getsource(cli.cmd_serve)
     assert "`deterministic: true` in the file does what `--deterministic` does" in flat("configuration.md")
 
 
@@ -280,46 +270,7 @@ def test_the_graceful_shutdown_time_is_the_one_the_page_gives():
     assert int(stop) > seconds + 10  # the engine and the worker processes get time to stop too
 
 
-# ---------------------------------------------------------------- (c) every --flag exists
-
-
-def flags_by_command(text: str) -> list[tuple[str, str, str]]:
-    """(subcommand, flag, where) for every --flag in a page: a line or code span that names `shoal SUB` checks
-    its flags against SUB; other shell lines run other programs; everything else is about `shoal serve`."""
-    found = []
-    for lang, body in code_blocks(text):
-        for line in body.replace("\\\n", " ").splitlines():
-            m = SUBCOMMAND.search(line)
-            if m:
-                found += [(m.group(1), f, line) for f in FLAG.findall(line[m.end():])]
-            elif lang not in SHELL:  # YAML comments, unit files, proxy configs: about shoal serve
-                found += [("serve", f, line) for f in FLAG.findall(line)]
-    rest = prose(text)
-    for span in re.findall(r"`([^`\n]+)`", rest):
-        m = SUBCOMMAND.search(span)
-        if m:
-            found += [(m.group(1), f, span) for f in FLAG.findall(span[m.end():])]
-            rest = rest.replace(f"`{span}`", "")
-    found += [("serve", f, "prose") for f in FLAG.findall(rest)]
-    return found
-
-
-@pytest.mark.parametrize("name", PAGES)
-def test_every_flag_in_the_page_exists(name):
-    subs = subcommands()
-    found = flags_by_command(page(name))
-    assert found, f"{name} names no flags"
-    wrong = [(sub, flag, where.strip()) for sub, flag, where in found if flag not in options(subs[sub])]
-    assert not wrong, f"flags that `shoal SUB` does not take: {wrong}"
-
-
-def test_the_flag_check_sees_what_it_should():
-    found = {(sub, flag) for name in PAGES for sub, flag, _ in flags_by_command(page(name))}
-    assert {("serve", "--api-key"), ("serve", "--config"), ("serve", "--allowed-origins"),
-            ("serve", "--max-request-bytes"), ("chat", "--url"), ("bench", "--base-url")} <= found
-    # and it would catch a wrong one
-    assert ("serve", "--no-such-flag") in set((s, f) for s, f, _ in flags_by_command("run `--no-such-flag`"))
-    assert "--sequences" not in options(subcommands()["serve"])
+# ---------------------------------------------------------------- (c) every --flag exists: tests/test_docs.py, for every page
 
 
 # ---------------------------------------------------------------- (d) environment variables

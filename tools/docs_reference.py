@@ -180,7 +180,8 @@ def _anchor(method: str, path: str) -> str:
 
 
 def http_reference() -> str:
-    doc = openapi()
+    application = app()
+    doc = application.openapi()
     out = [f"Generated from the app's OpenAPI document (`GET /openapi.json`, version {doc['info']['version']}) when the "
            "docs are built. The server also serves it live, with an interactive page at `/docs`.", ""]
     out += ["| method | path | what it does |", "|---|---|---|"]
@@ -205,7 +206,7 @@ def http_reference() -> str:
             out.append(f"| {status} | {_cell(resp.get('description', ''))} | {' or '.join(dict.fromkeys(schemas))} |")
         out.append("")
     documented = set(routes(doc))
-    others = {k: v for k, v in app_routes().items() if k not in documented}
+    others = {k: v for k, v in app_routes(application).items() if k not in documented}
     out += ["## Routes outside the OpenAPI document", "", "| method | path | what it does |", "|---|---|---|"]
     out += [f"| {m} | `{p}` | {_cell(what)} |" for (m, p), what in sorted(others.items(), key=lambda kv: kv[0][1])]
     out += ["", "## Schemas", ""]
@@ -226,15 +227,6 @@ def http_reference() -> str:
 
 
 # ---------------------------------------------------------------- metrics
-
-
-def exposed_names(family) -> list[str]:
-    """The series names a family shows in the text format."""
-    if family.type == "counter":
-        return [f"{family.name}_total"]
-    if family.type == "histogram":
-        return [f"{family.name}_bucket", f"{family.name}_sum", f"{family.name}_count"]
-    return [family.name]
 
 
 def metrics_reference() -> str:

@@ -9,8 +9,8 @@ for the user's schema, and none can run on inside a number or a layout:
 
 - **Integers** fit an int64 (`INT_BOUND`, within llguidance's double-precision bounds), or
   the schema's own `minimum`/`maximum` clamped into it.
-- **Numbers** have at most 16 digits before the point (`NUMBER_BOUND`) and `NUMBER_DECIMALS`
-  after it, with no exponent, unless the schema gives its own bounds or `multipleOf`.
+- **Numbers** lie within ±10^15 (`NUMBER_BOUND`: 15 digits before the point, or 1 and 15 zeros)
+  and have at most `NUMBER_DECIMALS` after it, with no exponent, unless the schema gives its own bounds or `multipleOf`.
 - **Objects** take no property the schema does not name unless it says so
   (`additionalProperties`), as llama.cpp, xgrammar and Outlines do; `extra_properties=True`
   gives JSON Schema's default instead. `strict=True` is OpenAI's strict mode: no extra
@@ -32,7 +32,7 @@ import math
 # 2**63 - 1024: the largest double below 2**63. llguidance reads bounds as doubles, and
 # 2**63 - 1 rounds up to 2**63, past an int64.
 INT_BOUND = 2**63 - 1024
-NUMBER_BOUND = 1e15  # 16 digits before the point, as llama.cpp's grammar allows
+NUMBER_BOUND = 1e15  # 15 digits before the point (llama.cpp's grammar allows 16)
 NUMBER_DECIMALS = 10  # llguidance takes multipleOf down to 1e-10 exactly
 INDENT_LIMIT = 24
 
