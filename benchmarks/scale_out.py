@@ -44,7 +44,8 @@ import torch.distributed as dist  # noqa: E402
 
 from publish import load, machine, machine_line, publish, table  # noqa: E402
 from shoal import LLM, SamplingParams  # noqa: E402
-from shoal.executor.distributed import WIRE, free_port, wire_bytes_per_token  # noqa: E402
+from shoal.executor.launch import free_port  # noqa: E402
+from shoal.executor.wire import WIRE, wire_bytes_per_token  # noqa: E402
 
 LOCAL = {  # name -> LLM keyword arguments
     "1 process": {},

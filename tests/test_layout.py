@@ -90,3 +90,30 @@ def test_dependencies_run_one_way_from_engine_to_executor_to_runner():
     executor = {m for m in graph if m.startswith("shoal.executor")}
     assert not any(d.startswith(("shoal.engine", "shoal.executor", "shoal.server")) for m in runner for d in graph[m])
     assert not any(d.startswith(("shoal.engine", "shoal.server")) for m in executor for d in graph[m])
+
+
+def test_the_layers_are_single_rank_math():
+    """Tensor parallelism is applied to the model built whole (model/tensor_parallel.py): no layer takes a split."""
+    import inspect
+
+    from shoal.model import layers
+
+    graph = _imports()
+    assert "shoal.model.tensor_parallel" not in graph["shoal.model.layers"]
+    assert graph["shoal.model.tensor_parallel"] >= {"shoal.model.layers"}
+    for cls in (layers.Attention, layers.MLP, layers.DecoderLayer, layers.DecoderModel, layers.DecoderForCausalLM):
+        assert "tp" not in inspect.signature(cls.__init__).parameters, cls.__name__
+
+
+def test_every_benchmark_imports_names_the_package_has():
+    """The benchmarks run outside the suite: a name moved in the package must not leave one of them broken."""
+    import importlib
+
+    missing = []
+    for f in sorted((PACKAGE.parent / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "shoal" and not node.level:
+                module = importlib.import_module(node.module)
+                missing += [f"{f.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+    assert missing == []

@@ -22,6 +22,7 @@ from shoal.executor.shm import SharedMemoryChannel
 from shoal.model.weights import shard_slice
 from shoal.model.loader import load_checkpoint
 from shoal.model.quant import Int4Linear, Q4Codes
+from shoal.model.tensor_parallel import Gathered
 from server_utils import LiveServer, tiny_engine_config
 from tiny_models import ARCHS, make_tiny_model
 
@@ -226,7 +227,9 @@ def test_two_ranks_are_batch_invariant_in_bfloat16_with_int4_weights(tmp_path):
     kw = dict(dtype="bfloat16", quantization="int4", num_blocks=512, block_size=4, tensor_parallel_size=2)
     with LLM(str(path), **kw) as llm:
         assert llm.engine.runner.attention.name == "invariant"
-        assert all(isinstance(m, Int4Linear) for m in [llm.engine.runner.model.model.layers[0].mlp.down_proj])
+        mlp = llm.engine.runner.model.model.layers[0].mlp
+        assert isinstance(mlp.down_proj, Gathered)  # a rank's split projection, wrapped in its gathers
+        assert all(isinstance(m, Int4Linear) for m in [mlp.gate_up_proj, mlp.down_proj.inner])
         alone = [_tokens(llm.generate([p], GREEDY))[0] for p in prompts]
         together = _tokens(llm.generate(prompts, GREEDY))
     with LLM(str(path), max_num_batched_tokens=8, enable_prefix_cache=False, **kw) as chunked:
@@ -268,8 +271,8 @@ class TestTheDefaultModelOverTwoRanks:
         layer = model.model.layers[0]
         assert all(m.from_codes for m in model.model.modules() if isinstance(m, Int4Linear))
         # o and down read every rank's heads and columns, gathered, and give half the hidden size
-        assert (layer.self_attn.o_proj.in_features, layer.self_attn.o_proj.out_features) == (576, 288)
-        assert (layer.mlp.down_proj.in_features, layer.mlp.down_proj.out_features) == (1536, 288)
+        assert (layer.self_attn.o_proj.inner.in_features, layer.self_attn.o_proj.inner.out_features) == (576, 288)
+        assert (layer.mlp.down_proj.inner.in_features, layer.mlp.down_proj.inner.out_features) == (1536, 288)
         assert layer.mlp.gate_up_proj.out_features == 2 * 768 and model.vocab == (0, 24576)
         assert model.logits_head.out_features == 24576  # half the vocabulary's logits; the other half on rank 1
         ref = copy.deepcopy(hf_default_model).to(model.model.norm.weight.dtype)

@@ -6,7 +6,7 @@ copies, the rows whose logits are wanted: plain data, pickled) to every rank; ev
 runs its shard of every layer on its own slice of the KV cache (its KV heads),
 and the ranks gather each other's parts before and after the attention output
 and MLP down projections, which each rank computes for its own range of the
-hidden size (layers.TensorParallel). Each rank then computes the logits of its
+hidden size (model/tensor_parallel.py). Each rank then computes the logits of its
 rows of the vocabulary, they are gathered, and rank 0 samples.
 
 Gathers, not sums: no rank ever adds another's partial sums, so every output

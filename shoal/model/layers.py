@@ -13,8 +13,8 @@ invariance.py makes their matmuls batch-invariant where the host's are not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,38 +22,6 @@ from torch import nn
 
 from shoal import kernels
 from shoal.model.config import ModelConfig
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """One tensor-parallel rank's view of the split: every rank's TensorShard (runner/shard_plan.py), which is
-    this one, and `gather(part, widths)`, which sets every rank's [T, widths[r]] part side by side, in rank
-    order, on every rank (the executor's collective).
-
-    The attention output and down projections are split by output rows: each rank gathers their whole
-    input, computes its range of the hidden size, and the ranges are gathered. Two gathers where Megatron
-    sums partial outputs once, so that every output of every projection is summed on one rank in one
-    process's order: the ranks give one process's bits. (With activations rounded to int8 before each
-    low-bit projection, a partial sum's last bit can tip a rounding, and answers would part from one
-    process's at the next near tie; docs/guides/scale-out.md.)
-    """
-
-    shards: tuple  # runner.shard_plan.TensorShard, one per rank
-    rank: int
-    gather: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
-
-    @property
-    def shard(self):
-        return self.shards[self.rank]
-
-    def widths(self, what: str, scale: int = 1) -> tuple[int, ...]:
-        """Every rank's size of one of its shard's ranges ("heads", "intermediate", "hidden", "vocab"), times `scale`."""
-        return tuple((getattr(s, what)[1] - getattr(s, what)[0]) * scale for s in self.shards)
-
-    def widest(self, head_dim: int) -> int:
-        """The widest part any rank puts into a layer's gathers, in values per token (the logits' gathers go in
-        pieces of rows that fit: RankGroup.gather_columns)."""
-        return max(max(self.widths("heads", head_dim)), max(self.widths("intermediate")), max(self.widths("hidden")))
-
 
 class Layer(nn.Module):
     """An nn.Module whose call is its forward.
@@ -167,18 +135,12 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class Attention(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear, tp: TensorParallel | None = None) -> None:
-        """tp: this rank's part of a tensor-parallel split (None: one rank); config is then the rank's shape."""
+    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
         super().__init__()
         self.c = config
-        self.tp = tp
         parts = (config.q_size, config.kv_size, config.kv_size)
         self.qkv_proj = linear(config.hidden_size, sum(parts), config.attention_bias, parts)
-        if tp is None:
-            self.o_proj = linear(config.q_size, config.hidden_size, False)
-        else:  # every rank's heads in, this rank's hidden range out
-            self.gathered = (tp.widths("heads", config.head_dim), tp.widths("hidden"))
-            self.o_proj = linear(sum(self.gathered[0]), self.gathered[1][tp.rank], False)
+        self.o_proj = linear(config.q_size, config.hidden_size, False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -196,23 +158,14 @@ class Attention(Layer):
             qk = torch.cat((self.q_norm(qk[:, : c.num_heads]), self.k_norm(qk[:, c.num_heads :])), dim=1)
         qk = apply_rope(qk, rope)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-        o = meta.forward(q, k, v, kv, self.scale).reshape(T, c.q_size)
-        if self.tp is None:
-            return self.o_proj(o)
-        heads, hidden = self.gathered
-        return self.tp.gather(self.o_proj(self.tp.gather(o, heads)), hidden)
+        return self.o_proj(meta.forward(q, k, v, kv, self.scale).reshape(T, c.q_size))
 
 
 class MLP(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
         super().__init__()
-        self.tp = tp
         self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size, False, (config.intermediate_size,) * 2)
-        if tp is None:
-            self.down_proj = linear(config.intermediate_size, config.hidden_size, False)
-        else:  # every rank's columns in, this rank's hidden range out
-            self.gathered = (tp.widths("intermediate"), tp.widths("hidden"))
-            self.down_proj = linear(sum(self.gathered[0]), self.gathered[1][tp.rank], False)
+        self.down_proj = linear(config.intermediate_size, config.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -221,19 +174,16 @@ class MLP(Layer):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        if self.tp is None:
-            return self.down_proj(act)
-        columns, hidden = self.gathered
-        return self.tp.gather(self.down_proj(self.tp.gather(act, columns)), hidden)
+        return self.down_proj(act)
 
 
 class DecoderLayer(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, linear, tp)
+        self.self_attn = Attention(config, linear)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, linear, tp)
+        self.mlp = MLP(config, linear)
 
     def forward(self, x, rope, kv, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
@@ -243,44 +193,25 @@ class DecoderLayer(Layer):
 class DecoderModel(Layer):
     """Embeddings, N pre-norm decoder layers, final norm: the HF `model.` prefix."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, tp: TensorParallel | None = None, first: bool = True,
-                 last: bool = True) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, first: bool = True, last: bool = True) -> None:
         """first / last: whether this holds the model's first / last layers (a pipeline stage may hold neither):
         the embedding lives on the first stage, the final norm is applied on the last."""
         super().__init__()
-        self.vocab = tp.shard.vocab if tp is not None else None  # this rank's rows of a split embedding
-        rows = config.vocab_size if self.vocab is None else self.vocab[1] - self.vocab[0]
-        self.embed_tokens = nn.Embedding(rows, config.hidden_size) if first else None
-        if self.vocab is not None:
-            self.tp, self.vocab_starts = tp, [s.vocab[0] for s in tp.shards[1:]]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else None
         self.rotary = Rotary(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, linear, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, linear) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.last = last
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
         """hidden: the previous pipeline stage's output, in place of embedding input_ids."""
-        x = self._embed(input_ids) if hidden is None else hidden  # [T, hidden]
+        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, hidden]
         rope = self.rotary(positions, x.dtype)
         if kernels.native_for(x):
             return self._forward_fused(x, rope, kv_caches, meta)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.norm(x) if self.last else x
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows; with a split vocabulary, each rank looks up the tokens in its range and every rank
-        takes each token's row from the rank that holds it (a gather: the values move, nothing is added)."""
-        if self.vocab is None:
-            return self.embed_tokens(input_ids)
-        first, end = self.vocab
-        local = input_ids - first
-        mine = (local >= 0) & (local < end - first)
-        x = self.embed_tokens(torch.where(mine, local, torch.zeros_like(local)))
-        T, H = x.shape
-        every = self.tp.gather(x, (H,) * len(self.tp.shards)).view(T, -1, H)  # [T, ranks, H]
-        owner = torch.bucketize(input_ids, torch.tensor(self.vocab_starts, device=input_ids.device), right=True)
-        return every[torch.arange(T), owner]
 
     def _forward_fused(self, x, rope, kv_caches, meta):
         """The same layers with each residual add fused into the norm that follows it (native ops):
@@ -304,39 +235,31 @@ class DecoderForCausalLM(nn.Module):
     qk_norm = False
     attention_bias: bool | None = None  # None: as the config says
 
-    def __init__(self, hf_config, max_positions: int, linear=float_linear, tp: TensorParallel | None = None,
-                 layers: tuple[int, int] | None = None) -> None:
+    def __init__(self, hf_config, max_positions: int, linear=float_linear, layers: tuple[int, int] | None = None) -> None:
         """linear(in, out, bias, parts) builds the decoder's projections: `quant.WeightFormat.linear`
         chooses their weight format here, before any weight is loaded.
-
-        tp (TensorParallel): build one tensor-parallel rank's part, its heads, intermediate columns and
-        range of the hidden size, whose layers gather what they need from the other ranks; and, where its
-        shard has a `vocab` range (no pipeline stages), its rows of the embedding and the logits head,
-        whose lookups and logits are gathered too. Norms stay whole on every rank.
 
         layers (first, end): a pipeline stage's range of decoder layers. The embedding and the logits
         head live on the stage with layer 0 (rank 0, which samples); the final norm on every stage,
         applied by the last.
+
+        The model is built whole (one rank's math). A tensor-parallel rank's part is cut from it after
+        construction (model/tensor_parallel.py), which sets `tp`, `shard`, `vocab` and `gather_logits`.
         """
         super().__init__()
         self.config = ModelConfig.from_hf(hf_config, qk_norm=self.qk_norm, attention_bias=self.attention_bias)
-        tp = tp if tp is not None and len(tp.shards) > 1 else None
-        self.tp = tp
-        self.shard = tp.shard if tp is not None else None
         self.head_dim = self.config.head_dim
         total = self.config.num_layers
         self.layer_range = layers or (0, total)
-        if self.shard is not None:
-            self.config = self.config.sharded(self.shard)
         first = self.layer_range[0] == 0
         if self.layer_range != (0, total):
             self.config = replace(self.config, num_layers=self.layer_range[1] - self.layer_range[0])
-        self.model = DecoderModel(self.config, max_positions, linear, tp, first, self.layer_range[1] == total)
-        self.vocab = self.model.vocab
+        self.model = DecoderModel(self.config, max_positions, linear, first, self.layer_range[1] == total)
         if not self.config.tie_word_embeddings and first:
-            rows = self.model.embed_tokens.num_embeddings  # this rank's slice of a split vocabulary
-            self.lm_head = Linear(self.config.hidden_size, rows, bias=False)
+            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set by WeightFormat.finish_head: replaces the (tied) head
+        self.tp = self.shard = self.vocab = None  # a tensor-parallel rank's split, shard and vocabulary rows
+        self.gather_logits = None  # with a split vocabulary: every rank's logits side by side
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (hidden: a previous pipeline stage's)."""
@@ -350,4 +273,4 @@ class DecoderForCausalLM(nn.Module):
         else:
             w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
             logits = F.linear(hidden, w).float()
-        return logits if self.vocab is None else self.tp.gather(logits, self.tp.widths("vocab"))
+        return logits if self.gather_logits is None else self.gather_logits(logits)

@@ -14,10 +14,11 @@ from shoal import kernels
 from shoal.config import STRICT_MKL, EngineConfig
 from shoal.model.config import ModelConfig
 from shoal.model.invariance import make_row_invariant
-from shoal.model.layers import Rotary, TensorParallel, bind_attributes
+from shoal.model.layers import Rotary, bind_attributes
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
+from shoal.model.tensor_parallel import TensorParallel, connect_ranks, shard_model
 from shoal.model.weights import load_weights, shard_slice, stage_name
 from shoal.runner.host import keep_freed_memory
 from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
@@ -65,7 +66,9 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
 
     weights = WeightFormat(ckpt.weight_format, dtype)
     with torch.device("meta"):
-        model = model_class(hf.architectures)(hf, max_model_len, weights.linear, split, layers)
+        model = model_class(hf.architectures)(hf, max_model_len, weights.linear, layers)
+        if split is not None:
+            shard_model(model, split, weights.linear)
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
     model.model.rotary = Rotary(model.config, max_model_len).to(device)
@@ -89,6 +92,8 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         swapped = make_row_invariant(model, device, dtype, head=head)
         if swapped and rank == 0:
             log.info("batch-invariant matmuls: %d linear layers split or padded for %s on %s", swapped, str(dtype).removeprefix("torch."), device)
+    if split is not None:
+        connect_ranks(model)  # the gathers wrap the final layers: loading, the head and the swap saw plain ones
     bind_attributes(model)  # last: the model is final now
     spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)
     if group is not None:

@@ -9,7 +9,7 @@ and SGLang: their input is gathered whole on every rank first, and each rank
 computes its hidden range, which is gathered after. So no output of any
 projection is a sum of partial sums made on different ranks, and a rank adds
 up every output in the order one process does: tensor parallelism gives one
-process's bits (layers.TensorParallel; docs/guides/scale-out.md). The cost is two
+process's bits (tensor_parallel.TensorParallel; docs/guides/scale-out.md). The cost is two
 gathers where Megatron has one sum, after each of those two projections.
 
 Unlike vLLM, which asks that the head counts divide by the rank count, a
