@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.config import STRICT_MKL, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_bytes
+from shoal.config import STRICT_MKL, KV_CACHE_DTYPES, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_bytes
 from shoal.types import GenerationRequest, SamplingParams
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -63,6 +63,8 @@ ENGINE_OPTS = [
     Opt("--device", "auto", str, "cpu, cuda or auto (default)"),
     Opt("--max-model-len", None, int, "context length (default: the model's)"),
     Opt("--kv-cache-memory", "1GiB", str, "KV cache budget on CPU, e.g. 2GiB or 512MiB"),
+    Opt("--kv-cache-dtype", "auto", str, "what the KV cache holds: auto (the activations' dtype), float32, bfloat16, "
+        "float16, int8 (a scale per token and head: about half of bfloat16's bytes) or fp8 (CUDA)", choices=KV_CACHE_DTYPES),
     Opt("--block-size", 16, int, "tokens per KV block"),
     Opt("--max-num-seqs", 64, int, "most sequences in one step"),
     Opt("--max-num-batched-tokens", 512, int, "most tokens in one step (prefill chunk size)"),
@@ -219,6 +221,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
     cache = dict(
         block_size=v["block_size"],
         kv_cache_memory=parse_bytes(v["kv_cache_memory"]),
+        kv_cache_dtype=v.get("kv_cache_dtype", "auto"),
         enable_prefix_cache=bool(v.get("prefix_cache", True)),
         prefix_cache_ttl=v.get("prefix_cache_ttl"),
     )

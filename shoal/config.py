@@ -52,6 +52,11 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
 
+# What the KV cache may hold: the activations' dtype (auto), a float dtype, or int8 codes with a float32 scale
+# per token and head (model/attention/common.py); fp8 (e4m3) on CUDA.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -61,8 +66,11 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides the budget (tests use tiny pools)
     enable_prefix_cache: bool = True
     prefix_cache_ttl: float | None = None  # seconds an unreferenced cached block may idle
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; auto: the activations' dtype
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory < 1:

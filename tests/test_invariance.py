@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal import LLM, SamplingParams  # first: shoal sets MKL's strict mode before torch computes anything
-from shoal.model.attention.common import SeqSpan, slot_mapping
+from shoal.model.attention.common import SeqSpan, cache_row, int8_views, quantize_rows, slot_mapping
 from shoal.model.attention.invariant import InvariantAttention
 from shoal.model.invariance import INVARIANT_K, InvariantLinear, pads_single_row, wide_dtype
 from shoal.model.quant import Int4Linear, Int8Linear
@@ -57,9 +57,12 @@ class AttentionWorld:
     written yet); `reference` is the float32 attention of one query.
     """
 
-    def __init__(self, heads: str, dtype: torch.dtype, window: int | None, native: bool, seed: int = 0) -> None:
+    def __init__(self, heads: str, dtype: torch.dtype, window: int | None, native: bool, seed: int = 0,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """kv_dtype: what the cache holds (default: the activations' dtype; int8: codes and a scale per token and head)."""
         g = torch.Generator().manual_seed(seed)
         self.native = native
+        self.kv_dtype = kv_dtype or dtype
         self.hkv, self.group, self.dim = HEADS[heads]
         self.dtype, self.window = dtype, window
         blocks = [-(-n // BS) for n in LENGTHS]
@@ -73,16 +76,20 @@ class AttentionWorld:
         for s, n in enumerate(LENGTHS):
             self._write(self.kv, s, n, self.tables[s])
         self.stale = self.kv * 3
+        if self.kv_dtype == torch.int8:  # other codes (wrapped around), and other but finite scales
+            self.stale = self.kv.clone()
+            keys, values, scales = int8_views(self.stale, self.dim, transposed_keys=native)
+            keys.mul_(3), values.mul_(-1), scales.mul_(3)
         self.scale = self.dim**-0.5
         self._alone: dict[tuple[int, int], torch.Tensor] = {}
 
     def _cache(self, num_blocks: int, fill: torch.Tensor | None = None) -> torch.Tensor:
         """A layer's cache as ModelRunner lays it out, [2, Hkv, num_blocks + 1, BS, D]: the last block is the
         null block (zeros); `fill` (any numbers) goes into the others."""
-        kv = torch.zeros(2, self.hkv, num_blocks + 1, BS, self.dim, dtype=self.dtype)
+        kv = torch.zeros(2, self.hkv, num_blocks + 1, BS, cache_row(self.dim, self.kv_dtype), dtype=self.kv_dtype)
         if fill is not None:
             body = kv[:, :, :num_blocks]
-            body.copy_(fill.flatten()[: body.numel()].view_as(body))
+            body.copy_(fill[:, :, :num_blocks] if self.kv_dtype == torch.int8 else fill.flatten()[: body.numel()].view_as(body))
         return kv
 
     def _backend(self, null_block: int):
@@ -117,10 +124,18 @@ class AttentionWorld:
             self._alone[seq, pos] = self._attend(self._backend(null_block=n), kv, [(seq, pos)], [], {seq: table})[seq, pos]
         return self._alone[seq, pos]
 
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values in float32 as the cache gives them back (int8: codes times their scales)."""
+        if self.kv_dtype == torch.int8:
+            codes, scales = quantize_rows(x)
+            return codes.float() * scales[..., None]
+        return x.to(self.kv_dtype).float()
+
     def reference(self, seq: int, pos: int) -> torch.Tensor:
-        """softmax(q k^T * scale) v in float32 over the keys position `pos` sees, query head h on KV head h // G."""
+        """softmax(q k^T * scale) v in float32 over the keys position `pos` sees (as the cache holds them), query
+        head h on KV head h // G."""
         first = 0 if self.window is None else max(0, pos - self.window + 1)
-        k, v = self.k[seq][first : pos + 1].float(), self.v[seq][first : pos + 1].float()
+        k, v = (self.stored(x[seq][first : pos + 1]) for x in (self.k, self.v))
         q = self.q[seq][pos].float().view(self.hkv, self.group, self.dim)
         scores = torch.einsum("hgd,khd->hgk", q, k) * self.scale
         return torch.einsum("hgk,khd->hgd", scores.softmax(-1), v).reshape(-1, self.dim)
@@ -142,16 +157,24 @@ ATTENTION_STEPS = {
 
 
 # Each world on both paths of the invariant backend: shoal's native op (the CPU default) and the torch one
-# (CUDA, and CPUs where the op did not build).
-WORLDS = [(h, d, w, native) for native in (True, False)
+# (CUDA, and CPUs where the op did not build); SmolLM2's heads also over an int8 cache, and a bfloat16 cache
+# beside float32 activations.
+WORLDS = [(h, d, w, native, None) for native in (True, False)
           for h, d, w in [("smollm2", d, w) for d in DTYPES for w in (None, 200)] + [(h, d, None) for h in ("gqa2", "mha") for d in DTYPES]]
+WORLDS += [("smollm2", d, w, native, kv) for native in (True, False)
+           for d, w, kv in [(torch.float32, None, torch.int8), (torch.bfloat16, 200, torch.int8), (torch.float32, None, torch.bfloat16)]]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"{h}-{str(d)[6:]}-window{w}-{'native' if n else 'torch'}" for h, d, w, n in WORLDS])
+def _world_id(h, d, w, n, kv) -> str:
+    return f"{h}-{str(d)[6:]}-window{w}-{'native' if n else 'torch'}" + (f"-kv{str(kv)[6:]}" if kv is not None else "")
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[_world_id(*w) for w in WORLDS])
 def attention_world(request):
     if request.param[3]:
         require_native_kernels()
-    return AttentionWorld(*request.param)
+    h, d, w, native, kv = request.param
+    return AttentionWorld(h, d, w, native, kv_dtype=kv)
 
 
 @pytest.mark.parametrize("step", sorted(ATTENTION_STEPS))
@@ -511,6 +534,8 @@ def test_a_seeded_choice_is_the_same_alone_in_a_batch_and_after_cache_hits(seede
 QUANT_CONFIGS = {  # bf16 with each low-bit format, and the default configuration (on a CPU without native bf16:
     # float32 activations with the file's int4 on shoal's kernels)
     "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}, "default": {"dtype": "auto", "quantization": "auto"},
+    # the default configuration over an int8 KV cache (--kv-cache-dtype int8)
+    "default-kv-int8": {"dtype": "auto", "quantization": "auto", "kv_cache_dtype": "int8"},
 }
 
 

@@ -23,7 +23,7 @@ import torch
 
 from shoal import kernels
 from shoal.model.attention import SeqSpan
-from shoal.model.attention.common import slot_mapping
+from shoal.model.attention.common import cache_row, quantize_rows, slot_mapping
 from shoal.model.attention.invariant import InvariantAttention
 
 from conftest import require_native_kernels
@@ -52,7 +52,7 @@ def isa(request):
 class Sequences:
     """Sequences with fixed queries, keys and values at every position, in one shuffled paged cache."""
 
-    def __init__(self, shape, dtype, lengths, seed=0):
+    def __init__(self, shape, dtype, lengths, seed=0, kv_dtype=None):
         self.hkv, self.g, self.d, self.bs, self.window = shape
         gen = torch.Generator().manual_seed(seed)
         self.dtype, self.lengths = dtype, lengths
@@ -66,7 +66,8 @@ class Sequences:
         self.backend = InvariantAttention(block_size=self.bs, num_kv_heads=self.hkv, group_size=self.g,
                                           sliding_window=self.window, null_block=self.null, device=torch.device("cpu"),
                                           dtype=dtype, native=True)
-        self.kv = torch.zeros(2, self.hkv, self.null + 1, self.bs, self.d, dtype=dtype)
+        self.kv_dtype = kv_dtype or dtype  # the cache's: the activations', another float dtype, or int8 codes
+        self.kv = torch.zeros(2, self.hkv, self.null + 1, self.bs, cache_row(self.d, self.kv_dtype), dtype=self.kv_dtype)
         self.scale = self.d**-0.5
 
     def step(self, decodes, chunks):
@@ -86,10 +87,17 @@ class Sequences:
         """Every position of every sequence, one whole-prompt chunk each."""
         return self.step([], [(s, 0, n) for s, n in enumerate(self.lengths)])
 
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values as the cache gives them back: rounded to its float dtype, or int8 codes times their scales."""
+        if self.kv_dtype == torch.int8:
+            codes, scales = quantize_rows(x)
+            return codes.double() * scales.double()[..., None]
+        return x.to(self.kv_dtype).double()
+
     def reference(self, seq, pos):
         first = 0 if self.window is None else max(0, pos - self.window + 1)
-        k = self.k[seq][first : pos + 1].double().repeat_interleave(self.g, 1)
-        v = self.v[seq][first : pos + 1].double().repeat_interleave(self.g, 1)
+        k = self.stored(self.k[seq][first : pos + 1]).repeat_interleave(self.g, 1)
+        v = self.stored(self.v[seq][first : pos + 1]).repeat_interleave(self.g, 1)
         s = torch.einsum("hd,khd->hk", self.q[seq][pos].double(), k) * self.scale
         return torch.einsum("hk,khd->hd", s.softmax(-1), v)
 
@@ -97,8 +105,24 @@ class Sequences:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"kv{h}xg{g}-d{d}-bs{b}-w{w}" for h, g, d, b, w in SHAPES])
 def test_attention_matches_float64_and_a_row_never_depends_on_the_call(isa, shape, dtype):
+    _check_rows(isa, Sequences(shape, dtype, [150, 1, 97, 64, 200]))
+
+
+# (activations, cache): int8 codes beside each activation dtype, and a cache in another float dtype than the activations
+KV_DTYPES = [(torch.float32, torch.int8), (torch.bfloat16, torch.int8), (torch.float16, torch.int8), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", KV_DTYPES, ids=["fp32-int8", "bf16-int8", "fp16-int8", "fp32-bf16"])
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=[f"kv{h}xg{g}-d{d}-bs{b}-w{w}" for h, g, d, b, w in SHAPES[:5]])
+def test_a_cache_in_another_dtype_is_read_as_it_was_stored_and_rows_never_depend_on_the_call(isa, shape, dtype, kv_dtype):
+    """The op reads int8 codes (times their scales) or another float dtype straight from the cache: it matches float64
+    attention over the keys and values as stored, and every invariance holds as with a cache in the activations' dtype."""
+    _check_rows(isa, Sequences(shape, dtype, [150, 1, 97, 64, 200], kv_dtype=kv_dtype))
+
+
+def _check_rows(isa, seqs: Sequences) -> None:
     rng = random.Random(1)
-    seqs = Sequences(shape, dtype, [150, 1, 97, 64, 200])
+    dtype = seqs.dtype
     whole = seqs.fill()
     for (s, p), row in whole.items():
         err = (row.double() - seqs.reference(s, p)).abs().max().item()
@@ -123,22 +147,31 @@ def test_attention_matches_float64_and_a_row_never_depends_on_the_call(isa, shap
                 assert torch.equal(row, whole[key]), f"{isa}: {key} in chunk [{a}, {b}) beside decodes"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_the_op_writes_the_cache_as_write_kv_does(dtype):
-    seqs = Sequences((2, 2, 24, 4, None), dtype, [37, 9])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.bfloat16, None), (torch.float32, None), *KV_DTYPES],
+                         ids=["bf16", "fp32", "fp32-int8", "bf16-int8", "fp16-int8", "fp32-bf16"])
+def test_the_op_writes_the_cache_as_write_kv_does(dtype, kv_dtype):
+    """Bit for bit, int8 codes and scales included: the op quantizes a row as common.quantize_rows does."""
+    seqs = Sequences((2, 2, 24, 4, None), dtype, [37, 9], kv_dtype=kv_dtype)
     seqs.fill()
     written = torch.zeros_like(seqs.kv)
     for s, n in enumerate(seqs.lengths):
         slots = slot_mapping([SeqSpan(0, n, seqs.tables[s])], seqs.bs, torch.device("cpu"))
         seqs.backend.write_kv(written, seqs.k[s], seqs.v[s], slots)
     assert torch.equal(written, seqs.kv)
-    # the layout: a block's keys transposed ([D, block size]), its values as they are ([block size, D])
+    # the layout: a block's keys transposed ([D, block size]), its values as they are ([block size, D]); an int8
+    # block's codes are followed by one float32 scale per token, keys' and values' alike
+    int8 = seqs.kv_dtype == torch.int8
     for s, n in enumerate(seqs.lengths):
+        k, v = (quantize_rows(x) if int8 else (x.to(seqs.kv_dtype), None) for x in (seqs.k[s], seqs.v[s]))
         for p in range(n):
             block, off = seqs.tables[s][p // seqs.bs], p % seqs.bs
             for h in range(seqs.hkv):
-                assert torch.equal(seqs.kv[0, h, block].view(seqs.d, seqs.bs)[:, off], seqs.k[s][p, h])
-                assert torch.equal(seqs.kv[1, h, block, off], seqs.v[s][p, h])
+                for i, (codes, scales) in enumerate((k, v)):
+                    raw = seqs.kv[i, h, block].view(-1)
+                    rows = raw[: seqs.d * seqs.bs].view(seqs.d, seqs.bs).T if i == 0 else raw[: seqs.d * seqs.bs].view(seqs.bs, seqs.d)
+                    assert torch.equal(rows[off], codes[p, h])
+                    if int8:
+                        assert raw[seqs.d * seqs.bs :].view(torch.float32)[off].item() == scales[p, h].item()
     assert not seqs.kv[:, :, seqs.null].any()  # the null block is never written
 
 
@@ -269,16 +302,16 @@ def test_the_avx2_path_gives_the_avx512_paths_bits(dtype):
     """The ops are written once for 16 lanes (vec.h) and each path holds them in its own registers, with its own
     register blocking: lanes are independent, both paths contract a * b + c into one FMA, and the two reductions
     use one tree. So the AVX2 path's bits are the AVX-512 path's, for the attention (prefill chunks, decodes,
-    windows, every blocking's leftover rows) and the row ops."""
+    windows, every blocking's leftover rows, an int8 cache) and the row ops."""
     if int(torch.ops.shoal_kernels.use_isa(0)) < 3:
         pytest.skip("this CPU has no AVX-512 to compare with")
-    for shape in SHAPES:
-        seqs = Sequences(shape, dtype, [150, 1, 97, 64, 200])
+    for shape, kv_dtype in [(shape, None) for shape in SHAPES] + [(shape, torch.int8) for shape in SHAPES[:3]]:
+        seqs = Sequences(shape, dtype, [150, 1, 97, 64, 200], kv_dtype=kv_dtype)
         steps = [([], [(s, 0, n) for s, n in enumerate(seqs.lengths)]), ([(0, 149), (2, 50), (4, 199)], [(3, 7, 40)])]
         for decodes, chunks in steps:
             wide = _on_path(3, lambda: seqs.step(decodes, chunks))
             narrow = _on_path(2, lambda: seqs.step(decodes, chunks))
-            assert all(torch.equal(wide[key], narrow[key]) for key in wide), f"{shape} {dtype}"
+            assert all(torch.equal(wide[key], narrow[key]) for key in wide), f"{shape} {dtype} cache {kv_dtype}"
     gen = torch.Generator().manual_seed(3)
     for n in (576, 100, 17):
         x, delta = torch.randn(5, n, generator=gen).to(dtype), torch.randn(5, n, generator=gen).to(dtype)

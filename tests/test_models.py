@@ -35,7 +35,7 @@ def build_runner(path, num_blocks=64, block_size=4):
     model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, 512)
     load_weights(model, ckpt.state_dict)
     model.eval()
-    return ModelRunner(model, KVCacheSpec(num_blocks, block_size, 0), ckpt.eos_token_ids, torch.device("cpu"), torch.float32)
+    return ModelRunner(model, KVCacheSpec(num_blocks, block_size, 0, torch.float32), ckpt.eos_token_ids, torch.device("cpu"), torch.float32)
 
 
 @torch.inference_mode()

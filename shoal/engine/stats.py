@@ -45,6 +45,7 @@ class EngineFacts:
     dtype: str = ""
     device: str = ""
     weight_format: str = "none"  # the projections' format as built (quant.WeightFormat)
+    kv_cache_dtype: str = ""  # what the KV cache holds (--kv-cache-dtype as resolved)
     # the checkpoint's own sampling defaults (generation_config.json, GGUF metadata), for the layers above
     generation_defaults: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
 
@@ -53,7 +54,7 @@ class EngineFacts:
         """The facts of `runner` (this process's ModelRunner) serving `model`; `checkpoint`: what only the loaded
         checkpoint tells (path, weight_format, generation_defaults)."""
         return cls(model=str(model), architecture=runner.config.architecture, dtype=str(runner.dtype).removeprefix("torch."),
-                   device=str(runner.device), **checkpoint)
+                   device=str(runner.device), kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."), **checkpoint)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class EngineSnapshot:
     kv_blocks: int = 0
     kv_free_blocks: int = 0
     kv_block_bytes: int = 0
+    kv_block_tokens: int = 0  # tokens a block holds
     cached_blocks: int = 0
     prefix_cache: MappingProxyType | None = None  # PrefixCacheStats' fields and its derived figures
     last_step: StepStats | None = None
@@ -104,6 +106,15 @@ class EngineSnapshot:
     def kv_total_bytes(self) -> int:
         return self.kv_blocks * self.kv_block_bytes
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's keys and values over every layer, in the cache's dtype (an int8 cache's scales included)."""
+        return self.kv_block_bytes // self.kv_block_tokens if self.kv_block_tokens else 0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_blocks * self.kv_block_tokens
+
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["counters"] = dataclasses.asdict(self.counters)
@@ -112,7 +123,8 @@ class EngineSnapshot:
             d[k] = dict(d[k]) if d[k] is not None else None
         d["last_step"] = dataclasses.asdict(self.last_step) if self.last_step else None
         d["recent_requests"] = list(self.recent_requests)
-        d.update(kv_usage=self.kv_usage, kv_used_bytes=self.kv_used_bytes, kv_total_bytes=self.kv_total_bytes)
+        d.update(kv_usage=self.kv_usage, kv_used_bytes=self.kv_used_bytes, kv_total_bytes=self.kv_total_bytes,
+                 kv_bytes_per_token=self.kv_bytes_per_token, kv_capacity_tokens=self.kv_capacity_tokens)
         return d
 
 
@@ -122,7 +134,7 @@ class StatsMonitor:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.snapshot = EngineSnapshot(time=engine.clock(), facts=engine.facts, kv_blocks=engine.pool.num_blocks, kv_free_blocks=engine.pool.num_free,
-                                       kv_block_bytes=engine.runner.bytes_per_block, prefix_cache=_cache_view(engine.prefix_cache))
+                                       kv_block_bytes=engine.runner.bytes_per_block, kv_block_tokens=engine.runner.block_size, prefix_cache=_cache_view(engine.prefix_cache))
         self._last_step: StepStats | None = None
         self._computed_prompt_tokens = 0
         self._samples: deque[tuple[float, int, int]] = deque()  # (time, computed prompt tokens, generated tokens)
@@ -166,6 +178,7 @@ class StatsMonitor:
             kv_blocks=e.pool.num_blocks,
             kv_free_blocks=e.pool.num_free,
             kv_block_bytes=e.runner.bytes_per_block,
+            kv_block_tokens=e.runner.block_size,
             cached_blocks=cache.stats.cached_blocks if cache is not None else 0,
             prefix_cache=_cache_view(cache),
             last_step=self._last_step,

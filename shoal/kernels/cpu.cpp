@@ -24,6 +24,15 @@
 // backends store them ([block_size, D] per block); keys are stored transposed within their
 // block ([D, block_size]), so that 16 consecutive keys of one dimension are contiguous when
 // the block size is a multiple of 16. This op is the only reader and writer of that layout.
+// The cache's dtype may differ from the activations' (a float32 model with a bfloat16 cache):
+// keys and values are rounded once to it when written, and read back as float32.
+//
+// An int8 cache is kv [2, Hkv, blocks, block_size, D + 4] int8: each block holds its codes
+// (keys [D, block_size], values [block_size, D], as above) and then block_size float32 scales,
+// one per token and head. A token's key (or value) row of one head is quantized on its own:
+// scale = max|x| / 127, code = round(x / scale) (half to even), so its codes depend on its own
+// values only, never on which tokens were written with it: a prefill in one chunk or in many,
+// and a decode, give the same codes, and reads give code * scale in float32.
 //
 // One source serves every x86-64 CPU: the task's body is compiled for AVX-512, for AVX2 with
 // FMA, and for the baseline, and one is picked per process by what the CPU has.
@@ -38,6 +47,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -67,7 +77,7 @@ struct Blocking<32> { static constexpr int64_t kScoreRows = 3, kScoreVecs = 2, k
 template <>
 struct Blocking<16> { static constexpr int64_t kScoreRows = 2, kScoreVecs = 1, kValueRows = 2, kValueVecs = 1; };
 
-enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kI8 = 3 };
 
 // x in lanes lo..hi (which may reach past either end), `fill` elsewhere
 template <int W>
@@ -138,17 +148,35 @@ struct Ctx {
   const int32_t* row_pos;
   float scale;
   int64_t window;  // 0: none
-  int dt; int64_t esize;
+  int dt; int64_t esize;  // q's and out's
+  int kvdt; int64_t kv_esize, block_bytes;  // the cache's: one head's keys (or values) of one block
   char* out;  // [T, Hq, D] in dt, contiguous
 };
 
 struct Task { int64_t row0, rows, head; };
 
-INL const char* key_block(const Ctx& c, int64_t head, int64_t block) {  // [D, bs]
-  return c.kv + ((head * c.NB + block) * c.bs * c.D) * c.esize;
+INL const char* key_block(const Ctx& c, int64_t head, int64_t block) {  // [D, bs] (then int8's bs scales)
+  return c.kv + (head * c.NB + block) * c.block_bytes;
 }
-INL const char* value_block(const Ctx& c, int64_t head, int64_t block) {  // [bs, D]
-  return c.kv + (((c.Hkv + head) * c.NB + block) * c.bs * c.D) * c.esize;
+INL const char* value_block(const Ctx& c, int64_t head, int64_t block) {  // [bs, D] (then int8's bs scales)
+  return c.kv + ((c.Hkv + head) * c.NB + block) * c.block_bytes;
+}
+INL const float* block_scales(const Ctx& c, const char* block) {  // an int8 block's scale per token
+  return reinterpret_cast<const float*>(block + c.bs * c.D);
+}
+
+// 16 int8 codes times their scales (16 lanes of scales, or one broadcast), as floats into buf
+template <int W>
+INL void load16_i8(const char* p, vf<W> scale, float* buf) {
+  vf<W> v;
+  for (int k = 0; k < vf<W>::kParts; ++k) v.p[k] = __builtin_convertvector(WidenI8<W>::from(p + k * (W / 4)), typename vf<W>::part);
+  (v * scale).store(buf);
+}
+
+// element i of a cache block as a float (an int8 code times its token's scale)
+INL float cache_float(const Ctx& c, const char* block, int64_t i, int64_t token) {
+  if (c.kvdt == kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(block)[i]) * block_scales(c, block)[token];
+  return to_float(block, i, c.kvdt);
 }
 
 // What the value pass of one tile reads and writes.
@@ -305,24 +333,38 @@ INL void task_body(const Ctx& c, const Task& task) {
       const int64_t key = ts + j0, block = table[key / c.bs], off = key % c.bs;
       const char* kb = key_block(c, task.head, block);
       if (direct && j0 + kLanes <= n) {
-        for (int64_t d = 0; d < D; ++d) load16<W>(kb, d * c.bs + off, c.dt, &Kt[d * kTile + j0]);
+        if (c.kvdt == kI8) {
+          const F sc = F::load(block_scales(c, kb) + off);
+          for (int64_t d = 0; d < D; ++d) load16_i8<W>(kb + d * c.bs + off, sc, &Kt[d * kTile + j0]);
+        } else {
+          for (int64_t d = 0; d < D; ++d) load16<W>(kb, d * c.bs + off, c.kvdt, &Kt[d * kTile + j0]);
+        }
       } else {
         for (int64_t d = 0; d < D; ++d) std::fill(&Kt[d * kTile + j0], &Kt[d * kTile + j0] + kLanes, 0.0f);  // a partial vector: no stale keys
         for (int64_t j = j0; j < std::min(n, j0 + kLanes); ++j) {
           const int64_t kk = ts + j;
           const char* b = key_block(c, task.head, table[kk / c.bs]);
-          for (int64_t d = 0; d < D; ++d) Kt[d * kTile + j] = to_float(b, d * c.bs + kk % c.bs, c.dt);
+          for (int64_t d = 0; d < D; ++d) Kt[d * kTile + j] = cache_float(c, b, d * c.bs + kk % c.bs, kk % c.bs);
         }
       }
     }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t kk = ts + j;
-      const char* vb = value_block(c, task.head, table[kk / c.bs]) + (kk % c.bs) * D * c.esize;
+      const char* block = value_block(c, task.head, table[kk / c.bs]);
+      const int64_t off = kk % c.bs;
+      const char* vb = block + off * D * c.kv_esize;
       float* vrow = &Vs[j * D16];
-      if (D % kLanes == 0) {
-        for (int64_t d = 0; d < D; d += kLanes) load16<W>(vb, d, c.dt, vrow + d);
+      if (c.kvdt == kI8) {
+        const float sc = block_scales(c, block)[off];
+        if (D % kLanes == 0) {
+          for (int64_t d = 0; d < D; d += kLanes) load16_i8<W>(vb + d, F::set(sc), vrow + d);
+        } else {
+          for (int64_t d = 0; d < D; ++d) vrow[d] = static_cast<float>(reinterpret_cast<const int8_t*>(vb)[d]) * sc;
+        }
+      } else if (D % kLanes == 0) {
+        for (int64_t d = 0; d < D; d += kLanes) load16<W>(vb, d, c.kvdt, vrow + d);
       } else {
-        for (int64_t d = 0; d < D; ++d) vrow[d] = to_float(vb, d, c.dt);
+        for (int64_t d = 0; d < D; ++d) vrow[d] = to_float(vb, d, c.kvdt);
       }
     }
     // scores for every row and every key of the tile
@@ -540,20 +582,49 @@ int dtype_code(const at::Tensor& t) {
   }
 }
 
+int cache_dtype_code(const at::Tensor& kv) { return kv.scalar_type() == at::kChar ? kI8 : dtype_code(kv); }
+
+INL void store_float(char* p, int64_t i, int dt, float f) {
+  switch (dt) {
+    case kBF16: reinterpret_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(f); break;
+    case kF16: reinterpret_cast<c10::Half*>(p)[i] = c10::Half(f); break;
+    default: reinterpret_cast<float*>(p)[i] = f;
+  }
+}
+
+// One token's key or value row of one head into the cache: elements at dst + i * stride (a key's go down its
+// block's column, a value's along its row), as the cache's dtype; int8 codes with their scale into *scale.
+INL void write_row(const char* src, int dt, char* dst, int64_t stride, int kvdt, int64_t D, float* scale, float* row) {
+  for (int64_t d = 0; d < D; ++d) row[d] = to_float(src, d, dt);
+  if (kvdt != kI8) {
+    for (int64_t d = 0; d < D; ++d) store_float(dst, d * stride, kvdt, row[d]);
+    return;
+  }
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
+  const float s = amax / 127.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float code = s > 0.0f ? std::nearbyint(row[d] / s) : 0.0f;
+    reinterpret_cast<int8_t*>(dst)[d * stride] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
+  }
+  *scale = s;
+}
+
 // q [T, Hq, D], k/v [T, Hkv, D] or [0, ...] (rows and heads may be strided, D contiguous); kv [2, Hkv, NB, bs, D]
-// contiguous; slots [T] int64; tables [S, max_blocks] int32; row_seq, row_pos [T] int32.
+// contiguous (int8: [2, Hkv, NB, bs, D + 4], see the top of this file); slots [T] int64; tables [S, max_blocks]
+// int32; row_seq, row_pos [T] int32.
 at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
                                const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& row_seq,
                                const at::Tensor& row_pos, double scale, int64_t window, int64_t group) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv.dim() == 5, "invariant attention: bad ranks");
   TORCH_CHECK(kv.is_contiguous() && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "invariant attention: layout");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type(),
-              "invariant attention: q, k, v and the cache must share a dtype");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "invariant attention: q, k and v must share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && row_seq.scalar_type() == at::kInt &&
               row_pos.scalar_type() == at::kInt && tables.is_contiguous() && slots.is_contiguous() &&
               row_seq.is_contiguous() && row_pos.is_contiguous(), "invariant attention: index dtypes");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kv.size(1), NB = kv.size(2), bs = kv.size(3);
-  TORCH_CHECK(kv.size(4) == D && Hq == Hkv * group, "invariant attention: shapes");
+  const int kvdt = cache_dtype_code(kv);
+  TORCH_CHECK(kv.size(4) == (kvdt == kI8 ? D + 4 : D) && Hq == Hkv * group, "invariant attention: shapes");
   TORCH_CHECK(k.size(0) == 0 || (k.size(0) == T && v.size(0) == T && k.size(1) == Hkv && v.size(1) == Hkv && slots.size(0) == T),
               "invariant attention: the keys and values to write");
   {  // every index the op will follow stays inside its tensor
@@ -570,8 +641,8 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
       for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < NB * bs, "invariant attention: a slot outside the cache");
     }
   }
-  const int dt = dtype_code(kv);
-  const int64_t es = kv.element_size();
+  const int dt = dtype_code(q);
+  const int64_t es = q.element_size(), kv_es = kv.element_size(), block_bytes = bs * kv.size(4) * kv_es;
   char* cache = static_cast<char*>(kv.data_ptr());
   // write the step's keys (transposed within their block) and values; none given: the cache is written
   if (k.size(0) > 0) {
@@ -579,15 +650,24 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
     const char* vp = static_cast<const char*>(v.data_ptr());
     const int64_t* sl = slots.data_ptr<int64_t>();
     at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      std::vector<float> row(D);
       for (int64_t t = b; t < e; ++t) {
         const int64_t block = sl[t] / bs, off = sl[t] % bs;
         for (int64_t h = 0; h < Hkv; ++h) {
           const char* ks = kp + (t * k.stride(0) + h * k.stride(1)) * es;
           const char* vs = vp + (t * v.stride(0) + h * v.stride(1)) * es;
-          char* kb = cache + ((h * NB + block) * bs * D) * es;
-          char* vb = cache + (((Hkv + h) * NB + block) * bs * D + off * D) * es;
-          for (int64_t d = 0; d < D; ++d) std::memcpy(kb + (d * bs + off) * es, ks + d * es, es);
-          std::memcpy(vb, vs, D * es);
+          char* kb = cache + (h * NB + block) * block_bytes;
+          char* vb = cache + ((Hkv + h) * NB + block) * block_bytes;
+          if (kvdt == dt) {  // as they are
+            for (int64_t d = 0; d < D; ++d) std::memcpy(kb + (d * bs + off) * es, ks + d * es, es);
+            std::memcpy(vb + off * D * es, vs, D * es);
+            continue;
+          }
+          const bool i8 = kvdt == kI8;
+          float* scale_k = i8 ? reinterpret_cast<float*>(kb + bs * D) + off : nullptr;
+          float* scale_v = i8 ? reinterpret_cast<float*>(vb + bs * D) + off : nullptr;
+          write_row(ks, dt, kb + off * kv_es, bs, kvdt, D, scale_k, row.data());
+          write_row(vs, dt, vb + off * D * kv_es, 1, kvdt, D, scale_v, row.data());
         }
       }
     });
@@ -596,7 +676,7 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
   if (T == 0) return out;
   Ctx c{static_cast<const char*>(q.data_ptr()), q.stride(0), q.stride(1), cache, Hkv, NB, bs, D, (D + kLanes - 1) / kLanes * kLanes,
         group, tables.data_ptr<int32_t>(), tables.size(1), row_seq.data_ptr<int32_t>(), row_pos.data_ptr<int32_t>(),
-        static_cast<float>(scale), window, dt, es, static_cast<char*>(out.data_ptr())};
+        static_cast<float>(scale), window, dt, es, kvdt, kv_es, block_bytes, static_cast<char*>(out.data_ptr())};
   // tasks: runs of rows of one sequence (a decode is a run of one), at most kPositionsPerTask long, times KV heads
   std::vector<Task> runs;
   for (int64_t t = 0; t < T;) {

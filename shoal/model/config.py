@@ -44,9 +44,6 @@ class ModelConfig:
         """The shape one tensor-parallel rank computes (shard: runner.shard_plan.TensorShard)."""
         return replace(self, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads, intermediate_size=shard.intermediate_size)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
-
     @classmethod
     def from_hf(cls, hf: Any, *, qk_norm: bool = False, attention_bias: bool | None = None) -> ModelConfig:
         heads = hf.num_attention_heads

@@ -21,7 +21,7 @@ from shoal.model.registry import model_class
 from shoal.model.tensor_parallel import TensorParallel, connect_ranks, shard_model
 from shoal.model.weights import load_weights, shard_slice, stage_name
 from shoal.runner.host import keep_freed_memory
-from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype
+from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype, resolve_kv_dtype
 from shoal.runner.shard_plan import plan_pipeline, plan_tensor_parallel
 
 log = logging.getLogger("shoal.engine")
@@ -95,7 +95,8 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     if split is not None:
         connect_ranks(model)  # the gathers wrap the final layers: loading, the head and the swap saw plain ones
     bind_attributes(model)  # last: the model is final now
-    spec = plan_kv_cache(model.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8), config.cache, device, max_model_len)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
+    spec = plan_kv_cache(model.config, config.cache, device, max_model_len, kv_dtype)
     if group is not None:
         spec = replace(spec, num_blocks=group.agree_min(spec.num_blocks))
     runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, attention)

@@ -22,6 +22,7 @@ import torch
 from shoal import kernels
 from shoal.config import CacheConfig
 from shoal.model.attention import SeqSpan, make_attention_backend
+from shoal.model.attention.common import cache_row, kv_bytes_per_token
 from shoal.model.layers import DecoderForCausalLM
 from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, process_logits, sample
 from shoal.types import Logprob, SampledToken, ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
@@ -91,11 +92,25 @@ class KVCacheSpec:
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    dtype: torch.dtype  # what the cache holds (resolve_kv_dtype)
 
 
-def plan_kv_cache(model_bytes_per_token: int, cache: CacheConfig, device: torch.device, max_model_len: int) -> KVCacheSpec:
-    """How many blocks fit the budget; refuse when one max_model_len sequence does not fit."""
-    per_block = model_bytes_per_token * cache.block_size
+KV_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype: "auto" is the activations' dtype; fp8 (e4m3, scale 1, as vLLM's default) only on CUDA."""
+    if name == "auto":
+        return dtype
+    if name == "fp8" and device.type != "cuda":
+        raise ValueError("--kv-cache-dtype fp8 needs a CUDA device; on the CPU int8 halves the cache with a scale per token and head")
+    return KV_DTYPES[name]
+
+
+def plan_kv_cache(config, cache: CacheConfig, device: torch.device, max_model_len: int, kv_dtype: torch.dtype) -> KVCacheSpec:
+    """How many blocks of `kv_dtype` fit the budget (config: the model's ModelConfig, or this rank's part of it);
+    refuse when one max_model_len sequence does not fit."""
+    per_block = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype) * cache.block_size
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif device.type == "cuda":
@@ -110,7 +125,7 @@ def plan_kv_cache(model_bytes_per_token: int, cache: CacheConfig, device: torch.
             f"but one sequence of max_model_len={max_model_len} needs {needed} "
             f"({needed * per_block / 2**20:.1f} MiB): raise --kv-cache-memory or lower --max-model-len"
         )
-    return KVCacheSpec(num_blocks, cache.block_size, per_block)
+    return KVCacheSpec(num_blocks, cache.block_size, per_block, kv_dtype)
 
 
 class ModelRunner:
@@ -130,18 +145,21 @@ class ModelRunner:
         self.block_size = spec.block_size
         self.num_blocks = spec.num_blocks
         self.bytes_per_block = spec.bytes_per_block
+        self.kv_dtype = spec.dtype
         self.eos_token_ids = eos_token_ids
         c = self.config
         # One tensor for all layers: [layers, 2 (k|v), Hkv, blocks + 1, block_size, D] (head-major, see
         # attention/common.py). The last block is the null block: the pool never hands it out, attention
         # pads block tables with it and reads zeros.
-        self.kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, spec.num_blocks + 1, spec.block_size, c.head_dim, dtype=dtype, device=device)
-        self.kv_caches = list(self.kv)  # per layer: [2, Hkv, blocks + 1, block_size, D]
+        # An int8 cache holds each block's codes, then a float32 scale per token (attention/common.py).
+        row = cache_row(c.head_dim, spec.dtype)
+        self.kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, spec.num_blocks + 1, spec.block_size, row, dtype=spec.dtype, device=device)
+        self.kv_caches = list(self.kv)  # per layer: [2, Hkv, blocks + 1, block_size, D (int8: D + 4)]
         self.attention = make_attention_backend(attention, c, block_size=spec.block_size, null_block=spec.num_blocks, device=device, dtype=dtype)
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; %s attention",
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",
             spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, self.kv.numel() * self.kv.element_size() / 2**20,
-            self.attention.name,
+            str(spec.dtype).removeprefix("torch."), spec.bytes_per_block // spec.block_size, self.attention.name,
         )
 
     # ------------------------------------------------------------ step

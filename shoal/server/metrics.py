@@ -83,6 +83,9 @@ SNAPSHOT = {f.name.removeprefix("shoal:"): f for f in (
     Family("shoal:kv_cache_usage_perc", "gauge", "Fraction of KV blocks held by requests (cached, unreferenced blocks count as free)."),
     Family("shoal:kv_cache_used_bytes", "gauge", "KV cache bytes held by requests."),
     Family("shoal:kv_cache_total_bytes", "gauge", "KV cache bytes in the pool."),
+    Family("shoal:kv_cache_bytes_per_token", "gauge", "KV cache bytes one token takes over every layer, in the cache's dtype "
+           "(--kv-cache-dtype; int8's scales included)."),
+    Family("shoal:kv_cache_capacity_tokens", "gauge", "Tokens the KV pool holds."),
     Family("shoal:step_batch_size", "gauge", "Sequences in the last engine step."),
     Family("shoal:step_tokens", "gauge", "Tokens computed in the last engine step."),
     Family("shoal:step_duration_seconds", "gauge", "Duration of the last engine step."),
@@ -171,6 +174,8 @@ class _SnapshotCollector:
         yield _family("kv_cache_usage_perc", s.kv_usage)
         yield _family("kv_cache_used_bytes", s.kv_used_bytes)
         yield _family("kv_cache_total_bytes", s.kv_total_bytes)
+        yield _family("kv_cache_bytes_per_token", s.kv_bytes_per_token)
+        yield _family("kv_cache_capacity_tokens", s.kv_capacity_tokens)
         if s.last_step is not None:
             yield _family("step_batch_size", s.last_step.batch_size)
             yield _family("step_tokens", s.last_step.num_tokens)

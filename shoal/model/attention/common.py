@@ -11,6 +11,13 @@ head-major: gathering a sequence's blocks gives each head's keys as one
 contiguous [tokens, D] matrix, which the matmuls read as they are, with no
 transposing copy. The last block is the null block, never handed out by the
 pool and never written, so a backend can pad block tables with it and read zeros.
+
+The cache's dtype (`--kv-cache-dtype`) may differ from the activations': keys and
+values are rounded to it once when written. An int8 cache is [2, Hkv, num_blocks + 1,
+block_size, D + 4] int8: each block of one head holds its codes ([block_size, D]) and
+then block_size float32 scales, one per token (`int8_views`). A token's row of one head
+is quantized on its own (`quantize_rows`), so its codes never depend on what was written
+with it: chunking and batching leave them as they are, as batch invariance needs.
 """
 
 from __future__ import annotations
@@ -51,18 +58,73 @@ def visible_keys(keys: torch.Tensor, pos: torch.Tensor, window: int | None) -> t
     return visible
 
 
+SCALE_BYTES = 4  # an int8 cache's float32 scale per token and head, after its block's codes
+
+
+def cache_row(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """The cache tensor's last dimension: D elements, or an int8 cache's D codes and a scale's 4 bytes."""
+    return head_dim + SCALE_BYTES if kv_dtype == torch.int8 else head_dim
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:
+    """What one token's keys and values take in the cache, over every layer and KV head."""
+    return 2 * num_layers * num_kv_heads * cache_row(head_dim, kv_dtype) * torch.empty(0, dtype=kv_dtype).element_size()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> int8 codes [..., D] and float32 scales [...]: scale = max|x| / 127 per row,
+    code = round(x / scale) (half to even), as shoal's native attention op quantizes (kernels/cpu.cpp)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / 127
+    codes = torch.where(scale[..., None] > 0, torch.round(xf / scale[..., None]), 0.0)
+    return codes.clamp_(-127, 127).to(torch.int8), scale
+
+
+def int8_views(kv: torch.Tensor, head_dim: int, transposed_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int8 cache [2, Hkv, blocks, block_size, D + 4] as views: key codes [Hkv, blocks, block_size, D] (or
+    [Hkv, blocks, D, block_size] where keys are stored transposed, as the native op does), value codes
+    [Hkv, blocks, block_size, D], and scales [2, Hkv, blocks, block_size] float32."""
+    _, h, nb, bs, _ = kv.shape
+    flat = kv.view(2, h, nb, -1)
+    codes, scales = flat[..., : bs * head_dim], flat[..., bs * head_dim :].view(torch.float32)
+    keys = codes[0].view(h, nb, head_dim, bs) if transposed_keys else codes[0].view(h, nb, bs, head_dim)
+    return keys, codes[1].view(h, nb, bs, head_dim), scales
+
+
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """kv: [2, Hkv, num_blocks, block_size, D]; k, v: [T, Hkv, D]; slots: [T]."""
-    _, h, nb, bs, d = kv.shape
-    kv[0].view(h, nb * bs, d).index_copy_(1, slots, k.transpose(0, 1))
-    kv[1].view(h, nb * bs, d).index_copy_(1, slots, v.transpose(0, 1))
+    """kv: [2, Hkv, num_blocks, block_size, D] (int8: D + 4); k, v: [T, Hkv, D]; slots: [T]."""
+    _, h, nb, bs, _ = kv.shape
+    d = k.shape[-1]
+    if kv.dtype == torch.int8:
+        keys, values, scales = int8_views(kv, d)
+        block, off = slots // bs, slots % bs
+        for i, (x, codes) in enumerate(((k, keys), (v, values))):
+            q, s = quantize_rows(x)
+            codes[:, block, off] = q.transpose(0, 1)
+            scales[i][:, block, off] = s.transpose(0, 1)
+        return
+    # as bytes where torch has no index_copy_ for the dtype (fp8)
+    raw = (lambda t: t.view(torch.uint8)) if kv.element_size() == 1 else (lambda t: t)
+    raw(kv[0]).view(h, nb * bs, d).index_copy_(1, slots, raw(k.transpose(0, 1).to(kv.dtype)))
+    raw(kv[1]).view(h, nb * bs, d).index_copy_(1, slots, raw(v.transpose(0, 1).to(kv.dtype)))
 
 
-def gather_blocks(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """kv [2, Hkv, num_blocks, block_size, D], block_ids [n] -> [2, Hkv, n * block_size, D].
+def gather_blocks(kv: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """kv [2, Hkv, num_blocks, block_size, D], block_ids [n] -> [2, Hkv, n * block_size, D] in `dtype` (default:
+    the cache's; an int8 cache's codes times their scales, rounded once to `dtype`).
 
     index_select over rows of one block each is a plain row copy: measured 4x
     faster on this CPU than advanced indexing of the cache; K and V in one call.
     """
-    _, h, nb, bs, d = kv.shape
-    return torch.index_select(kv.view(2, h, nb, bs * d), 2, block_ids).view(2, h, -1, d)
+    _, h, nb, bs, row = kv.shape
+    if kv.dtype == torch.float8_e4m3fn:  # as bytes: torch has no index_select for fp8
+        out = torch.index_select(kv.view(torch.uint8).view(2, h, nb, bs * row), 2, block_ids).view(kv.dtype).view(2, h, -1, row)
+        return out.to(dtype or kv.dtype)
+    blocks = torch.index_select(kv.view(2, h, nb, bs * row), 2, block_ids)
+    if kv.dtype != torch.int8:
+        out = blocks.view(2, h, -1, row)
+        return out if dtype is None or dtype == kv.dtype else out.to(dtype)
+    d = row - SCALE_BYTES
+    codes = blocks[..., : bs * d].reshape(2, h, -1, d)
+    scales = blocks[..., bs * d :].contiguous().view(torch.float32).reshape(2, h, -1, 1)
+    return (codes.float() * scales).to(dtype or torch.float32)

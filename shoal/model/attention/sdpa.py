@@ -178,9 +178,9 @@ def paged_attention(
         flat = meta.decode_block_tables.view(-1)
         n = meta.decode_context_len  # None: padded to the longest table, masked
         if n is None:
-            k, v = gather_blocks(kv, flat).view(2, Hkv, Bd, -1, D).transpose(1, 2)  # [Bd, Hkv, S, D] each
+            k, v = gather_blocks(kv, flat, q.dtype).view(2, Hkv, Bd, -1, D).transpose(1, 2)  # [Bd, Hkv, S, D] each
         else:  # one sequence
-            k, v = gather_blocks(kv, flat)[:, :, :n].unsqueeze(1)
+            k, v = gather_blocks(kv, flat, q.dtype)[:, :, :n].unsqueeze(1)
         qd = q[:Bd].view(Bd, Hkv, G, D)  # head h = kv_head * G + g, as in HF's repeat_kv
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale).reshape(Bd, Hq, D)
         if not meta.chunks:
@@ -190,7 +190,7 @@ def paged_attention(
         out[:Bd] = o
 
     for c in meta.chunks:
-        k, v = gather_blocks(kv, c.block_table)[:, :, : c.context_len]  # [Hkv, S, D] each
+        k, v = gather_blocks(kv, c.block_table, q.dtype)[:, :, : c.context_len]  # [Hkv, S, D] each
         # [L, Hq, D] -> [Hkv, G*L, D]: rows g*L + i are query i of group member g.
         qc = q[c.start : c.start + c.length].view(c.length, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * c.length, D)
         # 4-D with a batch of one: with a mask, 3-D inputs send CPU SDPA down its math path (bmm, where,
