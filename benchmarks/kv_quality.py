@@ -78,10 +78,10 @@ class Capture:
 WEIGHTS = {"default": {}, "float32 weights": {"quantization": "none", "dtype": "float32", "attention": "invariant"}}
 
 
-def quality(kv: str, contexts: list[int], weights: str) -> dict:
+def quality(model: str, kv: str, contexts: list[int], weights: str) -> dict:
     """Per context: the prompt's top tokens, the tail's log-distributions and 128 greedy tokens, over a `kv` cache."""
     out = {}
-    with LLM("smollm2", kv_cache_dtype=kv, enable_prefix_cache=False, max_model_len=8192, kv_cache_memory=2**30,
+    with LLM(model, kv_cache_dtype=kv, enable_prefix_cache=False, max_model_len=8192, kv_cache_memory=2**30,
              **WEIGHTS[weights]) as llm:
         for n in contexts:
             ids = real_text(llm, n)
@@ -101,18 +101,18 @@ def compare(ref: dict, got: dict) -> dict:
             "top1_agreement": (ref["top"] == got["top"]).float().mean().item(), "greedy_same": first}
 
 
-def decode_rate(kv: str, context: int, streams: int) -> dict:
+def decode_rate(model: str, kv: str, context: int, streams: int) -> dict:
     """decode_rate_here in a process of its own: each configuration starts fresh, and its pool is returned whole."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(decode_rate_here, (kv, context, streams))
+        return pool.apply(decode_rate_here, (model, kv, context, streams))
 
 
-def decode_rate_here(kv: str, context: int, streams: int) -> dict:
+def decode_rate_here(model: str, kv: str, context: int, streams: int) -> dict:
     """Output tok/s of `streams` greedy streams, each over its own `context` tokens, decoding 64 tokens after a
     prefill that is timed apart."""
     logging.disable(logging.INFO)
     memory = 7 * 2**30 if streams > 1 else 2**30  # 32 float32 streams of 4k need 6.1 GB
-    with LLM("smollm2", kv_cache_dtype=kv, enable_prefix_cache=True, max_model_len=8192, kv_cache_memory=memory,
+    with LLM(model, kv_cache_dtype=kv, enable_prefix_cache=True, max_model_len=8192, kv_cache_memory=memory,
              max_num_seqs=max(streams, 8)) as llm:
         prompts = [real_text(llm, context, offset=997 * i) for i in range(streams)]
         t = time.perf_counter()
@@ -128,8 +128,11 @@ def decode_rate_here(kv: str, context: int, streams: int) -> dict:
 
 def markdown(doc: dict) -> list[str]:
     m = doc["machine"]
+    model = doc.get("model", "smollm2")
+    model = ("SmolLM2-135M-Instruct (Q4_1 GGUF, the default configuration: float32 activations)" if model == "smollm2"
+             else f"`{model}`")
     lines = ["# KV cache dtype: quality and speed on the default model", "",
-             f"On {machine_line(m)}. SmolLM2-135M-Instruct (Q4_1 GGUF, the default configuration: float32 activations). "
+             f"On {machine_line(m)}. {model}. "
              f"Reference: the float32 cache. Text: shoal's docs and source. `python benchmarks/kv_quality.py`.", "",
              "## Quality against the float32 cache", ""]
     rows = []
@@ -156,6 +159,7 @@ def markdown(doc: dict) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="a GGUF or a Hugging Face folder (default: the default model)")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8000])
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16", "int8"])
     p.add_argument("--speed-dtypes", nargs="+", default=["bfloat16", "int8"])
@@ -164,17 +168,17 @@ def main() -> None:
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     out = a.out or f"kv_quality-{cpu_kind()}"
-    doc = {"machine": machine(), "contexts": a.contexts, "quality": {}, "speed": {}}
+    doc = {"machine": machine(), "model": a.model, "contexts": a.contexts, "quality": {}, "speed": {}}
     if a.no_speed and (RESULTS / f"{out}.json").exists():
         doc["speed"] = load(out).get("speed", {})
     bar = tqdm(total=len(WEIGHTS) * (1 + len(a.dtypes)) + (0 if a.no_speed else 3 * (1 + len(a.speed_dtypes))),
                desc="kv_quality", unit="run")
     for weights in WEIGHTS:
-        ref = quality("float32", a.contexts, weights)
+        ref = quality(a.model, "float32", a.contexts, weights)
         bar.update()
         doc["quality"][weights] = {}
         for kv in a.dtypes:
-            got = quality(kv, a.contexts, weights)
+            got = quality(a.model, kv, a.contexts, weights)
             doc["quality"][weights][kv] = {n: compare(ref[n], got[n]) for n in a.contexts}
             bar.update()
     publish(out, doc, markdown(doc))  # the quality part, kept if the speed part fails
@@ -183,7 +187,7 @@ def main() -> None:
             key = f"{streams} × {context}"
             doc["speed"][key] = {}
             for kv in ["float32", *a.speed_dtypes]:
-                doc["speed"][key][kv] = decode_rate(kv, context, streams)
+                doc["speed"][key][kv] = decode_rate(a.model, kv, context, streams)
                 bar.update()
     bar.close()
     publish(out, doc, markdown(doc))
