@@ -37,10 +37,14 @@ GREEDY_TOKENS = 128
 LLAMA_CPP_Q8_0 = {"perplexity change": "+0.0046", "KL divergence": "0.00098"}
 
 
-def real_text(llm: LLM, tokens: int, offset: int = 0) -> list[int]:
-    """`tokens` tokens of shoal's docs and source, from `offset` on (distinct windows for distinct streams)."""
+def real_text(llm: LLM) -> list[int]:
+    """shoal's docs and source as the model's tokens; `window` takes prompts from it."""
     text = "\n\n".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md")) + sorted((ROOT / "shoal").rglob("*.py")))
-    ids = llm.tokenizer.encode(text)
+    return llm.tokenizer.encode(text)
+
+
+def window(ids: list[int], tokens: int, offset: int = 0) -> list[int]:
+    """`tokens` of the text from `offset` on (distinct windows for distinct streams)."""
     if len(ids) < offset + tokens:
         raise SystemExit(f"only {len(ids)} tokens of text, {offset + tokens} needed")
     return ids[offset : offset + tokens]
@@ -83,8 +87,9 @@ def quality(model: str, kv: str, contexts: list[int], weights: str) -> dict:
     out = {}
     with LLM(model, kv_cache_dtype=kv, enable_prefix_cache=False, max_model_len=8192, kv_cache_memory=2**30,
              **WEIGHTS[weights]) as llm:
+        text = real_text(llm)
         for n in contexts:
-            ids = real_text(llm, n)
+            ids = window(text, n)
             with Capture(llm) as cap:
                 llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
             greedy = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True))[0]
@@ -114,7 +119,8 @@ def decode_rate_here(model: str, kv: str, context: int, streams: int) -> dict:
     memory = 7 * 2**30 if streams > 1 else 2**30  # 32 float32 streams of 4k need 6.1 GB
     with LLM(model, kv_cache_dtype=kv, enable_prefix_cache=True, max_model_len=8192, kv_cache_memory=memory,
              max_num_seqs=max(streams, 8)) as llm:
-        prompts = [real_text(llm, context, offset=997 * i) for i in range(streams)]
+        text = real_text(llm)
+        prompts = [window(text, context, offset=997 * i) for i in range(streams)]
         t = time.perf_counter()
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))  # prefill, kept by the prefix cache
         prefill = time.perf_counter() - t

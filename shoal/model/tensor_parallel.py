@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shoal.model.layers import Layer, Linear
+from shoal.model.layers import MLP, Attention, Layer, Linear
 
 
 @dataclass(frozen=True)
@@ -65,14 +65,10 @@ def shard_model(model, tp: TensorParallel, linear) -> None:
     shard, whole = tp.shard, model.config
     c = whole.sharded(shard)
     hidden = tp.widths("hidden")[tp.rank]
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        parts = (c.q_size, c.kv_size, c.kv_size)
-        attn.c = c
-        attn.qkv_proj = linear(c.hidden_size, sum(parts), c.attention_bias, parts)
-        attn.o_proj = linear(sum(tp.widths("heads", c.head_dim)), hidden, False)
-        mlp.gate_up_proj = linear(c.hidden_size, 2 * c.intermediate_size, False, (c.intermediate_size,) * 2)
-        mlp.down_proj = linear(sum(tp.widths("intermediate")), hidden, False)
+    for layer in model.model.layers:  # the layers' own constructors at the rank's shape, then the split outputs
+        layer.self_attn, layer.mlp = Attention(c, linear), MLP(c, linear)
+        layer.self_attn.o_proj = linear(sum(tp.widths("heads", c.head_dim)), hidden, False)
+        layer.mlp.down_proj = linear(sum(tp.widths("intermediate")), hidden, False)
     if shard.vocab is not None:
         rows = shard.vocab[1] - shard.vocab[0]
         if model.model.embed_tokens is not None:

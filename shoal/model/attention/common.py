@@ -68,7 +68,7 @@ def cache_row(head_dim: int, kv_dtype: torch.dtype) -> int:
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:
     """What one token's keys and values take in the cache, over every layer and KV head."""
-    return 2 * num_layers * num_kv_heads * cache_row(head_dim, kv_dtype) * torch.empty(0, dtype=kv_dtype).element_size()
+    return 2 * num_layers * num_kv_heads * cache_row(head_dim, kv_dtype) * kv_dtype.itemsize
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,17 +91,25 @@ def int8_views(kv: torch.Tensor, head_dim: int, transposed_keys: bool = False) -
     return keys, codes[1].view(h, nb, bs, head_dim), scales
 
 
-def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """kv: [2, Hkv, num_blocks, block_size, D] (int8: D + 4); k, v: [T, Hkv, D]; slots: [T]."""
+def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, transposed_keys: bool = False) -> None:
+    """kv: [2, Hkv, num_blocks, block_size, D] (int8: D + 4); k, v: [T, Hkv, D]; slots: [T].
+    transposed_keys: keys stored [D, block_size] within their block, as shoal's native op keeps them."""
     _, h, nb, bs, _ = kv.shape
     d = k.shape[-1]
+    block, off = slots // bs, slots % bs
     if kv.dtype == torch.int8:
-        keys, values, scales = int8_views(kv, d)
-        block, off = slots // bs, slots % bs
-        for i, (x, codes) in enumerate(((k, keys), (v, values))):
-            q, s = quantize_rows(x)
-            codes[:, block, off] = q.transpose(0, 1)
-            scales[i][:, block, off] = s.transpose(0, 1)
+        keys, values, scales = int8_views(kv, d, transposed_keys)
+        (kc, ks), (vc, vs) = quantize_rows(k), quantize_rows(v)
+        if transposed_keys:
+            keys[:, block, :, off] = kc  # the two indexed dimensions are apart: [T, Hkv, D]
+        else:
+            keys[:, block, off] = kc.transpose(0, 1)
+        values[:, block, off] = vc.transpose(0, 1)
+        scales[0][:, block, off], scales[1][:, block, off] = ks.transpose(0, 1), vs.transpose(0, 1)
+        return
+    if transposed_keys:
+        kv[0].view(h, nb, d, bs)[:, block, :, off] = k.to(kv.dtype)
+        kv[1].view(h, nb * bs, d).index_copy_(1, slots, v.transpose(0, 1).to(kv.dtype))
         return
     # as bytes where torch has no index_copy_ for the dtype (fp8)
     raw = (lambda t: t.view(torch.uint8)) if kv.element_size() == 1 else (lambda t: t)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal import kernels
-from shoal.model.attention.common import SeqSpan, gather_blocks, int8_views, quantize_rows, slot_mapping, visible_keys, write_kv
+from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
 from shoal.model.invariance import wide_dtype, wide_matmul
 
 # Keys per tile: the length of every p.v reduction. 128 keys x 64 dims is 16 KiB of
@@ -132,20 +132,7 @@ class InvariantAttention:
     def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Keys and values [T, Hkv, D] into a layer's cache at `slots`, in this backend's layout (a step's own
         are written by its forward; this is for caches filled from outside, as tests do)."""
-        if not self.native:
-            return write_kv(kv, k, v, slots)
-        _, h, nb, bs, _ = kv.shape
-        d = k.shape[-1]
-        if kv.dtype == torch.int8:
-            keys, values, scales = int8_views(kv, d, transposed_keys=True)
-            block, off = slots // bs, slots % bs
-            (kc, ks), (vc, vs) = quantize_rows(k), quantize_rows(v)
-            keys[:, block, :, off] = kc  # keys transposed within their block
-            values[:, block, off] = vc.transpose(0, 1)
-            scales[0][:, block, off], scales[1][:, block, off] = ks.transpose(0, 1), vs.transpose(0, 1)
-            return
-        kv[0].view(h, nb, d, bs)[:, slots // bs, :, slots % bs] = k.to(kv.dtype)  # keys transposed within their block
-        kv[1].view(h, nb * bs, d).index_copy_(1, slots, v.transpose(0, 1).to(kv.dtype))
+        write_kv(kv, k, v, slots, transposed_keys=self.native)  # the native op keeps keys transposed within their block
 
     def _native(self, spans: list[SeqSpan]) -> NativeMetadata:
         width = max((len(s.block_table) for s in spans), default=1)
