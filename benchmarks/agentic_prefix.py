@@ -70,6 +70,20 @@ USER_TURNS = [
 ]
 
 
+def time_to_first_token(engine, request: GenerationRequest):
+    """Run one request alone on an idle engine: (seconds to its first token, its final output)."""
+    t0 = time.perf_counter()
+    engine.add_request(request)
+    first = final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter() - t0
+            if out.finished:
+                final = out
+    return first, final
+
+
 def run_mode(enable_cache: bool, n_conv: int, n_turns: int, max_tokens: int) -> dict:
     llm = LLM("smollm2", max_model_len=8192, enable_prefix_cache=enable_cache)
     engine = llm.engine
@@ -82,16 +96,8 @@ def run_mode(enable_cache: bool, n_conv: int, n_turns: int, max_tokens: int) -> 
         for c in range(n_conv):
             convs[c].append({"role": "user", "content": f"[conversation {c}] {USER_TURNS[turn % len(USER_TURNS)]}"})
             ids = llm.apply_chat_template(convs[c])
-            t0 = time.perf_counter()
-            engine.add_request(GenerationRequest(f"r{rid}", tuple(ids), params))
+            first, final = time_to_first_token(engine, GenerationRequest(f"r{rid}", tuple(ids), params))
             rid += 1
-            first = None
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if first is None and out.outputs[0].token_ids:
-                        first = time.perf_counter() - t0
-                    if out.finished:
-                        final = out
             ttft[turn][c] = first
             prompt_tokens += len(ids)
             cached_tokens += final.num_cached_tokens

@@ -73,6 +73,14 @@ ENGINE_OPTS = [
     Opt("--threads", None, int, "torch threads (default: torch's choice)"),
     Opt("--prefix-cache", True, None, "reuse the KV of earlier prompts (default: on)", kind="bool"),
     Opt("--prefix-cache-ttl", None, float, "drop cached prefixes idle this many seconds (default: only when space is needed)"),
+    Opt("--prefix-cache-dir", None, str, "keep the prefixes the KV pool evicts in this directory, and restore them "
+        "instead of recomputing; it survives restarts (one server per directory; docs/guides/kv-cache.md)"),
+    Opt("--prefix-cache-disk-bytes", "8GiB", str, "most bytes --prefix-cache-dir holds, e.g. 20GiB"),
+    Opt("--prefix-cache-host-bytes", "0", str, "keep evicted prefixes in host RAM instead, up to this many bytes "
+        "(for a KV cache on a GPU; 0: off)"),
+    Opt("--prefix-cache-restore", "auto", str, "restore blocks from the tier when the read and prefill rates measured on "
+        "this host say it is cheaper than computing them (auto), always, or never (the tier only keeps them)",
+        choices=("auto", "always", "never")),
     Opt("--deterministic", False, None, "batch-invariant decoding with any weights: a greedy or seeded answer does not "
         "change with the load, chunking or prefix-cache hits (the default already is, with a GGUF's 4-bit weights; "
         "with float weights it costs 8-20%% of the speed; docs/guides/determinism.md)", kind="flag"),
@@ -224,6 +232,10 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
         kv_cache_dtype=v.get("kv_cache_dtype", "auto"),
         enable_prefix_cache=bool(v.get("prefix_cache", True)),
         prefix_cache_ttl=v.get("prefix_cache_ttl"),
+        prefix_cache_dir=v.get("prefix_cache_dir"),
+        prefix_cache_disk_bytes=parse_bytes(v.get("prefix_cache_disk_bytes", "8GiB")),
+        prefix_cache_host_bytes=parse_bytes(v.get("prefix_cache_host_bytes", 0)),
+        prefix_cache_restore=v.get("prefix_cache_restore", "auto"),
     )
     return EngineConfig(
         model=str(v["model"]),

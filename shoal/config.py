@@ -67,8 +67,21 @@ class CacheConfig:
     enable_prefix_cache: bool = True
     prefix_cache_ttl: float | None = None  # seconds an unreferenced cached block may idle
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; auto: the activations' dtype
+    # The prefix cache's second tier (engine/kv_tier.py): evicted blocks kept in a directory (survives restarts) ...
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int = 8 * GiB  # ... up to this many bytes
+    prefix_cache_host_bytes: int = 0  # ... or in host RAM, up to this many bytes (for a KV cache on a GPU)
+    prefix_cache_restore: str = "auto"  # auto: restore when the measured rates say it is cheaper | always | never
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_disk_bytes < 1 or self.prefix_cache_host_bytes < 0:
+            raise ValueError("prefix_cache_disk_bytes must be positive and prefix_cache_host_bytes not negative")
+        if self.prefix_cache_restore not in ("auto", "always", "never"):
+            raise ValueError(f"prefix_cache_restore must be auto, always or never, got {self.prefix_cache_restore!r}")
+        if self.prefix_cache_dir and self.prefix_cache_host_bytes:
+            raise ValueError("the prefix-cache tier is a directory or host RAM: give prefix_cache_dir or prefix_cache_host_bytes, not both")
+        if (self.prefix_cache_dir or self.prefix_cache_host_bytes) and not self.enable_prefix_cache:
+            raise ValueError("the prefix-cache tier keeps what the prefix cache evicts: it needs the prefix cache on")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
@@ -166,6 +179,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization is None:
             object.__setattr__(self, "quantization", "none")
+        if (self.cache.prefix_cache_dir or self.cache.prefix_cache_host_bytes) and self.parallel.world_size > 1:
+            raise ValueError("the prefix-cache tier needs the whole KV cache in one process: it is not available with "
+                             "tensor or pipeline parallelism")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.attention not in ("auto", "invariant", "sdpa"):

@@ -316,7 +316,7 @@ class RequestMetrics:
     inter_token_latencies: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # from the prefix cache (or a fork's shared prompt)
-    cache_hit_kind: str | None = None  # miss | extension | supersequence | divergence; None: no prefix cache
+    cache_hit_kind: str | None = None  # miss | extension | supersequence | divergence | tier (restored); None: no prefix cache
     generated_tokens: int = 0
     preemptions: int = 0
     finish_reason: str | None = None  # stop | length | abort | error, once finished

@@ -44,11 +44,15 @@ def open_page(browser, url, errors, **context):
 
 
 def test_the_page_shows_what_stats_reports(browser, tiny_llama_path, tmp_path):
-    with LiveServer(tiny_engine(tiny_llama_path, max_model_len=256), ServerSettings(log_requests=False, api_key="k")) as srv:
+    # 32 blocks and a second tier: the asks below evict blocks into it, and the last one restores them
+    engine = tiny_engine(tiny_llama_path, max_model_len=256, num_blocks=32, prefix_cache_dir=str(tmp_path / "tier"),
+                         prefix_cache_restore="always")
+    with LiveServer(engine, ServerSettings(log_requests=False, api_key="k")) as srv:
         client = srv.openai(api_key="k")
         ask = [{"role": "user", "content": "A question asked twice, so the second comes from the cache."}]
-        for max_tokens in (3, 5, 4):
-            client.chat.completions.create(model=srv.state.model_name, messages=ask, max_tokens=max_tokens, temperature=0.0,
+        other = [{"role": "user", "content": "Something else entirely, long enough to need the blocks. " * 5}]
+        for messages, max_tokens in ((ask, 3), (other, 5), (ask, 4)):
+            client.chat.completions.create(model=srv.state.model_name, messages=messages, max_tokens=max_tokens, temperature=0.0,
                                            extra_body={"ignore_eos": True})
         with srv.http() as h:
             stats = h.get("/stats", headers={"x-api-key": "k"}).json()
@@ -69,6 +73,12 @@ def test_the_page_shows_what_stats_reports(browser, tiny_llama_path, tmp_path):
         assert cached == [v for r in reversed(recent) for v in (r["cached_prompt_tokens"], r["computed_prompt_tokens"])]
         assert sum(r["cached_prompt_tokens"] for r in recent) > 0  # the repeated prompt hit the cache
         assert page.is_hidden("#warning")
+        tier = stats["prefix_cache_tier"]
+        assert tier["spilled_blocks"] > 0 and tier["restored_blocks"] > 0  # the other prompt evicted the first; it came back
+        shown = page.eval_on_selector_all("#chart-tier rect.bar", "rs => rs.map(r => [r.dataset.label, Number(r.dataset.value)])")
+        assert shown == [["restored", tier["restored_blocks"]], ["spilled", tier["spilled_blocks"]],
+                         ["evicted", tier["evictions"]], ["rejected", tier["rejected_entries"]]]
+        assert "on disk" in page.inner_text("#tier-text")
         # The table is drawn again on every poll: an event sent to the row, not a click at coordinates that a
         # redraw under load can move, then the panel's text once the handler has run.
         page.dispatch_event(f"#requests tbody tr[data-id='{recent[-1]['request_id']}']", "click")
@@ -95,6 +105,7 @@ def test_kv_warning_phone_width_and_dark_mode(browser, tiny_llama_path, tmp_path
         page = open_page(browser, srv.url, errors, viewport={"width": 375, "height": 800}, color_scheme="dark")
         page.wait_for_selector("#warning:not([hidden])", timeout=15000)
         assert "KV cache 90% full" in page.inner_text("#warning")
+        assert page.is_hidden("#tier")  # no second tier configured: no figure for one
         assert page.evaluate("document.documentElement.scrollWidth") <= 375  # no sideways scrolling on a phone
         background = page.evaluate("getComputedStyle(document.body).backgroundColor")
         assert sum(int(c) for c in background[background.index("(") + 1 : -1].split(",")[:3]) < 150  # dark

@@ -230,14 +230,14 @@ def test_the_http_reference_lists_every_route_and_no_other(site):
         assert f'id="{ref._anchor(method, path)}"' in page, (method, path)
 
 
-def test_the_metrics_reference_lists_exactly_what_a_live_server_serves(site, tiny_llama_path):
+def test_the_metrics_reference_lists_exactly_what_a_live_server_serves(site, tiny_llama_path, tmp_path):
     page = page_text(site, "reference/metrics.html")
     listed = set(re.findall(r"<tr>\s*<td><code>([a-z0-9_:]+)</code></td>", page))
     catalog = metrics.catalog()
     shown = {f"{f.name}_total" if f.type == "counter" else f.name for f in catalog}
     assert listed == shown
-    # A live server with traffic serves every family of the catalog and no other.
-    with LiveServer(tiny_engine(tiny_llama_path)) as srv:
+    # A live server with traffic (and the prefix cache's second tier) serves every family of the catalog and no other.
+    with LiveServer(tiny_engine(tiny_llama_path, prefix_cache_dir=str(tmp_path / "tier"))) as srv:
         client = srv.openai()
         for _ in range(2):  # the second is a prefix-cache hit
             client.completions.create(model=str(tiny_llama_path), prompt="one two three four five six seven eight nine ten", max_tokens=4)

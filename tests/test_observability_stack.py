@@ -122,8 +122,10 @@ def send_traffic(srv) -> None:
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_llama_path):
-    with LiveServer(tiny_engine(tiny_llama_path, max_model_len=256), ServerSettings(log_requests=False, api_key=KEY)) as s:
+def srv(tiny_llama_path, tmp_path_factory):
+    # with the prefix cache's second tier, so that its metrics are served too
+    engine = tiny_engine(tiny_llama_path, max_model_len=256, prefix_cache_dir=str(tmp_path_factory.mktemp("tier")))
+    with LiveServer(engine, ServerSettings(log_requests=False, api_key=KEY)) as s:
         yield s
 
 

@@ -7,6 +7,7 @@ sessions. It is driven by one thread (the AsyncEngine's loop, or the caller of
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -17,7 +18,7 @@ from shoal.engine.block_pool import KVBlockPool
 from shoal.engine.kv_manager import KVCacheManager
 from shoal.engine.prefix_cache import PrefixCache
 from shoal.engine.request import RequestContext, RequestState, SampledChoices
-from shoal.engine.scheduler import Scheduler
+from shoal.engine.scheduler import Scheduler, chunk_cost
 from shoal.engine.stats import EngineFacts, EngineStats, StatsMonitor
 from shoal.engine.structured import GrammarCompiler, GrammarError
 from shoal.types import FinishReason, GenerationRequest, RequestMetrics, RequestOutput, SampledToken, StepOutput
@@ -25,6 +26,7 @@ from shoal.types import FinishReason, GenerationRequest, RequestMetrics, Request
 log = logging.getLogger("shoal.engine")
 
 OUTPUT_FAILED = "the server failed while processing this request's output"
+CLOSE_SPILL_BLOCKS = 256  # blocks copied out and queued at once when the engine closes with a second tier
 
 
 class Engine:
@@ -37,10 +39,12 @@ class Engine:
         max_model_len: int,
         clock=time.monotonic,
         facts: EngineFacts | None = None,
+        tier=None,
     ) -> None:
         """executor: how the engine reaches the model (shoal/executor): `submit(plan)` up to `depth` steps in flight, `collect(ticket)`, `failure`, `runner`
         (this process's ModelRunner), `cluster()`, `close()`. A bare ModelRunner is taken as a local one.
-        facts: what is served (the builder knows the checkpoint); by default what the runner tells."""
+        facts: what is served (the builder knows the checkpoint); by default what the runner tells.
+        tier: the prefix cache's second tier (engine/kv_tier.py), or None; it needs the KV in this process."""
         from shoal.executor import LocalExecutor  # noqa: PLC0415 (the executor imports torch; the engine's bookkeeping does not)
 
         if not hasattr(executor, "runner"):
@@ -57,7 +61,8 @@ class Engine:
         pool = KVBlockPool(runner.num_blocks, runner.block_size)
         cache = config.cache
         prefix_cache = PrefixCache(pool, ttl=cache.prefix_cache_ttl, block_bytes=runner.bytes_per_block) if cache.enable_prefix_cache else None
-        self.kv = KVCacheManager(pool, prefix_cache)
+        self.kv = KVCacheManager(pool, prefix_cache, tier)
+        self.tier = self.kv.tier
         sched = config.scheduler
         self.scheduler = Scheduler(SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_model_len), self.kv)
         # Structured output: constraints compiled once and cached; the server compiles in a
@@ -141,7 +146,21 @@ class Engine:
         self._in_flight.clear()
 
     def close(self) -> None:
-        """Release what the executor holds beyond this process (the other ranks of a distributed model)."""
+        """Release what the executor holds beyond this process (the other ranks of a distributed model); with a
+        second tier, keep what the prefix cache holds in it first, so that a restart finds it."""
+        if self.tier is not None:
+            tier, spills = self.tier, self.kv.spill_all()
+            self.tier = self.kv.tier = None
+            try:
+                if spills:
+                    log.info("prefix-cache tier: keeping %d cached blocks (%.0f MiB) for the next start",
+                             len(spills), len(spills) * self.runner.bytes_per_block / 2**20)
+                for i in range(0, len(spills), CLOSE_SPILL_BLOCKS):  # a piece at a time: the write queue is bounded
+                    piece = spills[i : i + CLOSE_SPILL_BLOCKS]
+                    tier.spill(piece, self.runner.read_blocks([s.block_id for s in piece]))
+                    tier.store.drain(60)
+            finally:
+                tier.close()
         self.executor.close()
 
     def has_unfinished(self) -> bool:
@@ -173,8 +192,12 @@ class Engine:
         """Submit steps until the executor's depth is in flight, then take the oldest one's outcome. One
         process or tensor parallel: depth 1, a step at a time. Pipeline stages: one micro-batch per stage."""
         outputs, self._pending = self._pending, []
+        if self.tier is not None:
+            self.tier.poll()
         self._fill_pipeline()
         if not self._in_flight:
+            if self.tier is not None and not outputs:
+                self.tier.wait(0.05)  # nothing to run but what waits on the tier: until a read is in, not a spin
             self.monitor.publish(outputs)
             return outputs
         sched, ticket, now = self._in_flight.popleft()
@@ -184,6 +207,8 @@ class Engine:
         if sched.empty:  # only block copies, promised to sequences that run later
             self.monitor.publish(outputs)
             return outputs
+        if self.tier is not None:
+            self._observe_prefill(sched, now)
         self.scheduler.on_step_done(sched, result.sampled)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
@@ -206,6 +231,8 @@ class Engine:
             # a micro-batch's share: the sequences spread over the stages (a sequence is in one at a time)
             share = None if depth == 1 else max(1, -(-(len(scheduler.running) + len(scheduler.waiting)) // depth))
             out = scheduler.schedule(share)
+            if self.tier is not None:
+                out.plan = self._move_tier_blocks(out.plan)
             if out.empty and not out.plan.block_copies:
                 return
             now = self.clock()
@@ -218,6 +245,29 @@ class Engine:
             self._in_flight.append((out, ticket, now))
             if out.empty:
                 return
+
+    def _move_tier_blocks(self, plan):
+        """Before the plan's forward, in this order: copy out the blocks the schedule evicted (anything may
+        overwrite them now); run the plan's copy-on-write copies (a source may be a block this schedule
+        evicted and handed to a restore); write in the blocks restored from the tier. Returns the plan, its
+        copies taken out when they ran here."""
+        spills = self.kv.take_spills()
+        if spills:
+            self.tier.spill(spills, self.runner.read_blocks([s.block_id for s in spills]))
+        restores = self.kv.take_restores()
+        if restores:
+            if plan.block_copies:
+                self.runner.copy_blocks(plan.block_copies)
+                plan = dataclasses.replace(plan, block_copies=())
+            self.runner.write_blocks([b for b, _ in restores], [p for _, p in restores])
+        return plan
+
+    def _observe_prefill(self, sched, started: float) -> None:
+        """A step with a prefill's worth of tokens tells the tier's policy how fast this host computes them."""
+        if sched.plan.num_tokens < self.runner.block_size * 4:
+            return
+        cost = sum(chunk_cost(n, seq.num_computed_tokens) for seq, n in sched.scheduled)
+        self.tier.policy.observe_prefill(cost, self.clock() - started)
 
     def _postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
         """Apply the step's tokens. A failure that belongs to one request (its sampling

@@ -11,6 +11,13 @@ blocks it asks the manager, and gets answers it does not look inside:
     commit(seq)                index the sequence's computed full blocks in the prefix cache
     release(seq)               drop its references; with the cache, what it computed stays findable
     take_copies()              block copies promised to admitted and forked sequences, for the next plan
+    take_spills(), take_restores()  with a second tier: evicted blocks to copy out, fetched ones to write in
+
+With a second tier (kv_tier.py) a match may go on past the pool: the next blocks of the prompt, found in
+the tier by chain digest, are fetched in the background while the sequence waits (`Admission.pending`),
+and on its next admission they are written into fresh blocks instead of being computed:
+
+    | shared full blocks (by reference) | restored blocks (written from the tier) | fresh blocks |
 
 A sequence's blocks after a hit or a fork, by position:
 
@@ -27,30 +34,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.engine.block_pool import KVBlockPool
+from shoal.engine.kv_tier import ROOT_DIGEST, KVTier, Spill, chain_digest
 from shoal.engine.prefix_cache import PrefixCache, PrefixMatch
 from shoal.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
 class Admission:
-    """What a fresh sequence starts from: `num_tokens` of its tokens already have KV somewhere."""
+    """What a fresh sequence starts from: `num_tokens` of its tokens already have KV somewhere.
+    restore: (digest, payload) of the blocks after the match's full ones, from the tier, which then cover its
+    first `restored_to` tokens (the match's partial copy goes unused).
+    pending: the tier is reading blocks for it; it waits, holding no blocks, until they are in."""
 
     match: PrefixMatch | None = None
+    restore: tuple = ()
+    restored_to: int = 0
+    pending: bool = False
 
     @property
     def num_tokens(self) -> int:
+        if self.restore:
+            return self.restored_to
         return self.match.num_tokens if self.match is not None else 0
 
 
 NO_MATCH = Admission()
+PENDING = Admission(pending=True)
 
 
 class KVCacheManager:
-    def __init__(self, pool: KVBlockPool, cache: PrefixCache | None = None) -> None:
+    def __init__(self, pool: KVBlockPool, cache: PrefixCache | None = None, tier: KVTier | None = None) -> None:
         self.pool = pool
         self.cache = cache
+        self.tier = tier if cache is not None else None
         self.block_size = pool.block_size
         self._copies: list[tuple[int, int]] = []  # (source, destination) promised, not yet in a plan
+        self._spills: list[Spill] = []  # evicted blocks whose bytes go to the tier before anything overwrites them
+        self._restores: list[tuple[int, object]] = []  # (block, payload) to write before the next forward
+        if self.tier is not None:
+            cache.on_evict = self._evicted
 
     @property
     def num_free(self) -> int:
@@ -63,36 +85,77 @@ class KVCacheManager:
         computes the whole prompt (its blocks still go into the cache)."""
         if self.cache is None or seq.block_table or seq.wants_prompt_logprobs:
             return NO_MATCH
-        return Admission(self.cache.match(_key_tokens(seq)))
+        keys = _key_tokens(seq)
+        fetch = seq.kv_fetch
+        m = self.cache.match(keys, count=fetch is None)
+        if self.tier is None or not self.tier.enabled:
+            seq.kv_fetch = None
+            return Admission(m)
+        if fetch is not None:  # kept until an admission takes its blocks: a pool too short for it now may not be later
+            return self._with_restore(m, fetch) if fetch.done else PENDING
+        start = len(m.blocks)
+        found = self.tier.find(self._digests_after(m, keys))
+        if not found:
+            return Admission(m)
+        if not self.tier.policy.worth(len(found), start * self.block_size):
+            self.tier.stats.recomputed_blocks += len(found)
+            return Admission(m)
+        seq.kv_fetch = self.tier.fetch(start, found)
+        return PENDING
+
+    def _digests_after(self, m: PrefixMatch, keys: list):
+        """The chain digests of the prompt's full blocks after the match's (the last prompt token excluded)."""
+        bs = self.block_size
+        digest = m.nodes[-1].digest if m.nodes else ROOT_DIGEST
+        for i in range(len(m.blocks), (len(keys) - 1) // bs):
+            digest = chain_digest(digest, tuple(keys[i * bs : (i + 1) * bs]))
+            yield digest
+
+    def _with_restore(self, m: PrefixMatch, fetch) -> Admission:
+        """The match after a fetch came back: the fetched blocks that follow the pool's match go in."""
+        payloads = self.tier.received(fetch)  # the first time: checks and counts; again (a retry): the same
+        skip = len(m.blocks) - fetch.first_block  # blocks the pool got back meanwhile (another sequence computed them)
+        if skip < 0 or skip >= len(payloads):
+            return Admission(m)  # nothing to add: the pool has them all, or lost the blocks before them
+        restore = tuple(zip(fetch.digests[skip : len(payloads)], payloads[skip:]))
+        return Admission(m, restore=restore, restored_to=(len(m.blocks) + len(restore)) * self.block_size)
 
     def admit(self, seq: Sequence, admission: Admission, num_new: int) -> bool:
         """Give a waiting sequence its matched blocks and room for `num_new` tokens after them.
         False, with nothing taken, when the pool is short."""
         pool, m = self.pool, admission.match
+        restore = admission.restore
+        copy_block = m.copy_block if m is not None and not restore else None
         if m is not None:
             pool.incref(m.blocks)
-            if m.copy_block is not None:
-                pool.incref([m.copy_block])  # pinned: the allocation below must not evict it
+            if copy_block is not None:
+                pool.incref([copy_block])  # pinned: the allocation below must not evict it
             seq.block_table = list(m.blocks)
-            seq.num_computed_tokens = m.num_tokens
-        fits = self.can_grow(seq, num_new)
+            seq.num_computed_tokens = admission.num_tokens
+        fits = self.can_grow(seq, num_new)  # the restored blocks among what it needs
         if fits:
+            if restore:
+                fresh = pool.allocate(len(restore))
+                seq.block_table.extend(fresh)
+                self._restores.extend((b, payload) for b, (_, payload) in zip(fresh, restore))
+                self.tier.restored([d for d, _ in restore])
             self.grow(seq, num_new)
         if m is None:
             return fits
-        if m.copy_block is not None:
+        if copy_block is not None:
             if fits:
-                self._copies.append((m.copy_block, seq.block_table[len(m.blocks)]))
+                self._copies.append((copy_block, seq.block_table[len(m.blocks)]))
                 self.cache.stats.copies += 1
-            pool.free([m.copy_block])
+            pool.free([copy_block])
         if not fits:  # undo: the shared blocks go back to the cache
             pool.free(seq.block_table)
             seq.block_table, seq.num_computed_tokens = [], 0
             return False
         seq.cache_nodes = list(m.nodes)
+        seq.kv_fetch = None
         if seq.num_preemptions == 0:
-            seq.cache_hit_kind = m.kind
-            seq.num_cached_tokens = min(m.num_tokens, seq.prompt_len)
+            seq.cache_hit_kind = "tier" if restore else m.kind
+            seq.num_cached_tokens = min(admission.num_tokens, seq.prompt_len)
             self.cache.record(seq.prompt_len, seq.num_cached_tokens)
         return True
 
@@ -135,6 +198,35 @@ class KVCacheManager:
         """The block copies promised so far, in promise order; the plan that carries them runs them first."""
         copies, self._copies = tuple(self._copies), []
         return copies
+
+    # ------------------------------------------------------------ the second tier
+    def _evicted(self, node) -> None:
+        """The prefix cache dropped a full node: its block goes to the tier, unless the tier has it."""
+        if node.num_tokens != self.block_size or self.tier.held(node.digest):
+            return
+        if self.tier.enabled:
+            self._spills.append(Spill(node.block_id, node.digest, node.parent.digest, node.num_tokens))
+        else:
+            self.tier.stats.spills_dropped += 1
+
+    def take_spills(self) -> list[Spill]:
+        """Evicted blocks whose bytes must be copied out before the next forward (which may overwrite them)."""
+        spills, self._spills = self._spills, []
+        return spills
+
+    def take_restores(self) -> list[tuple[int, object]]:
+        """(block, payload) pairs to write into the KV cache before the next forward: after the spills' copies."""
+        restores, self._restores = self._restores, []
+        return restores
+
+    def spill_all(self) -> list[Spill]:
+        """Every cached full block the tier lacks, most recently used first, at most what the tier holds: for
+        keeping the pool's content across a restart."""
+        if self.tier is None or not self.tier.enabled:
+            return []
+        room = self.tier.index.capacity
+        return [Spill(n.block_id, n.digest, n.parent.digest, n.num_tokens)
+                for n in self.cache.full_nodes() if not self.tier.held(n.digest)][:room]
 
     # ------------------------------------------------------------ the prefix cache
     def expire(self) -> None:

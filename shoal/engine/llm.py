@@ -30,7 +30,8 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the engine's other ranks, if it has any (tensor parallelism); a no-op otherwise."""
+        """Stop the engine's other ranks, if it has any (tensor parallelism), and with a --prefix-cache-dir keep the
+        cached prefixes there for the next start."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

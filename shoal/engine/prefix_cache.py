@@ -27,6 +27,10 @@ leaves and are only ever copied, never shared.
 Eviction takes only unreferenced leaves, least recently used first, and only
 when the pool needs a block (or they idle past the TTL). The three shapes of
 the seed document fall out of the one walk; `stats` keeps them apart.
+
+With a second tier (kv_tier.py) each full node also carries its chain digest,
+the name the tier knows the block by, and `on_evict` is told of every full
+node dropped for room or by the TTL, before its block is reused.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shoal.engine.block_pool import KVBlockPool, hash_block_tokens
+from shoal.engine.kv_tier import ROOT_DIGEST, chain_digest
 
 Key = tuple  # a block's tokens, or (token, extra_hash) pairs where extra keys apply
 
@@ -50,6 +55,7 @@ class _Node:
     children: dict[Key, _Node] = field(default_factory=dict)
     last_access: int = 0  # a logical clock: larger is more recent
     touched_at: float = 0.0  # wall clock, for the TTL
+    digest: bytes = ROOT_DIGEST  # a full node's chain digest (kv_tier.chain_digest), with a second tier
 
     @property
     def num_tokens(self) -> int:
@@ -120,15 +126,18 @@ class PrefixCache:
         # (last_access, block id) of nodes that were evictable when pushed; checked when popped.
         self._lru: list[tuple[int, int]] = []
         self.stats = PrefixCacheStats(block_bytes=block_bytes, pool_blocks=pool.num_blocks)
+        # With a second tier: full nodes get their chain digests, and dropped ones are handed over.
+        self.on_evict: Callable[[_Node], None] | None = None
         pool.evict_one = self._evict_one
         pool.on_unreferenced = self._maybe_evictable
 
     # ------------------------------------------------------------ lookup
-    def match(self, key_tokens: Sequence) -> PrefixMatch:
+    def match(self, key_tokens: Sequence, count: bool = True) -> PrefixMatch:
         """Longest common prefix of `key_tokens` with anything cached (at most len - 1 tokens).
 
         Touches the matched nodes (LRU) but takes no references: the caller increfs
         `blocks` (and copies `copy_block`) before anything else can evict them.
+        count: False for a second look of the same admission (after a tier fetch), kept out of the stats.
         """
         bs = self.block_size
         limit = len(key_tokens) - 1
@@ -150,11 +159,12 @@ class PrefixCache:
         num = start + copy_len
         kind = self._kind(node, nodes, copy_node, copy_len, key_tokens, num)
         self._touch(copy_node or node)
-        self.stats.lookups += 1
-        if kind == "miss":
-            self.stats.misses += 1
-        else:
-            setattr(self.stats, f"hits_{kind}", getattr(self.stats, f"hits_{kind}") + 1)
+        if count:
+            self.stats.lookups += 1
+            if kind == "miss":
+                self.stats.misses += 1
+            else:
+                setattr(self.stats, f"hits_{kind}", getattr(self.stats, f"hits_{kind}") + 1)
         return PrefixMatch(
             blocks=tuple(n.block_id for n in nodes),
             copy_block=copy_node.block_id if copy_node else None,
@@ -215,6 +225,8 @@ class PrefixCache:
         self.pool.mark_cached(block_id)
         parent_hash = self.pool.block_hashes[parent.block_id] if parent is not self.root else None
         self.pool.set_block_hash(block_id, hash_block_tokens(parent_hash, key))
+        if self.on_evict is not None and len(key) == self.block_size:
+            node.digest = chain_digest(parent.digest, key)
         self.stats.cached_blocks += 1
         return node
 
@@ -264,6 +276,8 @@ class PrefixCache:
             raise RuntimeError("the pool asked for an eviction but no cached block is unreferenced")
         self._remove(node)
         self.stats.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(node)
         return node.block_id
 
     def _remove(self, node: _Node) -> None:
@@ -282,6 +296,8 @@ class PrefixCache:
         freed = 0
         while (node := self._oldest_evictable()) is not None and node.touched_at < cutoff:
             self._remove(node)
+            if self.on_evict is not None:
+                self.on_evict(node)
             self.pool.uncache(node.block_id)
             freed += 1
         return freed
@@ -310,6 +326,12 @@ class PrefixCache:
 
     def node_of(self, block_id: int) -> _Node | None:
         return self._nodes.get(block_id)
+
+    def full_nodes(self) -> list[_Node]:
+        """Every full node, most recently used first, a parent before its children among equals."""
+        nodes = [n for n in self._nodes.values() if n.num_tokens == self.block_size]
+        nodes.sort(key=lambda n: -n.last_access)
+        return nodes
 
 
 def _common_prefix_len(a: Sequence, b: Sequence) -> int:

@@ -51,6 +51,7 @@ from shoal.types import FinishReason, SampledToken, SamplingParams, ScheduledSeq
 # The context at which a token's attention costs about what its projections do, per layer, on the CPUs measured
 # (about 0.7k tokens on AVX-512 VNNI and 1.4k on AVX2: benchmarks/NOTES.md, fourteenth round).
 ATTENTION_CONTEXT = 1024
+WAITS_ON_TIER = 0  # _admit's answer for a sequence whose prefix is being read from the second tier
 
 
 def chunk_cost(num_new: int, start: int) -> float:
@@ -175,6 +176,9 @@ class Scheduler:
             num_new = self._fork(seq, budget) if seq.fork_parent else self._admit(seq, budget, cost)
             if num_new is None:
                 break
+            if num_new == WAITS_ON_TIER:
+                j += 1  # its blocks are being read from the prefix cache's second tier; the others go on
+                continue
             self.waiting.pop(j)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=Sequence.sort_key)
@@ -204,7 +208,7 @@ class Scheduler:
     def _unpause_by_preemption(self, out: SchedulerOutput) -> bool:
         """Nothing could run: if paused sequences hold the blocks a waiting sequence
         needs (their group waits on that sequence), preempt the newest of them."""
-        if not any(not s.paused for s in self.waiting):
+        if not any(not s.paused and s.kv_fetch is None for s in self.waiting):
             return False
         paused = [s for s in self.running if s.paused]
         if not paused:
@@ -225,9 +229,12 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, budget: int, cost: float) -> int | None:
-        """A waiting sequence's tokens this step, its blocks given (None: they do not fit). With the prefix
-        cache, a fresh sequence starts from the longest cached prefix of its tokens."""
+        """A waiting sequence's tokens this step, its blocks given (None: they do not fit; WAITS_ON_TIER: its
+        cached prefix is being read from the second tier). With the prefix cache, a fresh sequence starts from
+        the longest cached prefix of its tokens."""
         admission = self.kv.match(seq)
+        if admission.pending:
+            return WAITS_ON_TIER
         num_new = self._chunk(seq, budget, cost, start=max(admission.num_tokens, seq.num_computed_tokens))
         return num_new if self.kv.admit(seq, admission, num_new) else None
 

@@ -58,7 +58,9 @@ class Sequence:
     extra_keys: dict[int, int] | None = None
     # Prefix-cache trie nodes of this sequence's indexed full blocks, in order.
     cache_nodes: list = field(default_factory=list)
-    # The prefix cache's answer when the sequence was admitted: miss | extension | supersequence | divergence.
+    # A read from the prefix cache's second tier in progress for this waiting sequence (kv_store.Fetch).
+    kv_fetch: object | None = None
+    # The prefix cache's answer when the sequence was admitted: miss | extension | supersequence | divergence | tier.
     cache_hit_kind: str | None = None
     # A token constraint that has accepted exactly its output tokens (engine/structured.py):
     # a GrammarMatcher (structured output) or a BudgetMatcher (a thinking budget); None: free.

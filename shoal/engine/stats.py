@@ -84,6 +84,7 @@ class EngineSnapshot:
     kv_block_tokens: int = 0  # tokens a block holds
     cached_blocks: int = 0
     prefix_cache: MappingProxyType | None = None  # PrefixCacheStats' fields and its derived figures
+    kv_tier: MappingProxyType | None = None  # the second tier's TierStats (engine/kv_tier.py); None: no tier
     last_step: StepStats | None = None
     prompt_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> computed prompt tok/s
     generation_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> tok/s
@@ -119,7 +120,7 @@ class EngineSnapshot:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["counters"] = dataclasses.asdict(self.counters)
         d["facts"] = {**vars(self.facts), "generation_defaults": dict(self.facts.generation_defaults)}
-        for k in ("finished_by_reason", "prefix_cache", "prompt_throughput", "generation_throughput"):
+        for k in ("finished_by_reason", "prefix_cache", "kv_tier", "prompt_throughput", "generation_throughput"):
             d[k] = dict(d[k]) if d[k] is not None else None
         d["last_step"] = dataclasses.asdict(self.last_step) if self.last_step else None
         d["recent_requests"] = list(self.recent_requests)
@@ -134,7 +135,8 @@ class StatsMonitor:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.snapshot = EngineSnapshot(time=engine.clock(), facts=engine.facts, kv_blocks=engine.pool.num_blocks, kv_free_blocks=engine.pool.num_free,
-                                       kv_block_bytes=engine.runner.bytes_per_block, kv_block_tokens=engine.runner.block_size, prefix_cache=_cache_view(engine.prefix_cache))
+                                       kv_block_bytes=engine.runner.bytes_per_block, kv_block_tokens=engine.runner.block_size, prefix_cache=_cache_view(engine.prefix_cache),
+                                       kv_tier=_tier_view(engine.tier))
         self._last_step: StepStats | None = None
         self._computed_prompt_tokens = 0
         self._samples: deque[tuple[float, int, int]] = deque()  # (time, computed prompt tokens, generated tokens)
@@ -181,6 +183,7 @@ class StatsMonitor:
             kv_block_tokens=e.runner.block_size,
             cached_blocks=cache.stats.cached_blocks if cache is not None else 0,
             prefix_cache=_cache_view(cache),
+            kv_tier=_tier_view(e.tier),
             last_step=self._last_step,
             prompt_throughput=self._rates(now, 1),
             generation_throughput=self._rates(now, 2),
@@ -205,3 +208,10 @@ def _cache_view(cache) -> MappingProxyType | None:
     pc = cache.stats
     return MappingProxyType({**dataclasses.asdict(pc), "hits": pc.hits, "token_hit_rate": pc.token_hit_rate,
                              "cached_bytes": pc.cached_bytes, "pool_bytes": pc.pool_bytes})
+
+
+def _tier_view(tier) -> MappingProxyType | None:
+    """The second tier's figures as the snapshot holds them (None without a tier)."""
+    if tier is None:
+        return None
+    return MappingProxyType({**dataclasses.asdict(tier.stats), "bytes": tier.stats.bytes})

@@ -162,6 +162,32 @@ class ModelRunner:
             str(spec.dtype).removeprefix("torch."), spec.bytes_per_block // spec.block_size, self.attention.name,
         )
 
+    # ------------------------------------------------------------ whole blocks (the prefix cache's second tier)
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> list:
+        """Copies of these blocks' bytes as the cache holds them (every layer's keys and values, with an int8
+        cache's scales): one flat uint8 host array per block, in the layout write_blocks takes back."""
+        if not block_ids:
+            return []
+        data = torch.stack([self.kv[:, :, :, b] for b in block_ids]).cpu()  # [n, layers, 2, Hkv, block_size, row]
+        flat = data.view(torch.uint8).reshape(len(block_ids), -1).numpy()
+        return list(flat)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies) -> None:
+        """(source, destination) block copies: copy-on-write for prefix-cache hits, forks and beams."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], payloads: list) -> None:
+        """Write read_blocks' bytes into these blocks."""
+        shape = self.kv[:, :, :, 0].shape
+        for b, payload in zip(block_ids, payloads):  # a copy per block: 5x faster than one indexed put of them all
+            self.kv[:, :, :, b].copy_(torch.frombuffer(payload, dtype=torch.uint8).view(self.kv.dtype).view(shape))
+
     # ------------------------------------------------------------ step
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -213,10 +239,7 @@ class ModelRunner:
         """Copy blocks, then run the model over the batch: hidden states [T, hidden] (None when it has no tokens).
         hidden: the previous pipeline stage's output, for a stage without the embedding."""
         dev = self.device
-        if batch.block_copies:
-            src = torch.tensor([s for s, _ in batch.block_copies], device=dev)
-            dst = torch.tensor([d for _, d in batch.block_copies], device=dev)
-            self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+        self.copy_blocks(batch.block_copies)
         if batch.empty:
             return None
         pos: list[int] = []

@@ -95,6 +95,19 @@ SNAPSHOT = {f.name.removeprefix("shoal:"): f for f in (
     Family("shoal:prefix_cache_evictions", "counter", "Cached blocks evicted."),
     Family("shoal:prefix_cache_cached_blocks", "gauge", "Blocks the prefix cache holds."),
     Family("shoal:prefix_cache_cached_bytes", "gauge", "KV bytes the prefix cache holds."),
+    Family("shoal:prefix_cache_tier_enabled", "gauge", "1 while the prefix cache's second tier (--prefix-cache-dir or "
+           "--prefix-cache-host-bytes) takes blocks; 0 after it turned itself off (the disk filled up)."),
+    Family("shoal:prefix_cache_tier_bytes", "gauge", "Bytes the second tier holds."),
+    Family("shoal:prefix_cache_tier_capacity_bytes", "gauge", "Bytes the second tier may hold."),
+    Family("shoal:prefix_cache_tier_spilled_blocks", "counter", "Evicted blocks written to the second tier."),
+    Family("shoal:prefix_cache_tier_hits", "counter", "Admissions that restored blocks from the second tier."),
+    Family("shoal:prefix_cache_tier_restored_blocks", "counter", "Blocks restored from the second tier instead of computed."),
+    Family("shoal:prefix_cache_tier_restored_bytes", "counter", "Bytes restored from the second tier."),
+    Family("shoal:prefix_cache_tier_recomputed_blocks", "counter", "Blocks found in the second tier but computed, "
+           "because computing measured cheaper than reading them."),
+    Family("shoal:prefix_cache_tier_evictions", "counter", "Entries the second tier dropped for room (W-TinyLFU)."),
+    Family("shoal:prefix_cache_tier_rejected_entries", "counter", "Tier entries ignored: truncated, corrupted, or written by "
+           "another configuration."),
 )}
 
 DEFAULT_COLLECTORS = (ProcessCollector, PlatformCollector, GCCollector)
@@ -188,6 +201,12 @@ class _SnapshotCollector:
             yield _family("prefix_cache_evictions", pc["evictions"])
             yield _family("prefix_cache_cached_blocks", pc["cached_blocks"])
             yield _family("prefix_cache_cached_bytes", pc["cached_bytes"])
+        tier = s.kv_tier
+        if tier is not None:
+            yield _family("prefix_cache_tier_enabled", int(tier["enabled"]))
+            for key in ("bytes", "capacity_bytes", "spilled_blocks", "hits", "restored_blocks", "restored_bytes",
+                        "recomputed_blocks", "evictions", "rejected_entries"):
+                yield _family(f"prefix_cache_tier_{key}", tier[key])
 
 
 def _family(key: str, value):

@@ -275,4 +275,6 @@ class ServerState:
             pc["hit_rate"] = round(pc["hits"] / pc["lookups"], 4) if pc["lookups"] else 0.0
             pc["average_match_fraction"] = round(pc["match_fraction_sum"] / pc["recorded_requests"], 4) if pc["recorded_requests"] else 0.0
             out["prefix_cache"] = pc
+        if snap.kv_tier is not None:
+            out["prefix_cache_tier"] = dict(snap.kv_tier)
         return out

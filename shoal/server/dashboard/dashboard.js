@@ -125,6 +125,18 @@ function render(stats) {
     { values: [pc.misses || 0, pc.hits_extension || 0, pc.hits_supersequence || 0, pc.hits_divergence || 0], color: css("--d") },
   ], "lookups");
 
+  const tier = stats.prefix_cache_tier;
+  $("tier").hidden = !tier;
+  if (tier) {
+    bars($("chart-tier"), ["restored", "spilled", "evicted", "rejected"], [
+      { values: [tier.restored_blocks, tier.spilled_blocks, tier.evictions, tier.rejected_entries], color: css("--c") },
+    ], "blocks");
+    $("tier-text").textContent = tier.enabled
+      ? `${bytes(tier.bytes)} of ${bytes(tier.capacity_bytes)} on ${tier.kind === "disk" ? "disk" : "host RAM"}, ` +
+        `${fmt(tier.hits)} admissions restored, ${bytes(tier.restored_bytes)} read back`
+      : "off: the tier stopped taking blocks (see the server log)";
+  }
+
   const body = $("requests").tBodies[0];
   body.textContent = "";
   for (const r of stats.recent_requests || []) {

@@ -300,6 +300,7 @@ class StatsResponse(_Response):
     recent_requests: list[dict[str, Any]] | None = None  # the last 100 finished, newest first: their timing records
     engine: dict[str, Any] | None = None
     prefix_cache: dict[str, Any] | None = None
+    prefix_cache_tier: dict[str, Any] | None = None  # the second tier's figures, with --prefix-cache-dir or --prefix-cache-host-bytes
 
 
 def error_responses(*statuses: int) -> dict:
