@@ -302,3 +302,48 @@ def test_a_prefill_beside_decodes_still_takes_a_block_when_the_cost_is_spent():
     out = run_step(s)
     assert chunk_within(chunk_cost(8, 0), start) < 4  # the cost of 8 tokens at no context buys under a block here
     assert [len(x.token_ids) for x in out.plan.seqs] == [1, 4] and out.plan.seqs[1].start_pos == start
+
+
+
+def test_a_prompt_that_arrives_while_a_long_one_prefills_starts_in_the_next_step():
+    s, pool = make(num_blocks=700, block_size=16, budget=512, max_model_len=9000)
+    b = seq(8192, "b")
+    s.add(b)
+    for _ in range(12):
+        run_step(s)  # alone: whole budgets
+    assert b.num_computed_tokens == 12 * 512
+    a = seq(40, "a")
+    s.add(a)
+    out = run_step(s)
+    # b leaves half the budget, and keeps to the cost a whole budget has at no context less the half's
+    want_b = chunk_within(chunk_cost(512, 0) - chunk_cost(256, 0), 6144)
+    assert 16 < want_b < 256
+    assert [(x.seq_id, len(x.token_ids), x.start_pos) for x in out.plan.seqs] == [(b.seq_id, want_b, 6144), (a.seq_id, 40, 0)]
+    assert a.num_output_tokens == 1  # its first token, in the step after it arrived
+    out = run_step(s)  # a decodes beside b now: b's chunk is held to the cost of a whole budget, less a's token
+    start = 6144 + want_b
+    assert [(x.seq_id, len(x.token_ids)) for x in out.plan.seqs] == [(b.seq_id, min(511, chunk_within(chunk_cost(512, 0), start))), (a.seq_id, 1)]
+
+
+def test_an_arrival_less_urgent_than_the_prefill_or_without_blocks_takes_nothing_from_it():
+    s, pool = make(num_blocks=700, block_size=16, budget=512, max_model_len=9000)
+    b = seq(8192, "b")
+    s.add(b)
+    run_step(s)
+    s.add(seq(40, "later", priority=1))  # less urgent: it waits, as before
+    out = run_step(s)
+    assert [len(x.token_ids) for x in out.plan.seqs] == [512]
+
+    s, pool = make(num_blocks=19, block_size=16, budget=64, max_model_len=320)
+    b = seq(300, "b")  # 19 blocks with its first output token: the whole pool
+    s.add(b)
+    for _ in range(4):
+        run_step(s)
+    assert b.num_computed_tokens == 256 and pool.num_free == 3
+    a = seq(40, "a")
+    s.add(a)
+    out = run_step(s)
+    # b left 32 tokens and took 2 blocks; a's 32 tokens needed 2 blocks and found 1; b took the half back in the same step
+    assert a.status is SequenceStatus.WAITING and a.block_table == []
+    assert [(x.seq_id, len(x.token_ids), x.start_pos) for x in out.plan.seqs] == [(b.seq_id, 44, 256)]
+    assert pool.num_free == 0 and len(b.block_table) == 19

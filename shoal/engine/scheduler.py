@@ -24,6 +24,15 @@ token budget at the start of a prompt: late chunks shrink, and each such step
 costs about the same. A chunk still takes at least a block's worth, so the
 prompt moves on. A prompt with no decode beside it takes whole budgets.
 
+Arrivals: a prompt that arrives while another prefills would otherwise wait
+for the whole of it (an 8k-token prompt is tens of seconds on a 2-core AVX2
+CPU). While a waiting sequence as urgent as a running prefill could start,
+the running prefills leave it half of what the decodes leave of the budget,
+and the step is held to a whole budget's cost as beside decodes, so the
+arrival's first chunk runs in the next step, in a step of normal length. When
+it cannot start after all (no blocks free), the prefills take that half back
+in the same step, so a queue that cannot move never slows them.
+
 With pipeline stages, several steps (micro-batches) are in flight at once: a
 sequence in one is skipped until it comes back (its next token depends on it)
 and is never a victim of preemption, and `schedule(max_seqs)` caps a
@@ -139,8 +148,12 @@ class Scheduler:
         out = SchedulerOutput(plan=StepPlan(()))
 
         decodes_left = sum(1 for s in self.running if not (s.paused or s.in_flight) and s.num_uncomputed_tokens == 1)
-        # with decodes in the step, its prefill chunks share the cost of a whole budget computed at no context
-        cost = chunk_cost(self.config.max_num_batched_tokens, 0) if decodes_left else math.inf
+        # a prompt that arrived while others prefill gets half of what the decodes leave (see the module's docstring)
+        reserve = (budget - decodes_left) // 2 if self._arrival_waits(seats) else 0
+        # with decodes or an arrival in the step, its prefill chunks share the cost of a whole budget at no context
+        cost = chunk_cost(self.config.max_num_batched_tokens, 0) if decodes_left or reserve else math.inf
+        decoded = decodes_left > 0
+        reserve_cost = chunk_cost(reserve, 0)
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < seats:
             seq = self.running[i]
@@ -149,7 +162,7 @@ class Scheduler:
                 continue
             decoding = seq.num_uncomputed_tokens == 1
             decodes_left -= decoding
-            num_new = 1 if decoding else self._chunk(seq, budget - decodes_left, cost)
+            num_new = 1 if decoding else self._chunk(seq, budget - decodes_left - reserve, cost - reserve_cost)
             if num_new <= 0:  # what is left of the budget is the decodes' after it
                 i += 1
                 continue
@@ -161,7 +174,7 @@ class Scheduler:
                 cost -= chunk_cost(num_new, seq.num_computed_tokens)
             i += 1
 
-        j = 0
+        j, admitted = 0, False
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs and len(out.scheduled) < seats:
             seq = self.waiting[j]
             if seq in out.preempted:
@@ -184,15 +197,46 @@ class Scheduler:
             bisect.insort(self.running, seq, key=Sequence.sort_key)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+            admitted = True
             if num_new > 1:
                 cost -= chunk_cost(num_new, seq.num_computed_tokens)
 
+        if reserve and not admitted:  # the arrivals could not start (no blocks): the prefills take back their share
+            self._extend_prefills(out, budget, cost if decoded else math.inf)
         if not out.scheduled and self._unpause_by_preemption(out):
             again = self.schedule(max_seqs)
             again.preempted[:0] = out.preempted
             return again
         out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), self.kv.take_copies())
         return out
+
+    def _arrival_waits(self, seats: int) -> bool:
+        """Whether a waiting sequence may start beside a running prefill: one free to run (not held by its group,
+        not a choice waiting for its first, not waiting on the tier), as urgent as that prefill, with a seat."""
+        if not self.waiting or len(self.running) >= min(seats, self.config.max_num_seqs):
+            return False
+        prefills = [s.priority for s in self.running if not (s.paused or s.in_flight) and s.num_uncomputed_tokens > 1]
+        if not prefills:
+            return False
+        return any(not s.paused and s.fork_parent is None and s.kv_fetch is None and s.priority <= min(prefills)
+                   for s in self.waiting)
+
+    def _extend_prefills(self, out: SchedulerOutput, budget: int, cost: float) -> None:
+        """Give the budget held back for arrivals that did not start to the step's prefill chunks, in order."""
+        for k, (seq, num_new) in enumerate(out.scheduled):
+            if budget <= 0:
+                return
+            if seq.num_uncomputed_tokens == 1 or seq.status is not SequenceStatus.RUNNING:
+                continue
+            start = seq.num_computed_tokens
+            more = self._chunk(seq, num_new + budget, cost + chunk_cost(num_new, start)) if cost < math.inf else \
+                min(seq.num_tokens - start, num_new + budget)
+            if more <= num_new or not self.kv.can_grow(seq, more):
+                continue
+            self.kv.grow(seq, more)
+            out.scheduled[k] = (seq, more)
+            budget -= more - num_new
+            cost -= chunk_cost(more, start) - chunk_cost(num_new, start)
 
     def _chunk(self, seq: Sequence, budget: int, cost: float, start: int | None = None) -> int:
         """How many of seq's uncomputed tokens from `start` (its computed count if None) this step computes
