@@ -29,9 +29,10 @@ for the whole of it (an 8k-token prompt is tens of seconds on a 2-core AVX2
 CPU). While a waiting sequence as urgent as a running prefill could start,
 the running prefills leave it half of what the decodes leave of the budget,
 and the step is held to a whole budget's cost as beside decodes, so the
-arrival's first chunk runs in the next step, in a step of normal length. When
-it cannot start after all (no blocks free), the prefills take that half back
-in the same step, so a queue that cannot move never slows them.
+arrival's first chunk runs in the next step, in a step of normal length. What the arrivals
+do not use of that half goes back to the prefills in the same step, within
+the step's cost; when none can start after all (no blocks free), the lone
+prompt takes its whole budget, so a queue that cannot move never slows it.
 
 With pipeline stages, several steps (micro-batches) are in flight at once: a
 sequence in one is skipped until it comes back (its next token depends on it)
@@ -201,8 +202,9 @@ class Scheduler:
             if num_new > 1:
                 cost -= chunk_cost(num_new, seq.num_computed_tokens)
 
-        if reserve and not admitted:  # the arrivals could not start (no blocks): the prefills take back their share
-            self._extend_prefills(out, budget, cost if decoded else math.inf)
+        if reserve and budget > 0:  # what the arrivals left of their share goes back to the prefills
+            # within the step's cost when it has decodes or an arrival; a lone prompt's whole budget otherwise
+            self._extend_prefills(out, budget, cost if decoded or admitted else math.inf)
         if not out.scheduled and self._unpause_by_preemption(out):
             again = self.schedule(max_seqs)
             again.preempted[:0] = out.preempted
@@ -222,7 +224,7 @@ class Scheduler:
                    for s in self.waiting)
 
     def _extend_prefills(self, out: SchedulerOutput, budget: int, cost: float) -> None:
-        """Give the budget held back for arrivals that did not start to the step's prefill chunks, in order."""
+        """Give what is left of the budget held back for arrivals to the step's prefill chunks, in order."""
         for k, (seq, num_new) in enumerate(out.scheduled):
             if budget <= 0:
                 return
