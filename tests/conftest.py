@@ -52,9 +52,20 @@ def hf_default_model(default_gguf_path):
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
-    )
+    import functools
+
+    import gguf
+
+    # transformers builds gguf's tensor-name map once per tensor (397 times, about 6 s here); the map is a pure
+    # function of (architecture, layers) and transformers only reads it, so the load may share one.
+    name_map = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
+        )
+    finally:
+        gguf.get_tensor_name_map = name_map
     return model.eval()
 
 
