@@ -275,6 +275,32 @@ def test_the_host_store_is_the_same_tier_in_ram():
         KVTier(HostStore(PAYLOAD, PAYLOAD), PAYLOAD, 16, chunk_cost)
 
 
+def test_closing_keeps_the_pool_in_a_directory_and_nothing_in_host_ram(tmp_path):
+    """At close the engine copies out what spill_all names: the cached full blocks the tier lacks, most recently used
+    first. A host-RAM tier ends with the process, so it names none (copying a whole pool out would only delay the exit)."""
+    from shoal.engine.block_pool import KVBlockPool
+    from shoal.engine.kv_manager import KVCacheManager
+    from shoal.engine.prefix_cache import PrefixCache
+    from shoal.engine.sequence import Sequence
+
+    def served(store):
+        pool = KVBlockPool(8, 4)
+        kv = KVCacheManager(pool, PrefixCache(pool), KVTier(store, PAYLOAD, 4, chunk_cost))
+        for rid, tokens in (("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]), ("b", [11, 12, 13, 14, 15])):
+            seq = Sequence(rid, tokens, SamplingParams())
+            assert kv.admit(seq, kv.match(seq), len(tokens))
+            seq.num_computed_tokens = len(tokens)
+            kv.commit(seq)
+            kv.release(seq)
+        return kv
+
+    kv = served(store_in(tmp_path, 10))
+    # b's full block was used last; then a's two, parent first
+    assert [(s.block_id, s.num_tokens) for s in kv.spill_all()] == [(3, 4), (0, 4), (1, 4)]
+    kv.tier.close()
+    assert served(HostStore(10 * PAYLOAD, PAYLOAD)).spill_all() == []
+
+
 # ------------------------------------------------------------------ the engine
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)

@@ -221,8 +221,8 @@ class KVCacheManager:
 
     def spill_all(self) -> list[Spill]:
         """Every cached full block the tier lacks, most recently used first, at most what the tier holds: for
-        keeping the pool's content across a restart."""
-        if self.tier is None or not self.tier.enabled:
+        keeping the pool's content across a restart (none for a store that ends with the process)."""
+        if self.tier is None or not self.tier.enabled or not self.tier.store.persistent:
             return []
         room = self.tier.index.capacity
         return [Spill(n.block_id, n.digest, n.parent.digest, n.num_tokens)

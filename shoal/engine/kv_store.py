@@ -86,6 +86,7 @@ class HostStore:
     """The tier in host RAM (meant for a KV cache on a GPU; on a CPU the pool itself could take the memory)."""
 
     kind = "host"
+    persistent = False  # gone with the process: nothing to keep for a restart
     read_rate = None  # a memory copy: the policy restores until it has measured one
     failure = None
     rejected = 0
@@ -127,6 +128,7 @@ class DirectoryStore:
     """The tier in a local directory: it survives restarts. One server per directory (a lock)."""
 
     kind = "disk"
+    persistent = True  # survives restarts: the engine keeps the pool's blocks here as it closes
 
     def __init__(self, root: str | Path, capacity_bytes: int, payload_bytes: int, fingerprint: dict) -> None:
         self.root = Path(root)
