@@ -488,3 +488,30 @@ def test_a_restore_may_land_in_the_source_of_a_copy_of_the_same_step_so_copies_r
     engine = SimpleNamespace(kv=kv, tier=kv.tier, runner=runner)
     plan = Engine._move_tier_blocks(engine, StepPlan((), ((1, 4),)))
     assert calls == [("read", [1]), ("copy", ((1, 4),)), ("write", [1])] and plan.block_copies == ()
+
+
+def test_a_sequence_waiting_for_blocks_asks_the_tier_once():
+    """The scheduler matches a waiting sequence every step until the pool takes it. The tier is asked once while it
+    waits: its blocks' frequencies and the 'found but computed' count go up once, not once a step."""
+    from shoal.engine.block_pool import KVBlockPool
+    from shoal.engine.kv_manager import KVCacheManager
+    from shoal.engine.prefix_cache import PrefixCache
+    from shoal.engine.sequence import Sequence
+
+    pool = KVBlockPool(4, 4)
+    tier = KVTier(HostStore(10 * PAYLOAD, PAYLOAD), PAYLOAD, 4, chunk_cost, restore="never")
+    kv = KVCacheManager(pool, PrefixCache(pool), tier)
+    first = chain_digest(ROOT_DIGEST, (1, 2, 3, 4))
+    tier.spill([Spill(0, first, ROOT_DIGEST, 4), Spill(1, chain_digest(first, (5, 6, 7, 8)), first, 4)], [payload(0), payload(1)])
+    hog = Sequence("hog", list(range(20, 33)), SamplingParams())
+    assert kv.admit(hog, kv.match(hog), 13)  # every block of the pool
+    seq = Sequence("s", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams())
+    before = tier.index.sketch.estimate(first)
+    for _ in range(5):  # five steps without room
+        assert not kv.admit(seq, kv.match(seq), 9)
+    assert tier.stats.recomputed_blocks == 2 and tier.index.sketch.estimate(first) == before + 1
+    kv.release(hog)
+    assert kv.admit(seq, kv.match(seq), 9)  # admitted: computed, as the policy said
+    again = Sequence("t", [1, 2, 3, 4, 5, 6, 7, 8, 10], SamplingParams())
+    kv.match(again)  # another sequence asks for itself (s has computed nothing yet, so the pool has no match)
+    assert tier.stats.recomputed_blocks == 4

@@ -71,6 +71,9 @@ class KVCacheManager:
         self._copies: list[tuple[int, int]] = []  # (source, destination) promised, not yet in a plan
         self._spills: list[Spill] = []  # evicted blocks whose bytes go to the tier before anything overwrites them
         self._restores: list[tuple[int, object]] = []  # (block, payload) to write before the next forward
+        # waiting sequences whose prompt the tier was asked about and did not restore: asked once while they wait
+        # (a sequence the pool cannot take yet is matched every step; it would count and weigh its blocks each time)
+        self._consulted: set[int] = set()
         if self.tier is not None:
             cache.on_evict = self._evicted
 
@@ -93,12 +96,13 @@ class KVCacheManager:
             return Admission(m)
         if fetch is not None:  # kept until an admission takes its blocks: a pool too short for it now may not be later
             return self._with_restore(m, fetch) if fetch.done else PENDING
+        if seq.seq_id in self._consulted:
+            return Admission(m)
         start = len(m.blocks)
         found = self.tier.find(self._digests_after(m, keys))
-        if not found:
-            return Admission(m)
-        if not self.tier.policy.worth(len(found), start * self.block_size):
+        if not found or not self.tier.policy.worth(len(found), start * self.block_size):
             self.tier.stats.recomputed_blocks += len(found)
+            self._consulted.add(seq.seq_id)
             return Admission(m)
         seq.kv_fetch = self.tier.fetch(start, found)
         return PENDING
@@ -153,6 +157,7 @@ class KVCacheManager:
             return False
         seq.cache_nodes = list(m.nodes)
         seq.kv_fetch = None
+        self._consulted.discard(seq.seq_id)
         if seq.num_preemptions == 0:
             seq.cache_hit_kind = "tier" if restore else m.kind
             seq.num_cached_tokens = min(admission.num_tokens, seq.prompt_len)
@@ -259,6 +264,7 @@ class KVCacheManager:
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's block references; with the prefix cache, its computed content stays
         findable (the last partial block included)."""
+        self._consulted.discard(seq.seq_id)  # a waiting sequence that finished (aborted) without being admitted
         if not seq.block_table:
             return
         if self.cache is not None:
