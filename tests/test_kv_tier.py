@@ -515,3 +515,46 @@ def test_a_sequence_waiting_for_blocks_asks_the_tier_once():
     again = Sequence("t", [1, 2, 3, 4, 5, 6, 7, 8, 10], SamplingParams())
     kv.match(again)  # another sequence asks for itself (s has computed nothing yet, so the pool has no match)
     assert tier.stats.recomputed_blocks == 4
+
+
+def test_a_read_that_fails_or_stalls_costs_its_prompt_a_recompute_and_nothing_else(tmp_path, caplog, monkeypatch):
+    """Whatever goes wrong in a read, the request waiting on it is not left waiting: a read that raises ends its
+    fetch (the reader goes on with the next one), and one that hangs past FETCH_TIMEOUT is given up on."""
+    import threading
+
+    import shoal.engine.kv_tier as kv_tier
+    from shoal.engine.block_pool import KVBlockPool
+    from shoal.engine.kv_manager import KVCacheManager
+    from shoal.engine.prefix_cache import PrefixCache
+    from shoal.engine.sequence import Sequence
+
+    tier = KVTier(store_in(tmp_path), PAYLOAD, 4, chunk_cost, restore="always")
+    store = tier.store
+    first = chain_digest(ROOT_DIGEST, (1, 2, 3, 4))
+    tier.spill([Spill(0, first, ROOT_DIGEST, 4)], [payload(0)])
+    assert store.drain(10)
+    read = store._read
+    monkeypatch.setattr(store, "_read", lambda d: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="shoal.engine"):
+        f = store.fetch(0, [first])
+        assert f.event.wait(10) and f.usable() == []
+    assert "a read failed (ZeroDivisionError)" in caplog.text
+    monkeypatch.setattr(store, "_read", read)
+    f = store.fetch(0, [first])  # the reader is still there
+    assert f.event.wait(10) and f.usable() == [payload(0)]
+
+    pool = KVBlockPool(8, 4)
+    kv = KVCacheManager(pool, PrefixCache(pool), tier)
+    gate = threading.Event()
+    monkeypatch.setattr(store, "_read", lambda d: (gate.wait(30), read(d))[1])
+    seq = Sequence("s", [1, 2, 3, 4, 5, 6], SamplingParams())
+    assert kv.match(seq).pending and kv.match(seq).pending  # the read hangs; the sequence waits
+    monkeypatch.setattr(kv_tier, "FETCH_TIMEOUT", 0.0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shoal.engine"):
+        admission = kv.match(seq)
+    assert not admission.pending and admission.num_tokens == 0 and seq.kv_fetch is None
+    assert "has taken over 0 s; computing its prompt instead" in caplog.text and tier.stats.recomputed_blocks == 1
+    assert kv.admit(seq, admission, 6) and kv.take_restores() == []
+    gate.set()
+    tier.close()

@@ -95,7 +95,13 @@ class KVCacheManager:
             seq.kv_fetch = None
             return Admission(m)
         if fetch is not None:  # kept until an admission takes its blocks: a pool too short for it now may not be later
-            return self._with_restore(m, fetch) if fetch.done else PENDING
+            if fetch.done:
+                return self._with_restore(m, fetch)
+            if not self.tier.overdue(fetch):
+                return PENDING
+            seq.kv_fetch = None  # the store hangs (a stalled disk): compute instead of waiting on it
+            self._consulted.add(seq.seq_id)
+            return Admission(m)
         if seq.seq_id in self._consulted:
             return Admission(m)
         start = len(m.blocks)

@@ -67,6 +67,7 @@ class Fetch:
     seconds: float = 0.0
     event: threading.Event = field(default_factory=threading.Event)
     accounted: bool = False  # the tier took in its errors and rate (KVTier.received)
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def done(self) -> bool:
@@ -255,8 +256,13 @@ class DirectoryStore:
                 continue  # deleted before it was written, or the tier is off
             try:
                 self._write(digest, parent, num_tokens, payload)
-            except OSError as e:
-                reason = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else f"writing failed ({e.strerror or e})"
+            except Exception as e:  # noqa: BLE001 (whatever it is, the tier turns off and serving goes on)
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    reason = "the disk is full"
+                elif isinstance(e, OSError):
+                    reason = f"writing failed ({e.strerror or e})"
+                else:
+                    reason = f"writing failed ({e.__class__.__name__})"
                 self.failure = f"{reason} in {self.dir}"
                 with self._mutex:
                     self._pending.clear()
@@ -296,21 +302,29 @@ class DirectoryStore:
             if f is None:
                 return
             t0 = time.perf_counter()
-            for d in f.digests:
-                with self._mutex:
-                    queued = self._pending.get(d)
-                if queued is not None:
-                    f.payloads.append(bytearray(queued))
-                    continue
-                payload, reason = self._read(d)
-                if reason is not None:
-                    f.errors.append((d, reason))
-                f.payloads.append(payload)
-                f.nbytes += len(payload) if payload is not None else 0
-                if payload is None:
-                    break  # the blocks after it are of no use without it
-            f.seconds = time.perf_counter() - t0
-            f.event.set()
+            try:
+                self._read_all(f)
+            except Exception as e:  # a bug, or no memory: this read gives what it has, and the reader goes on
+                log.warning("prefix-cache tier: a read failed (%s); its prompt is computed instead", e.__class__.__name__)
+                f.payloads.append(None)
+            finally:
+                f.seconds = time.perf_counter() - t0
+                f.event.set()  # always: a request waits on it
+
+    def _read_all(self, f: Fetch) -> None:
+        for d in f.digests:
+            with self._mutex:
+                queued = self._pending.get(d)
+            if queued is not None:
+                f.payloads.append(bytearray(queued))
+                continue
+            payload, reason = self._read(d)
+            if reason is not None:
+                f.errors.append((d, reason))
+            f.payloads.append(payload)
+            f.nbytes += len(payload) if payload is not None else 0
+            if payload is None:
+                break  # the blocks after it are of no use without it
 
     def _read(self, digest: bytes) -> tuple[bytearray | None, str | None]:
         path = self.path(digest)

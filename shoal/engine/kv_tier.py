@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 log = logging.getLogger("shoal.engine")
 
 ROOT_DIGEST = b""  # the parent of a prompt's first block
+FETCH_TIMEOUT = 10.0  # seconds a request waits on a read before it computes its prompt instead (a stalled disk)
 
 
 def chain_digest(parent: bytes, key: tuple) -> bytes:
@@ -326,6 +328,16 @@ class KVTier:
         f = self.store.fetch(first_block, list(digests))
         self._fetches.append(f)
         return f
+
+    def overdue(self, fetch) -> bool:
+        """Whether a read still in progress has taken longer than FETCH_TIMEOUT: then its prompt is computed
+        (counted as found but computed, with a log line) and whatever the read brings later is dropped."""
+        if time.monotonic() - fetch.started <= FETCH_TIMEOUT:
+            return False
+        log.warning("prefix-cache tier: a read of %d blocks has taken over %.0f s; computing its prompt instead",
+                    len(fetch.digests), FETCH_TIMEOUT)
+        self.stats.recomputed_blocks += len(fetch.digests)
+        return True
 
     def received(self, fetch) -> list:
         """A fetch came back: its payloads up to the first missing one. Entries that failed their checks are
