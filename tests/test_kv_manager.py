@@ -100,3 +100,23 @@ def test_release_leaves_full_and_partial_blocks_findable():
     again = seq(list(range(6)) + [7])
     assert kv.match(again).num_tokens == 6
     kv.check_integrity([])
+
+
+def test_a_sequence_matched_every_step_while_it_waits_counts_once_in_the_statistics():
+    kv, pool = make(num_blocks=4)
+    a = seq(range(9), "a")
+    assert kv.admit(a, kv.match(a), 9)
+    computed(kv, a, 9)
+    kv.release(a)  # blocks 0 and 1 cached full, block 2 partial
+    hog = seq(range(100, 113), "hog")
+    assert kv.admit(hog, kv.match(hog), 13)  # takes the free block and evicts the cached ones
+    b = seq(list(range(9)) + [50], "b")
+    for _ in range(4):  # the scheduler matches it every step; the pool has no room
+        assert not kv.admit(b, kv.match(b), 10)
+    s = kv.cache.stats
+    assert (s.lookups, s.misses) == (3, 3)  # a, hog, and b once
+    kv.release(hog)
+    assert kv.admit(b, kv.match(b), 10) and s.lookups == 3
+    c = seq(range(200, 210), "c")
+    kv.match(c)
+    assert s.lookups == 4  # another sequence counts for itself

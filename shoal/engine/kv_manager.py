@@ -71,9 +71,10 @@ class KVCacheManager:
         self._copies: list[tuple[int, int]] = []  # (source, destination) promised, not yet in a plan
         self._spills: list[Spill] = []  # evicted blocks whose bytes go to the tier before anything overwrites them
         self._restores: list[tuple[int, object]] = []  # (block, payload) to write before the next forward
-        # waiting sequences whose prompt the tier was asked about and did not restore: asked once while they wait
-        # (a sequence the pool cannot take yet is matched every step; it would count and weigh its blocks each time)
-        self._consulted: set[int] = set()
+        # waiting sequences matched already: a sequence the pool cannot take yet is matched every step, and counts
+        # in the cache's statistics, and asks the tier, once while it waits (it would count and weigh its blocks
+        # every step)
+        self._matched: set[int] = set()
         if self.tier is not None:
             cache.on_evict = self._evicted
 
@@ -90,7 +91,9 @@ class KVCacheManager:
             return NO_MATCH
         keys = _key_tokens(seq)
         fetch = seq.kv_fetch
-        m = self.cache.match(keys, count=fetch is None)
+        first = seq.seq_id not in self._matched
+        self._matched.add(seq.seq_id)
+        m = self.cache.match(keys, count=first)
         if self.tier is None or not self.tier.enabled:
             seq.kv_fetch = None
             return Admission(m)
@@ -100,15 +103,13 @@ class KVCacheManager:
             if not self.tier.overdue(fetch):
                 return PENDING
             seq.kv_fetch = None  # the store hangs (a stalled disk): compute instead of waiting on it
-            self._consulted.add(seq.seq_id)
             return Admission(m)
-        if seq.seq_id in self._consulted:
+        if not first:
             return Admission(m)
         start = len(m.blocks)
         found = self.tier.find(self._digests_after(m, keys))
         if not found or not self.tier.policy.worth(len(found), start * self.block_size):
             self.tier.stats.recomputed_blocks += len(found)
-            self._consulted.add(seq.seq_id)
             return Admission(m)
         seq.kv_fetch = self.tier.fetch(start, found)
         return PENDING
@@ -163,7 +164,7 @@ class KVCacheManager:
             return False
         seq.cache_nodes = list(m.nodes)
         seq.kv_fetch = None
-        self._consulted.discard(seq.seq_id)
+        self._matched.discard(seq.seq_id)
         if seq.num_preemptions == 0:
             seq.cache_hit_kind = "tier" if restore else m.kind
             seq.num_cached_tokens = min(admission.num_tokens, seq.prompt_len)
@@ -270,7 +271,7 @@ class KVCacheManager:
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's block references; with the prefix cache, its computed content stays
         findable (the last partial block included)."""
-        self._consulted.discard(seq.seq_id)  # a waiting sequence that finished (aborted) without being admitted
+        self._matched.discard(seq.seq_id)  # a waiting sequence that finished (aborted) without being admitted
         if not seq.block_table:
             return
         if self.cache is not None:

@@ -137,7 +137,8 @@ class PrefixCache:
 
         Touches the matched nodes (LRU) but takes no references: the caller increfs
         `blocks` (and copies `copy_block`) before anything else can evict them.
-        count: False for a second look of the same admission (after a tier fetch), kept out of the stats.
+        count: False for a sequence matched again while it waits (the pool could not take it yet, or the second
+        tier is reading its blocks): a wait counts once in the stats.
         """
         bs = self.block_size
         limit = len(key_tokens) - 1
