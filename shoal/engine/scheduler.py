@@ -29,10 +29,11 @@ for the whole of it (an 8k-token prompt is tens of seconds on a 2-core AVX2
 CPU). While a waiting sequence as urgent as a running prefill could start,
 the running prefills leave it half of what the decodes leave of the budget,
 and the step is held to a whole budget's cost as beside decodes, so the
-arrival's first chunk runs in the next step, in a step of normal length. What the arrivals
-do not use of that half goes back to the prefills in the same step, within
-the step's cost; when none can start after all (no blocks free), the lone
-prompt takes its whole budget, so a queue that cannot move never slows it.
+arrival's first chunk runs in the next step, in a step of normal length.
+What the arrivals do not use of that half goes back to the prefills in the
+same step, within the step's cost; when none can start after all (no blocks
+free), a lone prompt takes its whole budget, so a queue that cannot move
+never slows it.
 
 With pipeline stages, several steps (micro-batches) are in flight at once: a
 sequence in one is skipped until it comes back (its next token depends on it)
