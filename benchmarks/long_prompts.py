@@ -31,6 +31,8 @@ prompt's TTFT beside them.
 
 `--isa avx2`: shoal forced onto its AVX2 path (SHOAL_CPU_ISA) against the
 llama-server built for AVX2 only (compare_peers.py says more): KIND is avx2.
+`--variant '--kv-cache-dtype int8'` (repeatable) measures shoal with those
+flags too, in the same rounds, and writes long_prompts-variants-KIND instead.
 """
 
 from __future__ import annotations
@@ -182,10 +184,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--isa", choices=sorted(FORCED_BUILDS), default=None,
                     help="shoal forced onto this path, against llama-server built for it (results: long_prompts-ISA)")
+    ap.add_argument("--variant", action="append", default=[], metavar="FLAGS",
+                    help="also measure shoal with these flags (quoted; may be given again), e.g. '--kv-cache-dtype int8'; "
+                         "the results then go to long_prompts-variants-KIND, beside the default pair's page")
     a = ap.parse_args()
-    peers = [LongShoal(isa=a.isa), OneSlotLlamaServer(a.isa)]
-    if not peers[1].available:
-        sys.exit(f"{peers[1].binary} is missing: run `make peers` first")
+    llama = OneSlotLlamaServer(a.isa)
+    variants = [LongShoal(name=f"shoal {v}", flags=tuple(v.split()), isa=a.isa) for v in a.variant]
+    peers = [LongShoal(isa=a.isa), *variants, llama]
+    if not llama.available:
+        sys.exit(f"{llama.binary} is missing: run `make peers` first")
     gguf = Path(resolve_model_path("smollm2")).resolve()
     rng = random.Random(a.seed)
     times: dict[str, dict[int, list[float]]] = {p.name: {n: [] for n in LENGTHS} for p in peers}
@@ -219,7 +226,7 @@ def main() -> None:
                 finally:
                     server.stop()
     bf16 = f"forced onto the {a.isa} path" if a.isa else ("native bf16 (avx512_bf16)" if cpu_flags().get("avx512_bf16") else "no native bf16")
-    result = {"machine": {**machine(), "bf16": bf16}, "rounds": a.rounds, "lengths": LENGTHS, "isa": a.isa,
+    result = {"machine": {**machine(), "bf16": bf16}, "rounds": a.rounds, "lengths": LENGTHS, "isa": a.isa, "variants": a.variant,
               "peers": {p.name: {"label": p.label, "settings": p.settings} for p in peers},
               "ttft_s": {name: {str(n): v for n, v in per.items()} for name, per in times.items()},
               "tpot_s": {name: {str(n): v for n, v in per.items()} for name, per in tpots.items()},
@@ -265,7 +272,8 @@ def write(result: dict) -> None:
                   "Their output tokens/s while it prefills, against the same streams without it (median of the rounds), "
                   "the longest gap between two tokens of one stream in that window, and the long prompt's TTFT.", "",
                   *table(["tok/s beside the prefill", "tok/s without it", "kept", "longest gap", "long prompt's TTFT"], rows)]
-    publish(f"long_prompts-{result.get('isa') or cpu_kind(result['machine']['cpu_flags'])}", result, lines)
+    variants = "variants-" if result.get("variants") else ""
+    publish(f"long_prompts-{variants}{result.get('isa') or cpu_kind(result['machine']['cpu_flags'])}", result, lines)
 
 
 if __name__ == "__main__":
