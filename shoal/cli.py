@@ -26,7 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.config import STRICT_MKL, KV_CACHE_DTYPES, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_bytes
+from shoal.config import (
+    KV_CACHE_DTYPES,
+    SPECULATIVE_METHODS,
+    STRICT_MKL,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_bytes,
+)
 from shoal.types import GenerationRequest, SamplingParams
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -86,6 +96,15 @@ ENGINE_OPTS = [
         "with float weights it costs 8-20%% of the speed; docs/guides/determinism.md)", kind="flag"),
     Opt("--attention", "auto", str, "attention backend: auto (batch-invariant with int8/int4 weights, sdpa with float "
         "ones), invariant, or sdpa (fastest; answers may change with the load)", choices=("auto", "invariant", "sdpa")),
+    Opt("--speculative", "auto", str, "speculative decoding: drafts verified by exact match, so no answer changes "
+        "(docs/guides/speculative-decoding.md). auto: on with the batch-invariant attention (a draft model if "
+        "--speculative-model is given, else n-gram prompt lookup); ngram; draft; off", choices=SPECULATIVE_METHODS),
+    Opt("--speculative-model", None, str, "the draft model: a .gguf or a model folder with the target's tokenizer"),
+    Opt("--speculative-tokens", 8, int, "the longest draft a sequence verifies in one step (the length adapts up to it)"),
+    Opt("--speculative-max-batch", 8, int, "no drafts in a step with more decoding sequences than this (there the step "
+        "is compute-bound and drafts cost what they save)"),
+    Opt("--speculative-ngram-min", 2, int, "n-gram prompt lookup: the shortest n-gram matched"),
+    Opt("--speculative-ngram-max", 4, int, "n-gram prompt lookup: the longest n-gram matched (tried first)"),
 ]
 
 # Scale-out (docs/guides/scale-out.md): the model over several processes. `shoal worker` takes these too.
@@ -249,6 +268,11 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
                                   follow_up_window=v["follow_up_window_ms"] / 1000),
         cache=CacheConfig(**cache),
         parallel=ParallelConfig(**{o.key: v.get(o.key, o.default) for o in PARALLEL_OPTS}),
+        speculative=SpeculativeConfig(
+            method=v.get("speculative", "auto"), model=v.get("speculative_model"),
+            num_tokens=v.get("speculative_tokens", 8), max_batch=v.get("speculative_max_batch", 8),
+            ngram_min=v.get("speculative_ngram_min", 2), ngram_max=v.get("speculative_ngram_max", 4),
+        ),
     )
 
 

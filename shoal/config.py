@@ -152,6 +152,37 @@ class ParallelConfig:
         return self.world_size // self.nnodes
 
 
+SPECULATIVE_METHODS = ("auto", "ngram", "draft", "off")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py, docs/guides/speculative-decoding.md)."""
+
+    # auto: a draft model when one is given, else n-gram prompt lookup, on the batch-invariant attention only
+    # (where a verified token is exactly the decoded one); ngram | draft: that proposer; off: none
+    method: str = "auto"
+    model: str | None = None  # the draft model (same tokenizer as the target): a GGUF, a folder, or a name
+    num_tokens: int = 8  # the longest draft a sequence verifies in one step (k adapts up to it)
+    ngram_min: int = 2  # prompt lookup's n-gram sizes, longest first
+    ngram_max: int = 4
+    # no drafts in a step with more decoding sequences than this: there the step is compute-bound and the
+    # drafted positions cost about what they save (benchmarks/results/speculative-*.md)
+    max_batch: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative method 'draft' needs a draft model (--speculative-model)")
+        if not 1 <= self.num_tokens <= 64:
+            raise ValueError(f"speculative num_tokens must be in [1, 64], got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"speculative n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min} and {self.ngram_max}")
+        if self.max_batch < 1:
+            raise ValueError(f"speculative max_batch must be at least 1, got {self.max_batch}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
@@ -173,6 +204,7 @@ class EngineConfig:
     # costs anything: ~10% at one stream), sdpa with float weights (where the linears would need splitting too)
     attention: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -409,6 +409,11 @@ class ScheduledSeq:
     # Structured output: the tokens this row may sample (bit t of the little-endian
     # bytes: token t allowed), for a constrained sequence that samples; None: any.
     token_mask: bytes | None = None
+    # Speculative decoding: the last len(draft) of token_ids are drafted tokens (engine/speculative.py), and
+    # every one of the last len(draft) + 1 positions samples, as a decode there would; draft_masks[i] is the
+    # grammar's mask of position i + 1 of those (empty: no grammar).
+    draft: tuple[int, ...] = ()
+    draft_masks: tuple[bytes | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -429,7 +434,7 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class SampledToken:
-    """The runner's answer for one sequence with `sample=True`."""
+    """The runner's answer for one sequence with `sample=True` (one per verified position with a draft)."""
 
     seq_id: int
     token_id: int

@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from server_utils import Gate, LiveServer, tiny_engine
+from shoal.config import SpeculativeConfig
 from shoal.server import ServerSettings
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -46,7 +47,7 @@ def open_page(browser, url, errors, **context):
 def test_the_page_shows_what_stats_reports(browser, tiny_llama_path, tmp_path):
     # 32 blocks and a second tier: the asks below evict blocks into it, and the last one restores them
     engine = tiny_engine(tiny_llama_path, max_model_len=256, num_blocks=32, prefix_cache_dir=str(tmp_path / "tier"),
-                         prefix_cache_restore="always")
+                         prefix_cache_restore="always", speculative=SpeculativeConfig(method="ngram"))
     with LiveServer(engine, ServerSettings(log_requests=False, api_key="k")) as srv:
         client = srv.openai(api_key="k")
         ask = [{"role": "user", "content": "A question asked twice, so the second comes from the cache."}]
@@ -79,6 +80,10 @@ def test_the_page_shows_what_stats_reports(browser, tiny_llama_path, tmp_path):
         assert shown == [["restored", tier["restored_blocks"]], ["spilled", tier["spilled_blocks"]],
                          ["evicted", tier["evictions"]], ["rejected", tier["rejected_entries"]]]
         assert "on disk" in page.inner_text("#tier-text")
+        spec = stats["speculative"]
+        shown = page.eval_on_selector_all("#chart-spec rect.bar", "rs => rs.map(r => [r.dataset.label, Number(r.dataset.value)])")
+        assert shown == [["drafted", spec["drafted_tokens"]], ["accepted", spec["accepted_tokens"]]]
+        assert page.inner_text("#spec-text").startswith(f"ngram proposer: {spec['drafts']} drafts")
         # The table is drawn again on every poll: an event sent to the row, not a click at coordinates that a
         # redraw under load can move, then the panel's text once the handler has run.
         page.dispatch_event(f"#requests tbody tr[data-id='{recent[-1]['request_id']}']", "click")
@@ -106,6 +111,7 @@ def test_kv_warning_phone_width_and_dark_mode(browser, tiny_llama_path, tmp_path
         page.wait_for_selector("#warning:not([hidden])", timeout=15000)
         assert "KV cache 90% full" in page.inner_text("#warning")
         assert page.is_hidden("#tier")  # no second tier configured: no figure for one
+        assert page.is_hidden("#spec")  # speculative decoding off (auto, on sdpa attention): none for it
         assert page.evaluate("document.documentElement.scrollWidth") <= 375  # no sideways scrolling on a phone
         background = page.evaluate("getComputedStyle(document.body).backgroundColor")
         assert sum(int(c) for c in background[background.index("(") + 1 : -1].split(",")[:3]) < 150  # dark

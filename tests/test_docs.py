@@ -25,6 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from server_utils import LiveServer, tiny_engine
+from shoal.config import SpeculativeConfig
 from shoal.server import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,8 +237,10 @@ def test_the_metrics_reference_lists_exactly_what_a_live_server_serves(site, tin
     catalog = metrics.catalog()
     shown = {f"{f.name}_total" if f.type == "counter" else f.name for f in catalog}
     assert listed == shown
-    # A live server with traffic (and the prefix cache's second tier) serves every family of the catalog and no other.
-    with LiveServer(tiny_engine(tiny_llama_path, prefix_cache_dir=str(tmp_path / "tier"))) as srv:
+    # A live server with traffic (the prefix cache's second tier and speculative decoding on) serves every family
+    # of the catalog and no other.
+    engine = tiny_engine(tiny_llama_path, prefix_cache_dir=str(tmp_path / "tier"), speculative=SpeculativeConfig(method="ngram"))
+    with LiveServer(engine) as srv:
         client = srv.openai()
         for _ in range(2):  # the second is a prefix-cache hit
             client.completions.create(model=str(tiny_llama_path), prompt="one two three four five six seven eight nine ten", max_tokens=4)

@@ -14,6 +14,7 @@ from shoal.engine.engine import Engine
 from shoal.engine.kv_store import LAYOUT_VERSION, DirectoryStore, HostStore, model_digest
 from shoal.engine.kv_tier import KVTier
 from shoal.engine.scheduler import chunk_cost
+from shoal.engine.speculative import DRAFT_COST, NgramProposer, Speculator
 from shoal.engine.stats import EngineFacts
 from shoal.executor import LocalExecutor
 from shoal.runner.build import build_part
@@ -34,7 +35,9 @@ def build_engine(config: EngineConfig) -> Engine:
     facts = EngineFacts.of(config.model, runner, path=str(ckpt.path), weight_format=part.weight_format,
                            generation_defaults=MappingProxyType(dict(ckpt.generation_defaults)))
     tier = build_tier(config, runner, facts)
-    engine = Engine(executor, ckpt.tokenizer, ckpt.eos_token_ids, config, part.max_model_len, facts=facts, tier=tier)
+    speculator = build_speculator(config, runner, ckpt.tokenizer, part.max_model_len)
+    engine = Engine(executor, ckpt.tokenizer, ckpt.eos_token_ids, config, part.max_model_len, facts=facts, tier=tier,
+                    speculator=speculator)
     log.info(
         "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks%s",
         time.perf_counter() - t0, facts.architecture, facts.dtype,
@@ -74,6 +77,83 @@ def build_tier(config: EngineConfig, runner, facts: EngineFacts) -> KVTier | Non
              f"{store.read_rate / 2**20:.0f} MiB/s" if store.read_rate else "not measured yet",
              {"auto": "when cheaper than computing (measured)", "always": "always", "never": "never"}[cache.prefix_cache_restore])
     return tier
+
+
+def build_speculator(config: EngineConfig, runner, tokenizer, max_model_len: int) -> Speculator | None:
+    """Speculative decoding as configured (engine/speculative.py). `auto` turns it on where a verified token is
+    exactly the one decoding gives: the batch-invariant attention (with sdpa, a chunk's rows and a decode may
+    round differently, and an answer could change)."""
+    spec = config.speculative
+    method = spec.method
+    invariant = runner.attention.name == "invariant"
+    if method == "auto":
+        if not invariant:
+            log.info("speculative decoding: off (auto turns it on with the batch-invariant attention, where it changes "
+                     "no answer; this engine runs %s attention)", runner.attention.name)
+            return None
+        method = "draft" if spec.model else "ngram"
+    if method == "off":
+        return None
+    if not invariant:
+        log.warning("speculative decoding on %s attention: a verified token may differ in its last bits from the decoded "
+                    "one, so an answer can change (--attention invariant makes it exact)", runner.attention.name)
+    measured = config.parallel.world_size == 1  # another rank's part cannot run a step alone
+    key = (config.model, config.quantization, str(runner.dtype), str(runner.kv_dtype), runner.attention.name,
+           spec.num_tokens, torch_threads())
+    if not measured:
+        step, verify = 1.0, 1.0 + DRAFT_COST * spec.num_tokens
+    elif key in _STEP_TIMES:  # the same model and settings in this process (an LLM built again): measured once
+        step, verify = _STEP_TIMES[key]
+    else:
+        step, verify = _STEP_TIMES[key] = time_steps(runner, spec.num_tokens)
+    cost = max(0.0, (verify - step) / (spec.num_tokens * step))
+    if method == "draft":
+        from shoal.engine.draft import DraftProposer  # noqa: PLC0415 (loads a second model)
+
+        proposer = DraftProposer.load(spec.model, config, tokenizer, max_model_len)
+        cost += time_steps(proposer.runner, 0)[0] / step  # each drafted token is a step of the draft model
+    else:
+        proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+    log.info("speculative decoding: %s proposer, drafts of up to %d tokens, in steps of at most %d decoding sequences; "
+             "a drafted token costs %.2f of a decode step here (%s)", proposer.name, spec.num_tokens, spec.max_batch, cost,
+             f"a step of 1 token took {step * 1e3:.1f} ms, of {spec.num_tokens + 1} {verify * 1e3:.1f} ms" if measured else "assumed")
+    return Speculator(proposer, spec.num_tokens, spec.max_batch, max_model_len, draft_cost=cost)
+
+
+_STEP_TIMES: dict[tuple, tuple[float, float]] = {}
+
+
+def torch_threads() -> int:
+    import torch  # noqa: PLC0415
+
+    return torch.get_num_threads()
+
+
+def time_steps(runner, k: int, repeats: int = 5) -> tuple[float, float]:
+    """Seconds of a one-token decode step, and of one that verifies a draft of k tokens (k + 1 positions, each
+    sampled), on this host: the median of `repeats` after a warm-up, in the pool's first blocks (nothing holds
+    them at start)."""
+    from shoal.types import SamplingParams, ScheduledSeq, StepPlan  # noqa: PLC0415
+
+    blocks = tuple(range(-(-(k + 2) // runner.block_size)))
+    greedy = SamplingParams(temperature=0.0)
+
+    def plan(n: int) -> StepPlan:
+        ids = tuple(range(1, n + 1))
+        return StepPlan((ScheduledSeq(seq_id=-1, token_ids=ids, start_pos=1, block_table=blocks, sample=True,
+                                      params=greedy, draft=ids[1:]),))
+
+    def median(p: StepPlan) -> float:
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            runner.execute(p)
+            if i:
+                times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    one = median(plan(1))
+    return one, median(plan(k + 1)) if k else one
 
 
 def _parallel_words(par) -> str:

@@ -40,11 +40,13 @@ class Engine:
         clock=time.monotonic,
         facts: EngineFacts | None = None,
         tier=None,
+        speculator=None,
     ) -> None:
         """executor: how the engine reaches the model (shoal/executor): `submit(plan)` up to `depth` steps in flight, `collect(ticket)`, `failure`, `runner`
         (this process's ModelRunner), `cluster()`, `close()`. A bare ModelRunner is taken as a local one.
         facts: what is served (the builder knows the checkpoint); by default what the runner tells.
-        tier: the prefix cache's second tier (engine/kv_tier.py), or None; it needs the KV in this process."""
+        tier: the prefix cache's second tier (engine/kv_tier.py), or None; it needs the KV in this process.
+        speculator: speculative decoding (engine/speculative.py), or None."""
         from shoal.executor import LocalExecutor  # noqa: PLC0415 (the executor imports torch; the engine's bookkeeping does not)
 
         if not hasattr(executor, "runner"):
@@ -68,6 +70,7 @@ class Engine:
         # Structured output: constraints compiled once and cached; the server compiles in a
         # worker thread (`validate`), so add_request finds them ready.
         self.grammars = GrammarCompiler(tokenizer, tuple(sorted(self.eos_token_ids)), self.vocab_size)
+        self.speculator = speculator
         self.stats = EngineStats()
         self.monitor = StatsMonitor(self)  # publishes `snapshot` after every step (engine/stats.py)
         self._ctx = RequestContext(self.scheduler, tokenizer, self.eos_token_ids, max_model_len, self.vocab_size, self.stats)
@@ -209,14 +212,16 @@ class Engine:
             return outputs
         if self.tier is not None:
             self._observe_prefill(sched, now)
-        self.scheduler.on_step_done(sched, result.sampled)
+        sampled, verified = self.scheduler.on_step_done(sched, result.sampled)
+        for seq, drafted, accepted in verified:
+            self.speculator.observe(seq, drafted, accepted)
         self.stats.steps += 1
         self.stats.preemptions = self.scheduler.num_preemptions
         for seq_id, entries in result.prompt_logprobs.items():
             seq = self.scheduler.get(seq_id)
             if seq is not None:  # not aborted while in flight
                 self._requests[seq.request_id].prompt_logprobs.extend(entries)
-        outputs.extend(self._postprocess(result.sampled))
+        outputs.extend(self._postprocess(sampled))
         if self.config.check_integrity:
             self.check_integrity()
         self.monitor.step_done(sched, now)
@@ -230,6 +235,8 @@ class Engine:
         while len(self._in_flight) < depth:
             # a micro-batch's share: the sequences spread over the stages (a sequence is in one at a time)
             share = None if depth == 1 else max(1, -(-(len(scheduler.running) + len(scheduler.waiting)) // depth))
+            if self.speculator is not None:
+                self.speculator.propose(scheduler.running)
             out = scheduler.schedule(share)
             if self.tier is not None:
                 out.plan = self._move_tier_blocks(out.plan)
@@ -314,6 +321,8 @@ class Engine:
 
     def _retire(self, state: RequestState) -> None:
         self._requests.pop(state.request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(state.seqs)
         self.stats.cached_prompt_tokens += state.num_cached_tokens
 
     def clear_prefix_cache(self) -> int:

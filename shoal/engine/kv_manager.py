@@ -8,6 +8,7 @@ blocks it asks the manager, and gets answers it does not look inside:
     admit(seq, match, n)       pin the match and allocate for n more tokens; on a shortfall undo it all: False
     can_grow(seq, n), grow     room for n more tokens of a running sequence
     fork(child, parent, k, n)  the child shares the parent's first k computed tokens, and gets room for n more
+    trim(seq)                  free the blocks past its computed tokens (a rejected draft's, speculative.py)
     commit(seq)                index the sequence's computed full blocks in the prefix cache
     release(seq)               drop its references; with the cache, what it computed stays findable
     take_copies()              block copies promised to admitted and forked sequences, for the next plan
@@ -183,6 +184,14 @@ class KVCacheManager:
         need = self._blocks_needed(seq, num_new)
         if need > 0:
             seq.block_table.extend(self.pool.allocate(need))
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's computed tokens: those a rejected draft's positions took. They
+        were allocated for this sequence in this step, and nothing indexes them (commit stops at computed)."""
+        keep = self.pool.blocks_for_tokens(seq.num_computed_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def fork(self, child: Sequence, parent: Sequence, shared: int, num_new: int) -> bool:
         """The child starts from the parent's first `shared` computed tokens: full blocks by reference,

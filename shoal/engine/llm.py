@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from shoal.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from shoal.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from shoal.engine.builder import build_engine
 from shoal.server.chat.template import ChatRenderer
 from shoal.types import GenerationRequest, RequestOutput, SamplingParams
@@ -126,6 +126,8 @@ def _progress(total: int):
 
 def _engine_config(model: str, kwargs: dict[str, Any]) -> EngineConfig:
     top = {k: kwargs.pop(k) for k in list(kwargs) if k in EngineConfig.__dataclass_fields__}
+    if isinstance(top.get("speculative"), str):  # LLM(..., speculative="ngram")
+        top["speculative"] = SpeculativeConfig(method=top["speculative"])
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
     cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
     parallel = {k: kwargs.pop(k) for k in list(kwargs) if k in ParallelConfig.__dataclass_fields__}

@@ -228,7 +228,7 @@ class SampledChoices(RequestState):
         if out.logprobs is not None:
             out.logprobs.append(TokenLogprobs(tok, s.logprob, list(s.top_logprobs[: p.logprobs])))
         ctx.stats.generated_tokens += 1
-        n_out = seq.num_output_tokens
+        n_out = len(out.token_ids)  # not the sequence's: a verified draft puts several tokens there at once
         reason = stop_reason = None
         # Nothing stops a choice before min_tokens (the sampler bans EOS and stop ids until then).
         may_stop = n_out > p.min_tokens
@@ -243,7 +243,7 @@ class SampledChoices(RequestState):
         if reason is None:
             if p.max_tokens is not None and n_out >= p.max_tokens:
                 reason = FinishReason.LENGTH
-            elif seq.num_tokens >= ctx.max_model_len:
+            elif seq.prompt_len + n_out >= ctx.max_model_len:
                 reason = FinishReason.LENGTH
         if reason is None and seq.grammar is not None:
             seq.grammar.accept(tok)  # and computes the next step's mask

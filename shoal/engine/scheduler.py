@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from shoal.config import SchedulerConfig
 from shoal.engine.kv_manager import KVCacheManager
 from shoal.engine.sequence import Sequence, SequenceStatus
+from shoal.engine.speculative import accepted_length
 from shoal.types import FinishReason, SampledToken, SamplingParams, ScheduledSeq, StepPlan
 
 
@@ -164,7 +165,8 @@ class Scheduler:
                 continue
             decoding = seq.num_uncomputed_tokens == 1
             decodes_left -= decoding
-            num_new = 1 if decoding else self._chunk(seq, budget - decodes_left - reserve, cost - reserve_cost)
+            num_new = self._with_draft(seq, budget - decodes_left - reserve) if decoding else \
+                self._chunk(seq, budget - decodes_left - reserve, cost - reserve_cost)
             if num_new <= 0:  # what is left of the budget is the decodes' after it
                 i += 1
                 continue
@@ -252,6 +254,19 @@ class Scheduler:
             num_new = max(floor, min(num_new, chunk_within(cost, start)))
         return num_new
 
+    def _with_draft(self, seq: Sequence, budget: int) -> int:
+        """A decode's tokens: its newest, and its draft as far as the budget and free blocks go (a draft
+        never preempts anyone: without room it is dropped)."""
+        draft = seq.draft
+        if not draft:
+            return 1
+        k = min(len(draft), budget - 1)
+        if k > 0 and not self.kv.can_grow(seq, 1 + k):
+            k = 0
+        if k < len(draft):
+            seq.draft, seq.draft_masks = draft[:k] if k > 0 else (), seq.draft_masks[:k] if k > 0 else ()
+        return 1 + len(seq.draft)
+
     def _unpause_by_preemption(self, out: SchedulerOutput) -> bool:
         """Nothing could run: if paused sequences hold the blocks a waiting sequence
         needs (their group waits on that sequence), preempt the newest of them."""
@@ -330,6 +345,7 @@ class Scheduler:
         _take(self.running, seq)
         self.kv.release(seq)
         seq.num_computed_tokens = 0
+        seq.draft, seq.draft_masks = (), ()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -339,7 +355,8 @@ class Scheduler:
     @staticmethod
     def _scheduled_seq(seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        end = start + num_new
+        draft = seq.draft if num_new > 1 and seq.num_uncomputed_tokens == 1 else ()
+        end = start + num_new - len(draft)
         p = seq.params
         lp_from, targets = 0, ()
         if seq.wants_prompt_logprobs:  # positions lp_from .. min(end, prompt_len - 1) - 1 give them
@@ -348,7 +365,7 @@ class Scheduler:
         sample = end == seq.num_tokens
         return ScheduledSeq(
             seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start:end]),
+            token_ids=tuple(seq.token_ids[start:end]) + draft,
             start_pos=start,
             block_table=tuple(seq.block_table),
             sample=sample,
@@ -361,24 +378,41 @@ class Scheduler:
             prompt_logprobs_from=lp_from,
             prompt_targets=targets,
             token_mask=seq.grammar.mask if sample and seq.grammar is not None else None,
+            draft=draft,
+            draft_masks=seq.draft_masks if draft and seq.grammar is not None else (),
         )
 
-    def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> None:
-        """Advance the computed counters, append the sampled tokens, hash full blocks.
-        A token with an error appends nothing: the engine fails its request."""
+    def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> tuple[list[SampledToken], list]:
+        """Advance the computed counters, append the sampled tokens, hash full blocks. A drafted sequence keeps
+        its target's tokens while they agree with the draft (speculative.accepted_length), and its blocks
+        past them go back to the pool. A token with an error appends nothing: the engine fails its request.
+        Returns the tokens kept, in order per sequence, and (sequence, drafted, accepted) per verified draft."""
+        by_seq: dict[int, list[SampledToken]] = {}
+        for s in sampled:
+            by_seq.setdefault(s.seq_id, []).append(s)
+        kept: list[SampledToken] = []
+        verified = []
         for seq, num_new in out.scheduled:
+            got = by_seq.get(seq.seq_id, ())
+            draft = seq.draft
             if seq.finished:
                 continue  # aborted while its micro-batch was in flight: its blocks are gone already
+            if draft:
+                seq.draft, seq.draft_masks = (), ()
+                got = got[: accepted_length(draft, [s.token_id if s.error is None else None for s in got])]
+                num_new -= len(draft) + 1 - len(got)  # the positions of rejected drafted tokens hold nothing
+                verified.append((seq, len(draft), len(got) - 1))
             seq.num_computed_tokens += num_new
+            if draft:
+                self.kv.trim(seq)
             if seq.wants_prompt_logprobs:  # the plan asked for every prompt position computed so far
                 seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, min(seq.num_computed_tokens, seq.prompt_len - 1))
+            for s in got:
+                if s.error is None:
+                    seq.token_ids.append(s.token_id)
             self.kv.commit(seq)
-        for s in sampled:
-            seq = self._by_id.get(s.seq_id)
-            if seq is None:
-                continue
-            if s.error is None:
-                seq.token_ids.append(s.token_id)
+            kept.extend(got)
+        return kept, verified
 
 
 def _take(queue: list[Sequence], seq: Sequence) -> None:

@@ -65,6 +65,12 @@ class Sequence:
     # A token constraint that has accepted exactly its output tokens (engine/structured.py):
     # a GrammarMatcher (structured output) or a BudgetMatcher (a thinking budget); None: free.
     grammar: object | None = None
+    # Speculative decoding (engine/speculative.py): the tokens proposed after the newest one, verified in
+    # the next step (not part of token_ids until the target agrees); with a grammar, the mask of each drafted
+    # position after the first; and the sequence's speculation state (draft length, acceptance, n-gram index).
+    draft: tuple[int, ...] = ()
+    draft_masks: tuple = ()
+    spec: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -85,6 +85,7 @@ class EngineSnapshot:
     cached_blocks: int = 0
     prefix_cache: MappingProxyType | None = None  # PrefixCacheStats' fields and its derived figures
     kv_tier: MappingProxyType | None = None  # the second tier's TierStats (engine/kv_tier.py); None: no tier
+    speculative: MappingProxyType | None = None  # speculative decoding's counters (engine/speculative.py); None: off
     last_step: StepStats | None = None
     prompt_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> computed prompt tok/s
     generation_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> tok/s
@@ -120,7 +121,7 @@ class EngineSnapshot:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["counters"] = dataclasses.asdict(self.counters)
         d["facts"] = {**vars(self.facts), "generation_defaults": dict(self.facts.generation_defaults)}
-        for k in ("finished_by_reason", "prefix_cache", "kv_tier", "prompt_throughput", "generation_throughput"):
+        for k in ("finished_by_reason", "prefix_cache", "kv_tier", "speculative", "prompt_throughput", "generation_throughput"):
             d[k] = dict(d[k]) if d[k] is not None else None
         d["last_step"] = dataclasses.asdict(self.last_step) if self.last_step else None
         d["recent_requests"] = list(self.recent_requests)
@@ -136,7 +137,7 @@ class StatsMonitor:
         self.engine = engine
         self.snapshot = EngineSnapshot(time=engine.clock(), facts=engine.facts, kv_blocks=engine.pool.num_blocks, kv_free_blocks=engine.pool.num_free,
                                        kv_block_bytes=engine.runner.bytes_per_block, kv_block_tokens=engine.runner.block_size, prefix_cache=_cache_view(engine.prefix_cache),
-                                       kv_tier=_tier_view(engine.tier))
+                                       kv_tier=_tier_view(engine.tier), speculative=_spec_view(engine.speculator))
         self._last_step: StepStats | None = None
         self._computed_prompt_tokens = 0
         self._samples: deque[tuple[float, int, int]] = deque()  # (time, computed prompt tokens, generated tokens)
@@ -184,6 +185,7 @@ class StatsMonitor:
             cached_blocks=cache.stats.cached_blocks if cache is not None else 0,
             prefix_cache=_cache_view(cache),
             kv_tier=_tier_view(e.tier),
+            speculative=_spec_view(e.speculator),
             last_step=self._last_step,
             prompt_throughput=self._rates(now, 1),
             generation_throughput=self._rates(now, 2),
@@ -215,3 +217,13 @@ def _tier_view(tier) -> MappingProxyType | None:
     if tier is None:
         return None
     return MappingProxyType({**dataclasses.asdict(tier.stats), "bytes": tier.stats.bytes})
+
+
+def _spec_view(speculator) -> MappingProxyType | None:
+    """Speculative decoding's counters as the snapshot holds them (None when it is off)."""
+    if speculator is None:
+        return None
+    st = speculator.stats
+    return MappingProxyType({"proposer": speculator.name, "max_draft_tokens": speculator.max_tokens,
+                             "max_batch": speculator.max_batch, "draft_cost": speculator.draft_cost, **dataclasses.asdict(st),
+                             "acceptance_rate": st.acceptance_rate, "steps_off": speculator.steps_off})

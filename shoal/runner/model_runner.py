@@ -230,7 +230,7 @@ class ModelRunner:
         """Rank 0: the sampled tokens and prompt logprobs of a step whose logits are in."""
         if logits is None:
             return StepOutput([], {})
-        sampled = [s for s in seqs if s.sample]
+        sampled = [row for s in seqs if s.sample for row in _verified_rows(s)]
         result = self._sample(sampled, logits.sampled) if sampled else []
         return StepOutput(result, self._prompt_logprobs(seqs, logits.prompt) if logits.prompt else {})
 
@@ -358,8 +358,8 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
             first = len(ids) + s.prompt_logprobs_from - s.start_pos
             prompt_rows.extend(range(first, first + len(s.prompt_targets)))
         ids.extend(s.token_ids)
-        if s.sample:
-            sample_rows.append(len(ids) - 1)
+        if s.sample:  # the last token's row, and with a draft every drafted token's too
+            sample_rows.extend(range(len(ids) - 1 - len(s.draft), len(ids)))
     batch = ForwardBatch(
         ids,
         [SeqSpan(s.start_pos, 1, tuple(s.block_table)) for s in decodes],
@@ -369,6 +369,23 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         prompt_rows,
     )
     return batch, seqs
+
+
+def _verified_rows(s: ScheduledSeq) -> list[ScheduledSeq]:
+    """The sampling rows of a sequence: one, or with a draft d_0..d_{k-1} k + 1, row i sampling as a decode
+    after d_0..d_{i-1} would (engine/speculative.py): its history holds them, its generator is the one of
+    its position, its mask the grammar's after them."""
+    if not s.draft:
+        return [s]
+    rows = [s]
+    for i in range(1, len(s.draft) + 1):
+        rows.append(replace(
+            s,
+            history=s.history + s.draft[:i] if s.history else (),
+            num_sampled=s.num_sampled + i,
+            token_mask=s.draft_masks[i - 1] if s.draft_masks else None,
+        ))
+    return rows
 
 
 def _num_logprobs(p) -> int:

@@ -548,6 +548,29 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return block * blk + inner
 
 
+def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of each row's k largest values of float32 `x` [n, V], largest first, and among equal values the
+    smallest id first. torch's topk breaks ties by its own blocking, which changes with the number of rows:
+    in bfloat16 equal logits are common, and a row's alternatives then changed with its batch (a tiny
+    Qwen2's, with and without speculative decoding's extra rows). torch's topk picks the set; only a row
+    whose k-th value is tied past the set is picked again, by (value, id) as one int64 key."""
+    vals, ids = x.topk(k, dim=-1)
+    V = x.shape[-1]
+    ids = ids.gather(1, _sort_keys(vals, V - 1 - ids).argsort(dim=-1, descending=True))
+    straddle = ((x >= vals[:, -1:]).sum(dim=-1) > k).nonzero().flatten()
+    if len(straddle):
+        rows = x[straddle]
+        ids[straddle] = _sort_keys(rows, V - 1 - torch.arange(V, device=x.device)).topk(k, dim=-1).indices
+    return ids
+
+
+def _sort_keys(values: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as (float32 value, rank), for rank in [0, V)."""
+    bits = values.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # the floats' order, as integers
+    return ordered * (1 << 20) + rank
+
+
 class SamplerOutput(NamedTuple):
     token_ids: torch.Tensor  # [B] int64; a negative id is a ROW_ERRORS code: that row has no token
     logprobs: torch.Tensor  # [B] float32: chosen token under log_softmax(raw logits)
@@ -582,7 +605,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     top_ids = top_logprobs = None
     if batch.num_top_logprobs > 0:
-        top_ids = raw.topk(batch.num_top_logprobs, dim=-1).indices  # sorted descending
+        top_ids = topk_ids(raw, batch.num_top_logprobs)  # sorted descending, ties by token id
         top_logprobs = logp.gather(1, top_ids)
     # NaN or +inf anywhere in a row, or nothing finite, leaves no finite log_softmax maximum
     finite = logp.amax(dim=-1).isfinite()

@@ -108,6 +108,15 @@ SNAPSHOT = {f.name.removeprefix("shoal:"): f for f in (
     Family("shoal:prefix_cache_tier_evictions", "counter", "Entries the second tier dropped for room (W-TinyLFU)."),
     Family("shoal:prefix_cache_tier_rejected_entries", "counter", "Tier entries ignored: truncated, corrupted, or written by "
            "another configuration."),
+    Family("shoal:spec_decode_num_drafts", "counter", "Drafts verified by speculative decoding, by proposer (ngram | draft).",
+           ("proposer",)),
+    Family("shoal:spec_decode_num_draft_tokens", "counter", "Drafted tokens verified, by proposer.", ("proposer",)),
+    Family("shoal:spec_decode_num_accepted_tokens", "counter", "Drafted tokens the target agreed with (kept), by proposer.",
+           ("proposer",)),
+    Family("shoal:spec_decode_acceptance_rate", "gauge", "Accepted over drafted tokens since the start, by proposer.",
+           ("proposer",)),
+    Family("shoal:spec_decode_steps_off", "counter", "Steps with too many decoding sequences to draft in (compute-bound: "
+           "--speculative-max-batch)."),
 )}
 
 DEFAULT_COLLECTORS = (ProcessCollector, PlatformCollector, GCCollector)
@@ -207,6 +216,14 @@ class _SnapshotCollector:
             for key in ("bytes", "capacity_bytes", "spilled_blocks", "hits", "restored_blocks", "restored_bytes",
                         "recomputed_blocks", "evictions", "rejected_entries"):
                 yield _family(f"prefix_cache_tier_{key}", tier[key])
+        spec = s.speculative
+        if spec is not None:
+            label = (spec["proposer"],)
+            yield _family("spec_decode_num_drafts", {label: spec["drafts"]})
+            yield _family("spec_decode_num_draft_tokens", {label: spec["drafted_tokens"]})
+            yield _family("spec_decode_num_accepted_tokens", {label: spec["accepted_tokens"]})
+            yield _family("spec_decode_acceptance_rate", {label: spec["acceptance_rate"]})
+            yield _family("spec_decode_steps_off", spec["steps_off"])
 
 
 def _family(key: str, value):

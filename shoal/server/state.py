@@ -277,4 +277,6 @@ class ServerState:
             out["prefix_cache"] = pc
         if snap.kv_tier is not None:
             out["prefix_cache_tier"] = dict(snap.kv_tier)
+        if snap.speculative is not None:
+            out["speculative"] = {**snap.speculative, "acceptance_rate": round(snap.speculative["acceptance_rate"], 4)}
         return out

@@ -137,6 +137,16 @@ function render(stats) {
       : "off: the tier stopped taking blocks (see the server log)";
   }
 
+  const spec = stats.speculative;
+  $("spec").hidden = !spec;
+  if (spec) {
+    bars($("chart-spec"), ["drafted", "accepted"], [
+      { values: [spec.drafted_tokens, spec.accepted_tokens], color: css("--b") },
+    ], "tokens");
+    $("spec-text").textContent = `${spec.proposer} proposer: ${fmt(spec.drafts)} drafts, ` +
+      `${(100 * spec.acceptance_rate).toFixed(1)}% of drafted tokens accepted, ${fmt(spec.steps_off)} steps too busy to draft`;
+  }
+
   const body = $("requests").tBodies[0];
   body.textContent = "";
   for (const r of stats.recent_requests || []) {
