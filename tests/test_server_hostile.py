@@ -3,6 +3,7 @@ exceptions (a 500 that leaks nothing, on a connection that stays up), browser or
 headers, and /health staying live while the largest allowed body is processed."""
 
 import http.client
+import gc
 import json
 import logging
 import threading
@@ -225,12 +226,20 @@ def test_health_answers_while_the_largest_allowed_body_is_processed(engine):
         sender = threading.Thread(target=lambda: result.update(r=srv.http().post("/v1/chat/completions", content=body)))
         h.get("/health")  # the polling connection is open before the big body goes
         latencies = []
-        sender.start()
-        while sender.is_alive() or not latencies:
-            start = time.perf_counter()
-            assert h.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - start)
-        sender.join()
+        # This process holds what every earlier test of the suite left: a full garbage collection of it stalls every
+        # thread for up to a second (a clean-clone run, 2026-11-27: 744 ms). The server's own heap is not that; what
+        # is measured here is whether handling the body blocks the event loop.
+        gc.collect()
+        gc.freeze()
+        try:
+            sender.start()
+            while sender.is_alive() or not latencies:
+                start = time.perf_counter()
+                assert h.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - start)
+            sender.join()
+        finally:
+            gc.unfreeze()
         assert result["r"].status_code == 400 and "prompt" in result["r"].json()["error"]["message"]  # it cannot fit 256 tokens
         # A liveness check, not a speed claim: the issue's target is 100 ms.
         assert max(latencies) < 0.5, f"/health took {max(latencies) * 1000:.0f} ms at worst over {len(latencies)} polls"

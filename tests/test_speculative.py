@@ -166,9 +166,9 @@ def _assert_same(on, off, run):
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=80, temperature=0, logprobs=3),
-    SamplingParams(max_tokens=80, temperature=0.3, top_p=0.95, seed=11, logprobs=2),
-    SamplingParams(max_tokens=60, temperature=0.3, seed=5, n=3, logprobs=1, repetition_penalty=1.05, frequency_penalty=0.1),
+    SamplingParams(max_tokens=56, temperature=0, logprobs=3),
+    SamplingParams(max_tokens=56, temperature=0.3, top_p=0.95, seed=11, logprobs=2),
+    SamplingParams(max_tokens=40, temperature=0.3, seed=5, n=3, logprobs=1, repetition_penalty=1.05, frequency_penalty=0.1),
 ], ids=["greedy", "seeded", "n3-penalties"])
 def test_alone_and_in_a_batch_the_tokens_and_logprobs_are_those_without_speculation(pair, params):
     on, off = pair
@@ -180,7 +180,7 @@ def test_alone_and_in_a_batch_the_tokens_and_logprobs_are_those_without_speculat
 
 def test_beside_requests_that_do_not_speculate_and_after_a_prefix_hit(pair):
     on, off = pair
-    greedy = SamplingParams(max_tokens=60, temperature=0)
+    greedy = SamplingParams(max_tokens=40, temperature=0)
     beam = SamplingParams(max_tokens=20, num_beams=2)  # beams never draft
     with_prompt_lp = SamplingParams(max_tokens=30, temperature=0, prompt_logprobs=1)  # no draft until the prompt's are out
 
@@ -341,3 +341,66 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_paths, tmp_path):
     tok.save_pretrained(other)
     with pytest.raises(ValueError, match="tokenizer"):
         _tiny(tiny_paths["llama"], SpeculativeConfig(method="draft", model=str(other)))
+
+
+def _every_case(llm) -> list[tuple]:
+    """One batch of every kind of request, then the same batch again (its prompts now prefix-cache hits)."""
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a", "b"]})
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=4, n=3, logprobs=1, ignore_eos=True, presence_penalty=0.3),
+        SamplingParams(max_tokens=40, temperature=0, stop=("three four",), ignore_eos=True, logit_bias={5: 2.0}),
+        SamplingParams(max_tokens=30, temperature=0, structured=StructuredOutput(json_schema=schema), logprobs=1),
+        SamplingParams(max_tokens=12, num_beams=2),
+        SamplingParams(max_tokens=20, temperature=0, prompt_logprobs=1, min_tokens=15),
+    ]
+    prompts = [REPEATING, "a b a b a b a b", REPEATING + " one two", "Hello, world! " * 3, "The quick brown fox", REPEATING]
+    return _choices(llm.generate(prompts, params)) + _choices(llm.generate(prompts, params))
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_every_kind_of_request_on_a_tiny_model_under_preemption_and_after_prefix_hits(tiny_paths, proposer):
+    """n-gram drafts and a tiny Qwen2 drafting for a tiny Llama: greedy, seeded n=3 with a penalty, a stop string with
+    a logit bias, a JSON schema, beam search and a prompt-logprobs request with min_tokens, in one batch over a pool
+    of 22 blocks of 8 tokens (sequences are preempted), then again from the prefix cache: the tokens and logprobs of
+    no speculation, and every block back."""
+    spec = SpeculativeConfig(method="draft", model=str(tiny_paths["qwen2"])) if proposer == "draft" else "ngram"
+    got = {}
+    for name, method in (("on", spec), ("off", "off")):
+        with LLM(str(tiny_paths["llama"]), speculative=method, attention="invariant", check_integrity=True,
+                 num_blocks=22, block_size=8, max_model_len=160) as llm:
+            got[name] = _every_case(llm)
+            eng = llm.engine
+            assert eng.scheduler.num_preemptions > 0 and eng.pool.num_free == 22
+            if name == "on":
+                assert eng.speculator.stats.drafted_tokens > 0
+                if proposer == "draft":
+                    assert eng.speculator.proposer.pool.num_free == eng.speculator.proposer.pool.num_blocks
+    assert got["on"] == got["off"]
+
+
+def test_an_aborted_request_mid_draft_returns_its_blocks_and_changes_no_other(tiny_paths):
+    from shoal.types import GenerationRequest
+
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=1, ignore_eos=True)
+    prompts = [REPEATING, "a b a b a b a b", REPEATING + " one"]
+    with _tiny(tiny_paths["llama"], "off") as llm:
+        want = _choices(llm.generate([prompts[0], prompts[2]], params))
+    spec = SpeculativeConfig(method="draft", model=str(tiny_paths["llama"]))  # itself: every greedy draft agrees
+    with _tiny(tiny_paths["llama"], spec) as llm:
+        eng = llm.engine
+        for i, p in enumerate(prompts):
+            eng.add_request(GenerationRequest(f"r{i}", tuple(llm.tokenizer.encode(p)), params))
+        done = {}
+        for _ in range(3):
+            for out in eng.step():
+                done[out.request_id] = out
+        assert eng.speculator.stats.drafts > 0  # drafts are being verified
+        assert eng.abort("r1")
+        while eng.has_unfinished():
+            for out in eng.step():
+                done[out.request_id] = out
+        assert done["r1"].outputs[0].finish_reason == "abort"
+        assert _choices([done["r0"], done["r2"]]) == want
+        assert eng.pool.num_free == eng.pool.num_blocks
+        assert eng.speculator.proposer.pool.num_free == eng.speculator.proposer.pool.num_blocks
