@@ -10,7 +10,8 @@ The default model (SmolLM2-135M-Instruct, the Q4_1 GGUF) on every server. Worklo
     chat-c32    the same at 32 streams
     agentic     shoal bench's agent loop: 4 conversations sharing a system prompt with tools, 64 output tokens
 
-Servers, one at a time on the same cores (compare_peers.Server), taking turns round after round:
+Servers, one at a time on the same cores (compare_peers.Server), taking turns round after round (every other
+round in the reverse order):
 
     shoal                 the default (--speculative auto: n-gram prompt lookup on the batch-invariant attention)
     shoal-off             --speculative off
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = [p for p in peers if p.available]
     runs: dict[str, dict[str, list[dict]]] = {p.name: {s.name: [] for s in scens} for p in peers}
     for rnd in range(args.rounds):
-        for peer in peers:
+        for peer in (peers if rnd % 2 == 0 else peers[::-1]):  # every other round backwards: no server always goes first
             server = Server(peer, gguf, tmp)
             try:
                 server.wait_ready()
