@@ -107,6 +107,11 @@ ENGINE_OPTS = [
     Opt("--speculative-ngram-max", 4, int, "n-gram prompt lookup: the longest n-gram matched (tried first)"),
 ]
 
+# The speculative options' keys and the SpeculativeConfig fields they set (their defaults are the config's).
+SPECULATIVE_FIELDS = {"speculative": "method", "speculative_model": "model", "speculative_tokens": "num_tokens",
+                      "speculative_max_batch": "max_batch", "speculative_ngram_min": "ngram_min",
+                      "speculative_ngram_max": "ngram_max"}
+
 # Scale-out (docs/guides/scale-out.md): the model over several processes. `shoal worker` takes these too.
 PARALLEL_OPTS = [
     Opt("--tensor-parallel-size", 1, int, "split every layer's heads and MLP columns over this many processes "
@@ -268,11 +273,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
                                   follow_up_window=v["follow_up_window_ms"] / 1000),
         cache=CacheConfig(**cache),
         parallel=ParallelConfig(**{o.key: v.get(o.key, o.default) for o in PARALLEL_OPTS}),
-        speculative=SpeculativeConfig(
-            method=v.get("speculative", "auto"), model=v.get("speculative_model"),
-            num_tokens=v.get("speculative_tokens", 8), max_batch=v.get("speculative_max_batch", 8),
-            ngram_min=v.get("speculative_ngram_min", 2), ngram_max=v.get("speculative_ngram_max", 4),
-        ),
+        speculative=SpeculativeConfig(**{field: v[key] for key, field in SPECULATIVE_FIELDS.items() if key in v}),
     )
 
 

@@ -90,7 +90,7 @@ def test_best_k_maximizes_tokens_per_unit_of_step_time():
 
 
 def test_speculator_adapts_k_to_acceptance_and_probes_a_sequence_whose_drafts_do_not_pay():
-    class Fixed:
+    class Fixed(NgramProposer):  # the proposers' interface, with a draft of ones
         name = "fixed"
 
         def propose(self, seq, state, k):
@@ -237,7 +237,7 @@ def test_preemption_mid_draft_changes_nothing_and_leaks_no_block(default_gguf_pa
 # ---------------------------------------------------------------- constructed proposers: the counters
 
 
-class _Oracle:
+class _Oracle(NgramProposer):
     """Proposes the reply decoding without speculation gives (right every time), or that reply's tokens
     shifted by one (`wrong`: never right)."""
 

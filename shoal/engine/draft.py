@@ -43,7 +43,6 @@ class DraftProposer:
         self.max_model_len = max_model_len
         self.pool = KVBlockPool(runner.num_blocks, runner.block_size)
         self._seqs: dict[int, tuple[object, _DraftSeq]] = {}
-        self._ids = 0
 
     @classmethod
     def load(cls, model: str, config, tokenizer, max_model_len: int) -> DraftProposer:

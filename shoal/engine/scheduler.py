@@ -260,12 +260,11 @@ class Scheduler:
         draft = seq.draft
         if not draft:
             return 1
-        k = min(len(draft), budget - 1)
-        if k > 0 and not self.kv.can_grow(seq, 1 + k):
+        k = max(0, min(len(draft), budget - 1))
+        if k and not self.kv.can_grow(seq, 1 + k):
             k = 0
-        if k < len(draft):
-            seq.draft, seq.draft_masks = draft[:k] if k > 0 else (), seq.draft_masks[:k] if k > 0 else ()
-        return 1 + len(seq.draft)
+        seq.draft, seq.draft_masks = draft[:k], seq.draft_masks[:k]
+        return 1 + k
 
     def _unpause_by_preemption(self, out: SchedulerOutput) -> bool:
         """Nothing could run: if paused sequences hold the blocks a waiting sequence

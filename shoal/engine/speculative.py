@@ -82,7 +82,7 @@ class SpecState:
 
 @dataclass
 class ProposerStats:
-    """Per proposer: drafts, drafted tokens, accepted tokens, and steps whose verification ran."""
+    """Per proposer: drafts verified, their drafted tokens, and the drafted tokens the target agreed with."""
 
     drafts: int = 0
     drafted_tokens: int = 0
@@ -103,6 +103,13 @@ class NgramProposer:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_n} and {max_n}")
         self.min_n, self.max_n = min_n, max_n
+
+    def propose_many(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """A draft of up to k tokens for each (sequence, k): the proposers' one interface (engine/draft.py)."""
+        return [self.propose(seq, seq.spec, k) for seq, k in wanted]
+
+    def release(self, seq_id: int) -> None:
+        """Nothing to return: a sequence's index lives on its SpecState."""
 
     def propose(self, seq: Sequence, state: SpecState, k: int) -> list[int]:
         tokens = seq.token_ids
@@ -174,9 +181,7 @@ class Speculator:
             k = min(k, self._room(seq))
             if k > 0:
                 wanted.append((seq, k))
-        drafts = self.proposer.propose_many(wanted) if hasattr(self.proposer, "propose_many") else \
-            [self.proposer.propose(seq, seq.spec, k) for seq, k in wanted]
-        for (seq, _), draft in zip(wanted, drafts):
+        for (seq, _), draft in zip(wanted, self.proposer.propose_many(wanted)):
             if draft and seq.grammar is not None:
                 draft, masks = _within_grammar(seq.grammar, draft)
                 seq.draft_masks = masks
@@ -187,8 +192,7 @@ class Speculator:
         for seq in seqs:
             seq.spec = None
             seq.draft, seq.draft_masks = (), ()
-            if hasattr(self.proposer, "release"):
-                self.proposer.release(seq.seq_id)
+            self.proposer.release(seq.seq_id)
 
     def _room(self, seq: Sequence) -> int:
         """The longest draft worth verifying: the step yields at most k + 1 tokens, within max_tokens and the context."""
