@@ -157,6 +157,30 @@ SERVER_OPTS = [
     Opt("--log-requests", True, None, "one log line per request (default: on)", kind="bool"),
 ]
 
+# Several models in one server (docs/guides/several-models.md). The YAML config may also list `models:`.
+MODELS_OPTS = [
+    Opt("--models-dir", None, str, "offer every .gguf file and Hugging Face model folder in this directory too, "
+        "named by file stem or folder name"),
+    Opt("--models-autoload", True, None, "load a model on its first request (default: on; off: only POST /v1/models "
+        "loads)", kind="bool"),
+    Opt("--preload", "default", str, "models loaded at start: the default (first) one, all, or none",
+        choices=("default", "all", "none")),
+    Opt("--models-memory", "auto", str, "memory all loaded models may take (weights, KV pool, workspace), e.g. "
+        "12GiB; the least recently used idle ones unload to make room. auto: 80%% of this machine's RAM; none: no budget"),
+    Opt("--models-max", None, int, "most models loaded at once (the least recently used idle one unloads)"),
+    Opt("--keep-alive", "5m", str, "unload a model idle this long: seconds or a duration (30s, 10m, 1h); 0: as soon as "
+        "it is idle; -1: never. A request's keep_alive wins for its model"),
+    Opt("--default-model-fallback", False, None, "a request naming a model this server does not offer goes to the "
+        "default model instead of a 404", kind="flag"),
+    Opt("--model-load-timeout", 120.0, float, "longest a request waits for its model to load before a 503 with Retry-After"),
+    Opt("--model-drain-timeout", 30.0, float, "longest an unload waits for the model's requests in flight before it "
+        "ends them with a 503"),
+    Opt("--models-parallel-steps", False, None, "let loaded models step at the same time (default: one model's step "
+        "at a time, in turns: on a CPU, steps at once fight for the cores)", kind="flag"),
+]
+# Per model in the YAML config's `models:` list, besides the engine options: what replaces the server's.
+MODEL_ENTRY_KEYS = ("alias", "keep_alive", "chat_template", "reasoning_parser", "tool_call_parser")
+
 @dataclass(frozen=True)
 class SamplingFlag:
     """A sampling option, declared once for every command that takes it (sampling_opts)."""
@@ -283,8 +307,12 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{**v, "stop": tuple(v["stop"])})
 
 
-SERVE_OPTS = ENGINE_OPTS + PARALLEL_OPTS + SERVER_OPTS + SERVER_SAMPLING_OPTS
-CONFIG_ONLY_KEYS = ("log_level",)
+# serve takes --model several times (every one is offered; the first is the default).
+SERVE_ENGINE_OPTS = [Opt("--model", None, str, "'smollm2' (the default), a .gguf file, or a Hugging Face model folder; "
+                         "give it several times to offer several models (the first is the default)", kind="list"),
+                     *ENGINE_OPTS[1:]]
+SERVE_OPTS = SERVE_ENGINE_OPTS + PARALLEL_OPTS + SERVER_OPTS + MODELS_OPTS + SERVER_SAMPLING_OPTS
+CONFIG_ONLY_KEYS = ("log_level", "models")
 
 
 def load_config_file(path: str | Path) -> dict:
@@ -308,13 +336,83 @@ def load_config_file(path: str | Path) -> dict:
             names = ", ".join(sorted(k.replace("_", "-") for k in [*known, *CONFIG_ONLY_KEYS]))
             raise ValueError(f"unknown key {raw_key!r} in {path} (known: {names})")
         opt = known.get(key)
-        if opt is None:  # log_level
+        if key == "models":
+            value = _model_entries(value, path)
+        elif opt is None:  # log_level
             if value not in LOG_LEVELS:
                 raise ValueError(f"{raw_key!r} in {path} must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
         else:
             value = _config_value(opt, value, f"{raw_key!r} in {path}")
         out[key] = value
     return out
+
+
+def _model_entries(value, path) -> list[dict]:
+    """The YAML config's `models:` list: each a mapping with `model` and any engine option, and MODEL_ENTRY_KEYS."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'models' in {path} must be a list of mappings, each with at least `model`")
+    known = {o.key: o for o in ENGINE_OPTS + PARALLEL_OPTS}
+    entries = []
+    for i, item in enumerate(value):
+        where = f"models[{i}] in {path}"
+        if not isinstance(item, dict) or "model" not in item:
+            raise ValueError(f"{where} must be a mapping with at least `model`")
+        entry = {}
+        for raw_key, v in item.items():
+            key = str(raw_key).replace("-", "_")
+            if key in known:
+                entry[key] = _config_value(known[key], v, f"{raw_key!r} of {where}")
+            elif key in MODEL_ENTRY_KEYS:
+                entry[key] = v if key in ("alias", "keep_alive") else _config_value(
+                    next(o for o in SERVER_OPTS if o.key == key), v, f"{raw_key!r} of {where}")
+            else:
+                names = ", ".join(sorted(k.replace("_", "-") for k in [*known, *MODEL_ENTRY_KEYS]))
+                raise ValueError(f"unknown key {raw_key!r} in {where} (known: {names})")
+        entries.append(entry)
+    return entries
+
+
+def model_specs(v: dict) -> list:
+    """Every model `serve` offers: `models:` entries, then --model values, then --models-dir's; the first is the
+    default. The served name of the first is --served-model-name when given."""
+    from shoal.server.models import parse_keep_alive, spec_for, specs_in_dir
+
+    models = v.get("model") or []
+    models = [models] if isinstance(models, str) else list(models)
+    entries = list(v.get("models") or []) + [{"model": m} for m in models]
+    if not entries and not v.get("models_dir"):
+        entries = [{"model": "smollm2"}]
+    specs = []
+    for i, entry in enumerate(entries):
+        config = engine_config({**v, **{k: x for k, x in entry.items() if k not in MODEL_ENTRY_KEYS}})
+        overrides = {k: entry[k] for k in ("chat_template", "reasoning_parser", "tool_call_parser") if k in entry}
+        keep = entry.get("keep_alive")
+        name = entry.get("alias") or (v.get("served_model_name") if i == 0 else None)
+        specs.append(spec_for(config, name, overrides=overrides,
+                              keep_alive=None if keep is None else parse_keep_alive(keep, f"keep_alive of model {config.model}")))
+    if v.get("models_dir"):
+        taken = {n for s in specs for n in (s.name, *s.aliases)}
+        specs += [s for s in specs_in_dir(v["models_dir"], engine_config({**v, "model": "smollm2"})) if s.name not in taken]
+    return specs
+
+
+def lifecycle(v: dict):
+    """The Lifecycle of the serve options (MODELS_OPTS)."""
+    from shoal.server.models import Lifecycle, parse_keep_alive
+
+    memory = v.get("models_memory", "auto")
+    if memory in (None, "none"):
+        budget = None
+    elif memory == "auto":
+        budget = int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    else:
+        budget = parse_bytes(memory)
+    return Lifecycle(
+        autoload=bool(v.get("models_autoload", True)), preload=v.get("preload", "default"), memory=budget,
+        max_loaded=v.get("models_max"), keep_alive=parse_keep_alive(v.get("keep_alive", "5m"), "--keep-alive"),
+        default_fallback=bool(v.get("default_model_fallback")), load_timeout=float(v.get("model_load_timeout", 120.0)),
+        drain_timeout=float(v.get("model_drain_timeout", 30.0)), parallel_steps=bool(v.get("models_parallel_steps")),
+    )
 
 
 def _config_value(opt: Opt, value, where: str):
@@ -408,10 +506,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if _torchrun_rank() is not None:
         v.update(_torchrun_parallel())
         if _torchrun_rank() != 0:  # every torchrun process runs `shoal serve`: the others compute only
-            return _run_worker_rank(None, v)
-    config = engine_config(v)
+            return _run_worker_rank(None, {**v, "model": model_specs(v)[0].config.model})
+    specs = model_specs(v)
     settings = server_settings(v)
-    resolve_model_path(config.model)  # a wrong name or path fails now, in one line, not after start-up
+    for spec in specs:  # a wrong name or path fails now, in one line, not after start-up
+        resolve_model_path(spec.config.model)
+    life = lifecycle(v)
     from shoal import kernels
 
     if kernels.requested_isa():  # so does a code path this CPU lacks
@@ -428,7 +528,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         failed.append(exc)
         server.should_exit = True
 
-    app = create_app(config, settings, on_load_error=on_load_error)
+    app = create_app(specs, settings, lifecycle=life, on_load_error=on_load_error)
     server = uvicorn.Server(
         uvicorn.Config(app, log_config=None, access_log=v["log_level"] == "debug", timeout_graceful_shutdown=5)
     )
@@ -437,8 +537,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.getLogger("shoal").info(
         "serving %s on http://%s:%d (OpenAI API under /v1, Anthropic's at /v1/messages, Prometheus at /metrics; "
         "/health answers 503 until the model is loaded)",
-        config.model, shown, port,
+        ", ".join(s.name for s in specs), shown, port,
     )
+    if len(specs) > 1:
+        budget = f"{life.memory / 2**30:.1f} GiB" if life.memory is not None else "no budget"
+        logging.getLogger("shoal").info(
+            "offering %d models (default %s; %s at start, the others on first use%s); memory %s, idle ones unload after %s",
+            len(specs), specs[0].name, life.preload, "" if life.autoload else " through POST /v1/models only", budget,
+            "never" if life.keep_alive == float("inf") else f"{life.keep_alive:g} s")
     if (warning := exposure_warning(settings)) is not None:
         logging.getLogger("shoal").warning(warning)
     server.run(sockets=[sock])
@@ -612,6 +718,39 @@ def cmd_models(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ps(a: argparse.Namespace) -> int:
+    rows = [("NAME", "STATUS", "MEMORY", "IN FLIGHT", "CONTEXT")]
+    for m in _client(a).models():
+        status = m.get("status", {})
+        word = status.get("value", "loaded") if isinstance(status, dict) else str(status)
+        if isinstance(status, dict) and status.get("reason"):
+            word += f" ({status['reason']})"
+        memory = m.get("memory_bytes")
+        rows.append((m["id"], word, f"{memory / 2**20:.0f} MiB" + ("" if m.get("memory_measured") else " (est.)") if memory else "-",
+                     str(m.get("in_flight", "-")), str(m.get("max_model_len") or "-")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return 0
+
+
+def cmd_load(a: argparse.Namespace) -> int:
+    card = _client(a).load(a.name)
+    print(f"{card['id']} loaded ({card['memory_bytes'] / 2**20:.0f} MiB)")
+    return 0
+
+
+def cmd_unload(a: argparse.Namespace) -> int:
+    if (a.name is None) == (not a.all):
+        raise ValueError("give a model's name or --all")
+    cards = _client(a).unload(None if a.all else a.name)
+    for card in cards:
+        print(f"{card['id']} unloaded")
+    if a.all and not cards:
+        print("no model was loaded")
+    return 0
+
+
 def _print_stream(deltas, out) -> tuple[str, dict | None]:
     text, usage, thinking = "", None, False
     for d in deltas:
@@ -708,9 +847,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--config", default=None, help="YAML file with the same keys as these flags")
     log_level(s)
-    _add_opts(s.add_argument_group("model and engine"), ENGINE_OPTS, suppress=True)
+    _add_opts(s.add_argument_group("model and engine"), SERVE_ENGINE_OPTS, suppress=True)
     _add_opts(s.add_argument_group("scale-out"), PARALLEL_OPTS, suppress=True)
     _add_opts(s.add_argument_group("server"), SERVER_OPTS, suppress=True)
+    _add_opts(s.add_argument_group("several models (docs/guides/several-models.md)"), MODELS_OPTS, suppress=True)
     _add_opts(s.add_argument_group("default sampling (a request's own values win)"), SERVER_SAMPLING_OPTS, suppress=True)
     s.set_defaults(func=cmd_serve)
 
@@ -746,6 +886,19 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the models a running server serves")
     client_args(m)
     m.set_defaults(func=cmd_models)
+
+    ps = sub.add_parser("ps", help="the models a running server offers: status, memory, requests in flight")
+    client_args(ps)
+    ps.set_defaults(func=cmd_ps)
+    ld = sub.add_parser("load", help="load a model on a running server (and wait for it)")
+    ld.add_argument("name", help="the model's name, as `shoal ps` lists it")
+    client_args(ld)
+    ld.set_defaults(func=cmd_load)
+    ul = sub.add_parser("unload", help="unload a model (or every one with --all) on a running server")
+    ul.add_argument("name", nargs="?", help="the model's name, as `shoal ps` lists it")
+    ul.add_argument("--all", action="store_true", help="unload every loaded model")
+    client_args(ul)
+    ul.set_defaults(func=cmd_unload)
 
     b = sub.add_parser(
         "bench",

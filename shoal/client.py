@@ -46,6 +46,15 @@ class ShoalClient:
     def models(self) -> list[dict]:
         return self._request("GET", "/v1/models").json()["data"]
 
+    def load(self, model: str) -> dict:
+        return self._request("POST", "/v1/models", json={"model": model}).json()
+
+    def unload(self, model: str | None) -> list[dict]:
+        """Unload `model`, or every loaded model (None); the cards of those unloaded."""
+        if model is None:
+            return self._request("DELETE", "/v1/models").json()["data"]
+        return [self._request("DELETE", f"/v1/models/{model}").json()]
+
     def default_model(self) -> str:
         models = self.models()
         if not models:

@@ -39,8 +39,9 @@ def tiny_engine(model_path, **kw):
 class LiveServer:
     """`with LiveServer(engine_or_config, settings) as srv:` -> srv.url, srv.engine, srv.openai()."""
 
-    def __init__(self, engine_or_config, settings: ServerSettings | None = None, wait_ready: bool = True) -> None:
-        self.app = create_app(engine_or_config, settings or ServerSettings(log_requests=False))
+    def __init__(self, engine_or_config, settings: ServerSettings | None = None, wait_ready: bool = True, **app_kw) -> None:
+        """`app_kw`: create_app's lifecycle and clock (several models)."""
+        self.app = create_app(engine_or_config, settings or ServerSettings(log_requests=False), **app_kw)
         self.wait_ready = wait_ready
         self._sock = listening_socket("127.0.0.1", 0)
         self.port = self._sock.getsockname()[1]
@@ -64,7 +65,7 @@ class LiveServer:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
         if self.wait_ready:
-            self.wait_until(lambda: self.state.status != "loading", what="the model to load")
+            self.wait_until(lambda: self.state.models.preloaded, what="the models to load")
             assert self.state.status == "ok", self.state.load_error
         return self
 

@@ -112,6 +112,7 @@ def test_kv_warning_phone_width_and_dark_mode(browser, tiny_llama_path, tmp_path
         assert "KV cache 90% full" in page.inner_text("#warning")
         assert page.is_hidden("#tier")  # no second tier configured: no figure for one
         assert page.is_hidden("#spec")  # speculative decoding off (auto, on sdpa attention): none for it
+        assert page.is_hidden("#models") and page.is_hidden("#model-select")  # one model: no list of models
         assert page.evaluate("document.documentElement.scrollWidth") <= 375  # no sideways scrolling on a phone
         background = page.evaluate("getComputedStyle(document.body).backgroundColor")
         assert sum(int(c) for c in background[background.index("(") + 1 : -1].split(",")[:3]) < 150  # dark
@@ -119,4 +120,29 @@ def test_kv_warning_phone_width_and_dark_mode(browser, tiny_llama_path, tmp_path
         gate.open()
         t.join(30)
         page.wait_for_selector("#warning[hidden]", state="attached", timeout=15000)
+        assert errors == []
+
+
+def test_several_models_are_listed_and_the_charts_follow_the_one_picked(browser, tiny_llama_path, tmp_path):
+    from tiny_models import make_tiny_model
+
+    from server_utils import tiny_engine_config
+    from shoal.server.models import Lifecycle, ModelSpec
+
+    coder = make_tiny_model("qwen2", tmp_path / "coder", seed=1)
+    specs = [ModelSpec("chat", tiny_engine_config(tiny_llama_path)), ModelSpec("coder", tiny_engine_config(coder)),
+             ModelSpec("idle", tiny_engine_config(coder))]
+    with LiveServer(specs, lifecycle=Lifecycle(preload="none")) as srv:
+        client = srv.openai()
+        client.completions.create(model="chat", prompt="one", max_tokens=3, extra_body={"ignore_eos": True})
+        client.completions.create(model="coder", prompt="two", max_tokens=7, extra_body={"ignore_eos": True})
+        errors: list[str] = []
+        page = open_page(browser, srv.url, errors)
+        page.wait_for_function("document.querySelectorAll('#models-table tbody tr').length === 3", timeout=15000)
+        rows = page.eval_on_selector_all("#models-table tbody tr", "rs => rs.map(r => [...r.cells].slice(0, 2).map(c => c.innerText))")
+        assert rows == [["chat", "loaded"], ["coder", "loaded"], ["idle", "unloaded"]]
+        assert page.inner_text("#tile-generated") == "3"  # the default model's, at first
+        page.select_option("#model-select", "coder")
+        page.wait_for_function("document.getElementById('tile-generated').innerText === '7'", timeout=15000)
+        assert page.inner_text("#model") == "coder"
         assert errors == []

@@ -74,7 +74,10 @@ def metrics(h, **kw) -> dict:
     out = {}
     for family in text_string_to_metric_families(r.text):
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            if s.name.startswith("shoal:") and not s.name.startswith("shoal:http_requests"):
+                assert labels.pop("model_name") != "", s.name  # every shoal series names its model (vLLM's label)
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 

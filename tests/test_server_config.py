@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from server_utils import LiveServer, tiny_engine
-from shoal.cli import build_parser, engine_config, exposure_warning, serve_values, server_settings
+from shoal.cli import build_parser, exposure_warning, model_specs, serve_values, server_settings
 from shoal.server import ServerSettings
 from shoal.server.chat.params import resolve_params
 from shoal.server.openai.protocol import ChatCompletionRequest
@@ -107,8 +107,9 @@ def test_yaml_config_with_flags_winning(tmp_path, monkeypatch):
     s = server_settings(v)
     assert (s.port, s.temperature, s.max_tokens, s.stop, s.allowed_origins, s.api_key) == (
         9002, 0.3, 7, ("END",), ("http://a.example",), "from-env")
-    e = engine_config(v)
-    assert (e.model, e.max_model_len, e.cache.kv_cache_memory) == ("/models/x", 256, 64 << 20)
+    (spec,) = model_specs(v)
+    e = spec.config
+    assert (spec.name, e.model, e.max_model_len, e.cache.kv_cache_memory) == ("from-flag", "/models/x", 256, 64 << 20)
     cfg.write_text("api-key: from-yaml\n")
     assert serve_values(build_parser().parse_args(["serve", "--config", str(cfg)]))["api_key"] == "from-yaml"
     assert serve_values(build_parser().parse_args(["serve", "--config", str(cfg), "--api-key", "k"]))["api_key"] == "k"

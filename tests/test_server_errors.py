@@ -125,7 +125,7 @@ def test_unknown_model_is_404(h, srv):
 def test_unknown_path_and_wrong_method(h):
     check(h.get("/v1/nothing"), 404, "not_found_error", "/v1/nothing")
     check(h.get("/v1/chat/completions"), 405, "invalid_request_error", "GET", "/v1/chat/completions")
-    check(h.delete("/v1/models"), 405, "invalid_request_error", "DELETE")
+    check(h.put("/v1/models"), 405, "invalid_request_error", "PUT")
 
 
 def test_the_sdk_sees_a_bad_request_error(srv):

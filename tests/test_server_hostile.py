@@ -103,7 +103,7 @@ def test_an_unexpected_exception_is_a_plain_500_and_the_connection_stays_usable(
     def broken(name):
         raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(srv.state, "check_model", broken)
+    monkeypatch.setattr(srv.state.models, "find", broken)
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
     body = json.dumps({"messages": CHAT, "max_tokens": 1})
     with caplog.at_level(logging.ERROR, logger="shoal.server"):

@@ -1,6 +1,8 @@
 """Access and limits: API keys, CORS, body size (413), loading and overload (503 + Retry-After)."""
 
+import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -75,8 +77,9 @@ def test_bodies_over_the_limit_are_413(engine):
         assert ok.status_code == 200
 
 
-def test_503_with_retry_after_while_loading_then_ok(tiny_llama_path, monkeypatch):
+def test_requests_wait_while_the_model_loads_then_succeed(tiny_llama_path, monkeypatch):
     from shoal.engine import builder
+    from shoal.server.models import Lifecycle
 
     release = threading.Event()
     real = builder.build_engine
@@ -86,16 +89,28 @@ def test_503_with_retry_after_while_loading_then_ok(tiny_llama_path, monkeypatch
         return real(config)
 
     monkeypatch.setattr(builder, "build_engine", slow)
-    with LiveServer(tiny_engine_config(tiny_llama_path), wait_ready=False) as srv, srv.http() as h:
+    with LiveServer(tiny_engine_config(tiny_llama_path), wait_ready=False, lifecycle=Lifecycle(load_timeout=0.3)) as srv, \
+            srv.http() as h:
         r = h.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "loading", "model_loaded": False}
         assert int(r.headers["retry-after"]) > 0
-        r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        # A wait longer than --model-load-timeout is a 503 with Retry-After.
+        r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         err = _error(r, 503, "service_unavailable_error", "loading")
         assert err["code"] == "model_loading" and int(r.headers["retry-after"]) > 0
-        _error(h.get("/v1/models"), 503, "service_unavailable_error")
+        assert h.get("/v1/models").json()["data"][0]["status"] == {"value": "loading"}
+    release.clear()
+    with LiveServer(tiny_engine_config(tiny_llama_path), wait_ready=False) as srv, srv.http() as h:
+        got = {}
+        waiter = threading.Thread(target=lambda: got.update(r=srv.http().post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 2})))
+        waiter.start()
+        srv.wait_until(lambda: srv.state.default._loading is not None, what="the load to start")
+        time.sleep(0.3)
+        assert waiter.is_alive()  # it waits for the model (up to --model-load-timeout)
         release.set()
-        srv.wait_until(lambda: h.get("/health").status_code == 200, what="the model to load")
+        waiter.join(30)
+        assert got["r"].status_code == 200 and got["r"].json()["usage"]["completion_tokens"] == 2
         assert h.get("/health").json() == {"status": "ok", "model_loaded": True}
 
 
@@ -175,29 +190,35 @@ def test_max_waiting_holds_when_requests_arrive_together(engine):
         assert h.get("/stats").json()["rejected_overloaded"] == burst - limit
 
 
-def test_an_admission_is_released_once_whichever_way_the_request_ends():
+def test_an_admission_is_released_once_whichever_way_the_request_ends(engine):
     from shoal.server.state import ServerState, release_admission
 
-    state = ServerState(ServerSettings(max_waiting=2))
-    state.status = "ok"
-    with state.serving():
-        state.admit(None)
-        assert state.admitted == 1
-        release_admission()  # handed to the engine
-        release_admission()
-        assert state.admitted == 0
-    with pytest.raises(RuntimeError), state.serving():  # fails before the engine sees it
-        state.admit(None)
-        raise RuntimeError
-    assert state.admitted == 0
-    with state.serving():
-        state.admit(None)
-        with state.serving():  # another request, served meanwhile
-            state.admit(None)
-            with pytest.raises(Exception, match="--max-waiting 2"):
-                state.admit(None)
-        assert state.admitted == 1
-    assert state.admitted == 0
+    async def run():
+        state = ServerState(ServerSettings(max_waiting=2), engine)
+        await state.start()
+        m = state.default
+        with state.serving():
+            await state.admit(None)
+            assert state.admitted == 1 and m.in_use == 1
+            release_admission()  # handed to the engine
+            release_admission()
+            assert state.admitted == 0 and m.in_use == 1  # the lease lasts as long as the HTTP request
+        assert m.in_use == 0
+        with pytest.raises(RuntimeError), state.serving():  # fails before the engine sees it
+            await state.admit(None)
+            raise RuntimeError
+        assert state.admitted == 0 and m.in_use == 0
+        with state.serving():
+            await state.admit(None)
+            with state.serving():  # another request, served meanwhile
+                await state.admit(None)
+                with pytest.raises(Exception, match="--max-waiting 2"):
+                    await state.admit(None)
+            assert state.admitted == 1
+        assert state.admitted == 0 and m.in_use == 0
+        state.shutdown()
+
+    asyncio.run(run())
 
 
 def test_the_default_body_limit_fits_the_context(engine):

@@ -134,7 +134,8 @@ def app_routes(application=None) -> dict[tuple[str, str], str]:
     for r in walk((application or app()).routes):
         for m in getattr(r, "methods", None) or ():
             if m != "HEAD":
-                found[(m, r.path)] = (getattr(r, "description", "") or getattr(r, "summary", "") or FASTAPI_ROUTES.get(r.path, "")).strip()
+                path = re.sub(r"\{(\w+):\w+\}", r"{\1}", r.path)  # {name:path} reads as OpenAPI writes it: {name}
+                found[(m, path)] = (getattr(r, "description", "") or getattr(r, "summary", "") or FASTAPI_ROUTES.get(r.path, "")).strip()
     return found
 
 

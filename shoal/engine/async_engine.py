@@ -21,7 +21,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from shoal.engine.engine import Engine
@@ -45,6 +46,40 @@ class RequestFailed(RuntimeError):
     """This request alone failed; the message is safe to show the client."""
 
 
+class EngineStopped(EngineDeadError):
+    """The engine was shut down (its model unloaded, or the server stopping) with this request still in it; the
+    message is safe to show the client."""
+
+
+class StepTurns:
+    """Engines that share one take turns at stepping, first come first served (a ticket lock).
+
+    Several models in one server each have an engine and a thread; on a CPU two steps at once fight for the same
+    cores, and two OpenMP pools outnumbering the cores make every parallel region sleep and wake (module
+    docstring). With turns each step has the cores to itself, and a model waits at most one step of each other
+    model. A lone engine takes its turn uncontended (a lock and a counter, microseconds per step).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0  # the next ticket handed out
+        self._serving = 0  # the ticket whose step runs now
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._serving += 1
+                self._cond.notify_all()
+
+
 @dataclass
 class _Sink:
     loop: asyncio.AbstractEventLoop
@@ -55,9 +90,13 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
+    def __init__(self, engine: Engine | Callable[[], Engine], turns: StepTurns | None = None, name: str = "shoal-engine") -> None:
         """`engine`: an Engine, or a function that builds one on the loop's thread (see the module docstring).
-        `ready` resolves to the engine once it is there, or to the build's exception."""
+        `ready` resolves to the engine once it is there, or to the build's exception. `turns`: shared with the
+        other engines of the process, so that their steps take turns (StepTurns)."""
+        self._turns = turns
+        self._stop_reason = "the server is shutting down"
+        self._drained = False  # set once the loop is over and the inbox emptied (_end_remaining)
         self._build = None if isinstance(engine, Engine) else engine
         self.engine: Engine | None = engine if self._build is None else None
         self.ready: concurrent.futures.Future = concurrent.futures.Future()
@@ -69,7 +108,7 @@ class AsyncEngine:
         self._expected = 0  # requests that finished together in the step that left the engine idle
         self._last_summary = time.monotonic()
         self._next_restart = 0.0
-        self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ async side
@@ -83,8 +122,10 @@ class AsyncEngine:
         self.engine.validate(request)  # read-only: safe from this thread
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if self._drained:  # the loop is over: nothing would ever take this in
+                raise EngineStopped(self._stop_reason)
             self._queued_adds += 1
-        self._inbox.put(("add", request, sink))
+            self._inbox.put(("add", request, sink))
         finished = False
         try:
             while True:
@@ -110,10 +151,20 @@ class AsyncEngine:
         """Requests waiting to run: in the engine's queue, or submitted and not yet taken in."""
         return self.engine.num_waiting + self._queued_adds
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str | None = None, wait: bool = True) -> None:
+        """Stop the loop and release the engine; requests still in it end with EngineStopped(`reason`). `wait`:
+        until the loop's thread is gone (up to 10 s)."""
+        if reason is not None:
+            self._stop_reason = reason
         self._stopped.set()
         self._inbox.put(("stop", None, None))
-        self._thread.join(timeout=10)
+        if wait:
+            self._thread.join(timeout=10)
+
+    @property
+    def stopped(self) -> bool:
+        """The loop has ended (its thread is gone): nothing of the engine is in use any more."""
+        return not self._thread.is_alive()
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -123,11 +174,35 @@ class AsyncEngine:
             except BaseException as exc:  # the server reports it; nothing to loop over
                 self.ready.set_exception(exc)
                 return
-        self.ready.set_result(self.engine)
+        try:
+            self.ready.set_result(self.engine)
+        except concurrent.futures.InvalidStateError:  # the load was cancelled (the server stopped): nobody steps it
+            self._stopped.set()
         try:
             self._loop()
         finally:
+            self._end_remaining()
             self.engine.close()  # stop the other ranks, if any (this thread ran their collectives)
+
+    def _end_remaining(self) -> None:
+        """The loop is over: whoever still waits on a request (in the engine, or still in the inbox) hears why."""
+        err = EngineStopped(self._stop_reason)
+        with self._lock:
+            self._drained = True
+        sinks = list(self._sinks.values())
+        self._sinks.clear()
+        while True:
+            try:
+                kind, _, sink = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                sinks.append(sink)
+        for sink in sinks:
+            try:
+                sink.put(err)
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                pass
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
@@ -139,7 +214,8 @@ class AsyncEngine:
                 self._tend_lost_rank()
                 continue
             try:
-                outputs = self.engine.step()
+                with self._turns.turn() if self._turns is not None else nullcontext():
+                    outputs = self.engine.step()
             except Exception:  # a model failure must not take the server down
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all()

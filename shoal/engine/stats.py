@@ -46,6 +46,7 @@ class EngineFacts:
     device: str = ""
     weight_format: str = "none"  # the projections' format as built (quant.WeightFormat)
     kv_cache_dtype: str = ""  # what the KV cache holds (--kv-cache-dtype as resolved)
+    weight_bytes: int = 0  # the model's tensors in this process (a rank's shard under tensor or pipeline parallelism)
     # the checkpoint's own sampling defaults (generation_config.json, GGUF metadata), for the layers above
     generation_defaults: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
 
@@ -54,7 +55,8 @@ class EngineFacts:
         """The facts of `runner` (this process's ModelRunner) serving `model`; `checkpoint`: what only the loaded
         checkpoint tells (path, weight_format, generation_defaults)."""
         return cls(model=str(model), architecture=runner.config.architecture, dtype=str(runner.dtype).removeprefix("torch."),
-                   device=str(runner.device), kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."), **checkpoint)
+                   device=str(runner.device), kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
+                   weight_bytes=runner.weight_bytes, **checkpoint)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """The FastAPI app: `create_app(engine_or_config, settings)`.
 
-Given an `EngineConfig`, the app loads the model in a worker thread when it
+Given an `EngineConfig` (or several models' specs), the app loads the default model in a worker thread when it
 starts, so `/health` answers (503, "loading") while the weights load; given a
-ready `Engine` it serves at once. Routes:
+ready `Engine` it serves at once. Other models load on demand (server/models.py). Routes:
 
-    POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+    POST /v1/chat/completions, POST /v1/completions,
     POST /tokenize, POST /detokenize                                     (openai/)
     POST /v1/messages, POST /v1/messages/count_tokens                    (anthropic/)
+    /v1/models and its loading, unloading and events; llama.cpp's and Ollama's (lifecycle.py)
     GET /health, GET /stats, GET /v1/cluster, GET /metrics, the dashboard (here)
 
 The docs' HTTP reference is generated from this app's route table and OpenAPI document.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import logging
+import time
 from functools import lru_cache
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -34,34 +36,36 @@ from shoal.server.anthropic import router as anthropic_router
 from shoal.server.chat.params import CLIPPED_HEADER
 from shoal.server.openai import router as openai_router
 from shoal.server.openai.protocol import HealthResponse, StatsResponse, error_responses
+from shoal.server.lifecycle import router as lifecycle_router
+from shoal.server.models import RETRY_LOADING_S, Lifecycle
 from shoal.server.settings import ServerSettings
-from shoal.server.state import RETRY_LOADING_S, ServerState
+from shoal.server.state import ServerState, cluster_down_message
 
 log = logging.getLogger("shoal.server")
 
 
 def create_app(
-    engine_or_config,
+    source,
     settings: ServerSettings | None = None,
     *,
+    lifecycle: Lifecycle | None = None,
+    clock: Callable[[], float] = time.monotonic,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """An app serving `engine_or_config`: a loaded `Engine`, or an `EngineConfig` to load at start-up.
+    """An app serving `source`: a loaded `Engine`, an `EngineConfig`, or the `ModelSpec`s of several models (the
+    first is the default); `lifecycle`: when they load and unload (server/models.py); `clock`: the keep-alive's.
 
-    `on_load_error` is called (from the event loop) if loading fails; the
+    `on_load_error` is called (from the event loop) if the default model fails to load at start; the
     command line uses it to stop the server. Without it the server stays up and
     says why on /health.
     """
     settings = settings or ServerSettings()
-    state = ServerState(settings)
+    # None: the default model's config, never loaded unless started (the route table and OpenAPI document: docs, fuzzing)
+    state = ServerState(settings, source if source is not None else EngineConfig(), lifecycle, clock)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loading = None
-        if isinstance(engine_or_config, EngineConfig):
-            loading = asyncio.create_task(state.load(engine_or_config, on_load_error))
-        else:
-            state.attach(engine_or_config)
+        loading = asyncio.create_task(state.start(on_load_error))
         try:
             yield
         finally:
@@ -74,10 +78,11 @@ def create_app(
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(anthropic_router)
+    app.include_router(lifecycle_router)
     _add_service_routes(app)
     _drop_default_422(app)
     # The routes' paths label /metrics' HTTP counter; anything else is "other" (bounded cardinality).
-    routes = [*app.routes, *openai_router.routes, *anthropic_router.routes]
+    routes = [*app.routes, *openai_router.routes, *anthropic_router.routes, *lifecycle_router.routes]
     state.routes = frozenset(r.path for r in routes if isinstance(getattr(r, "path", None), str))
     # Added first = innermost: CORS sits outside the key check, so preflights
     # pass and refusals still carry CORS headers.
@@ -126,13 +131,15 @@ def _drop_default_422(app: FastAPI) -> None:
 def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse, "description": "Loading, or the model failed to load"}})
     async def health(request: Request) -> JSONResponse:
-        """200 once the model is loaded and every rank holding part of it answers; 503 while loading, after a failed load, or while a rank is lost."""
+        """200 once the default model is loaded (or may load on demand) and every rank holding part of it answers;
+        503 while it loads at start, after a failed load, or while a rank is lost."""
         state: ServerState = request.app.state.shoal
-        if state.status == "ok" and state.engine.executor.failure is not None:  # a rank is gone: no step can run until it is back
-            return JSONResponse({"status": "failed", "model_loaded": True, "error": state.cluster_down_message}, status_code=503,
+        m = state.default
+        if m.engine is not None and m.engine.executor.failure is not None:  # a rank is gone: no step can run until it is back
+            return JSONResponse({"status": "failed", "model_loaded": True, "error": cluster_down_message(m)}, status_code=503,
                                 headers={"Retry-After": str(RETRY_LOADING_S)})
         if state.status == "ok":
-            return JSONResponse({"status": "ok", "model_loaded": True})
+            return JSONResponse({"status": "ok", "model_loaded": m.loaded})
         body = {"status": state.status, "model_loaded": False}
         if state.load_error:
             body["error"] = state.load_error
@@ -145,12 +152,17 @@ def _add_service_routes(app: FastAPI) -> None:
 
     @app.get("/v1/cluster", responses={200: {"description": "The ranks that hold the model: each with its rank, host, pid, "
                                              "layer range, heads, memory and state"},
-                                       **error_responses(401, 403, 503)})
-    async def cluster(request: Request) -> JSONResponse:
-        """The processes that hold the model (one without tensor or pipeline parallelism), with their state."""
+                                       **error_responses(400, 401, 403, 404)})
+    async def cluster(request: Request, model: str | None = None) -> JSONResponse:
+        """The processes that hold a model (`?model=`, default: the default model; one process without tensor or
+        pipeline parallelism; none while it is not loaded), with their state."""
         state: ServerState = request.app.state.shoal
-        state.require_engine()
-        return JSONResponse(state.engine.executor.cluster())
+        m = state.models.find(model)
+        if not m.loaded:  # no process holds it
+            p = m.config.parallel
+            return JSONResponse({"model": m.name, "status": m.status, "tensor_parallel_size": p.tensor_parallel_size,
+                                 "pipeline_parallel_size": p.pipeline_parallel_size, "backend": None, "wire_dtype": None, "ranks": []})
+        return JSONResponse({"model": m.name, "status": m.status, **m.engine.executor.cluster()})
 
     @app.get("/", include_in_schema=False, description="Redirects to the dashboard.")
     async def root() -> RedirectResponse:

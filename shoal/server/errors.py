@@ -37,6 +37,7 @@ _KINDS = {
     413: ("invalid_request_error", "request_too_large"),
     500: ("server_error", "internal_error"),
     503: ("service_unavailable_error", "unavailable"),
+    507: ("insufficient_storage_error", "insufficient_storage"),  # a model that cannot fit the memory budget
 }
 
 

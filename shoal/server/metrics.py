@@ -1,7 +1,9 @@
 """Prometheus metrics for `GET /metrics`, through prometheus_client.
 
 Names start with `shoal:` and follow vLLM's (`vllm:time_to_first_token_seconds` is
-`shoal:time_to_first_token_seconds` here), so existing dashboards port with a rename.
+`shoal:time_to_first_token_seconds` here), so existing dashboards port with a rename. Every series of shoal's
+own families carries `model_name`, as vLLM's do (one server may offer several models: server/models.py);
+the HTTP counter and the process collectors' are the server's, without it.
 Two sources, so nothing is counted twice and a scrape costs the engine thread nothing:
 
 - per-request histograms, observed once when a request ends, from the `RequestMetrics`
@@ -15,7 +17,7 @@ registry, so several servers in one process (the tests) do not share numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, generate_latest
@@ -47,7 +49,7 @@ class Family:
 
 
 def _hist(name: str, help: str, buckets: tuple) -> tuple[Family, tuple]:
-    return Family(f"shoal:{name}", "histogram", help), buckets
+    return Family(f"shoal:{name}", "histogram", help, ("model_name",)), buckets
 
 
 # Observed once per finished request, from its RequestMetrics record (ServerMetrics.observe).
@@ -64,11 +66,15 @@ HISTOGRAMS = {
 }
 HTTP_REQUESTS = Family("shoal:http_requests", "counter", "HTTP requests answered, by route and status (unknown paths count as `other`).", ("route", "status"))
 
-# Read at scrape time from the engine's snapshot and the server's counters (_SnapshotCollector).
-SNAPSHOT = {f.name.removeprefix("shoal:"): f for f in (
+# Read at scrape time from each model's engine snapshot and counters (_SnapshotCollector); each gets model_name first.
+SNAPSHOT = {f.name.removeprefix("shoal:"): replace(f, labels=("model_name", *f.labels)) for f in (
     Family("shoal:client_disconnects", "counter", "Requests aborted because their client went away."),
     Family("shoal:requests_rejected_overloaded", "counter", "Requests refused with 503 for --max-waiting."),
-    Family("shoal:model_loaded", "gauge", "1 while the model is loaded and serving: 0 while it loads, and while a rank holding part of it is lost."),
+    Family("shoal:model_loaded", "gauge", "1 while the model is loaded and serving: 0 while it is not (unloaded, loading, failed), "
+           "and while a rank holding part of it is lost."),
+    Family("shoal:model_memory_bytes", "gauge", "Memory the model takes when loaded (weights, KV pool and workspace): "
+           "measured once loaded, estimated before (the --models-memory budget counts it)."),
+    Family("shoal:model_loads", "counter", "Times the model was loaded."),
     Family("shoal:build_info", "gauge", "Version, model and how it runs (always 1).", ("version", "model", "dtype", "quantization", "device")),
     Family("shoal:prompt_tokens", "counter", "Prompt tokens of requests admitted."),
     Family("shoal:prompt_tokens_cached", "counter", "Prompt tokens served from the prefix cache (or a fork's shared prompt)."),
@@ -139,20 +145,21 @@ class ServerMetrics:
         for make in DEFAULT_COLLECTORS:
             make(registry=r)
         for attr, (family, buckets) in HISTOGRAMS.items():
-            setattr(self, attr, Histogram(family.name, family.help, buckets=buckets, registry=r))
+            setattr(self, attr, Histogram(family.name, family.help, list(family.labels), buckets=buckets, registry=r))
         self.http = Counter(HTTP_REQUESTS.name, HTTP_REQUESTS.help, list(HTTP_REQUESTS.labels), registry=r)
         r.register(_SnapshotCollector(state))
 
-    def observe(self, m: RequestMetrics) -> None:
+    def observe(self, m: RequestMetrics, model_name: str) -> None:
         """A finished request's record into the histograms."""
         for hist, value in ((self.ttft, m.time_to_first_token), (self.tpot, m.time_per_output_token), (self.e2e, m.e2e_latency),
                             (self.queue, m.queue_time), (self.prefill, m.prefill_time), (self.decode, m.decode_time)):
             if value is not None:
-                hist.observe(value)
+                hist.labels(model_name).observe(value)
+        itl = self.itl.labels(model_name)
         for gap in m.inter_token_latencies:
-            self.itl.observe(gap)
-        self.prompt_len.observe(m.prompt_tokens)
-        self.gen_len.observe(m.generated_tokens)
+            itl.observe(gap)
+        self.prompt_len.labels(model_name).observe(m.prompt_tokens)
+        self.gen_len.labels(model_name).observe(m.generated_tokens)
 
     def count_http(self, route: str, status: int) -> None:
         self.http.labels(route, str(status)).inc()
@@ -162,7 +169,7 @@ class ServerMetrics:
 
 
 class _SnapshotCollector:
-    """Counters and gauges read at scrape time from the engine's snapshot and the server's counters."""
+    """Counters and gauges read at scrape time from every model's engine snapshot and counters."""
 
     def __init__(self, state) -> None:
         self.state = state
@@ -171,68 +178,74 @@ class _SnapshotCollector:
         return []  # collected fresh at each scrape; nothing to check at registration
 
     def collect(self):
-        state = self.state
-        c = state.counters
-        yield _family("client_disconnects", c.client_disconnects)
-        yield _family("requests_rejected_overloaded", c.rejected_overloaded)
-        serving = state.status == "ok" and state.engine.executor.failure is None  # a lost rank: /health says 503 too
-        yield _family("model_loaded", 1 if serving else 0)
-        yield _family("build_info", {tuple(state.build_info()): 1})
-        engine = state.engine
-        if engine is None:
-            return
-        s = engine.snapshot
-        n = s.counters
-        yield _family("prompt_tokens", n.prompt_tokens)
-        yield _family("prompt_tokens_cached", n.cached_prompt_tokens)
-        yield _family("prompt_tokens_computed", s.computed_prompt_tokens)
-        yield _family("generation_tokens", n.generated_tokens)
-        yield _family("request_success", {(r,): s.finished_by_reason.get(r, 0) for r in ("stop", "length", "abort", "error")})
-        yield _family("request_aborts", n.requests_aborted)
-        yield _family("num_preemptions", n.preemptions)
-        yield _family("engine_steps", n.steps)
-        yield _family("num_requests_running", s.running)
-        yield _family("num_requests_waiting", s.waiting)
-        yield _family("kv_cache_usage_perc", s.kv_usage)
-        yield _family("kv_cache_used_bytes", s.kv_used_bytes)
-        yield _family("kv_cache_total_bytes", s.kv_total_bytes)
-        yield _family("kv_cache_bytes_per_token", s.kv_bytes_per_token)
-        yield _family("kv_cache_capacity_tokens", s.kv_capacity_tokens)
-        if s.last_step is not None:
-            yield _family("step_batch_size", s.last_step.batch_size)
-            yield _family("step_tokens", s.last_step.num_tokens)
-            yield _family("step_duration_seconds", s.last_step.duration)
-        pc = s.prefix_cache
-        if pc is not None:
-            yield _family("prefix_cache_queries", pc["lookups"])
-            yield _family("prefix_cache_hits", {(k,): pc[f"hits_{k}"] for k in ("extension", "supersequence", "divergence")})
-            yield _family("prefix_cache_hit_tokens", pc["hit_tokens"])
-            yield _family("prefix_cache_evictions", pc["evictions"])
-            yield _family("prefix_cache_cached_blocks", pc["cached_blocks"])
-            yield _family("prefix_cache_cached_bytes", pc["cached_bytes"])
-        tier = s.kv_tier
-        if tier is not None:
-            yield _family("prefix_cache_tier_enabled", int(tier["enabled"]))
-            for key in ("bytes", "capacity_bytes", "spilled_blocks", "hits", "restored_blocks", "restored_bytes",
-                        "recomputed_blocks", "evictions", "rejected_entries"):
-                yield _family(f"prefix_cache_tier_{key}", tier[key])
-        spec = s.speculative
-        if spec is not None:
-            label = (spec["proposer"],)
-            yield _family("spec_decode_num_drafts", {label: spec["drafts"]})
-            yield _family("spec_decode_num_draft_tokens", {label: spec["drafted_tokens"]})
-            yield _family("spec_decode_num_accepted_tokens", {label: spec["accepted_tokens"]})
-            yield _family("spec_decode_acceptance_rate", {label: spec["acceptance_rate"]})
-            yield _family("spec_decode_steps_off", spec["steps_off"])
+        samples: dict[str, dict[tuple, float]] = {}
+        for m in self.state.models.models.values():
+            for key, value in _model_samples(self.state, m):
+                labels = value if isinstance(value, dict) else {(): value}
+                into = samples.setdefault(key, {})
+                for k, v in labels.items():
+                    into[(m.name, *k)] = v
+        for key, values in samples.items():  # one family per name, every model's series in it
+            f = SNAPSHOT[key]
+            family = (CounterMetricFamily if f.type == "counter" else GaugeMetricFamily)(f.name, f.help, labels=list(f.labels))
+            for labels, v in values.items():
+                family.add_metric(list(labels), v)
+            yield family
 
 
-def _family(key: str, value):
-    """The catalog's family `key` with a value, or with {label values: value} where it has labels."""
-    f = SNAPSHOT[key]
-    cls = CounterMetricFamily if f.type == "counter" else GaugeMetricFamily
-    if not f.labels:
-        return cls(f.name, f.help, value=value)
-    family = cls(f.name, f.help, labels=list(f.labels))
-    for labels, v in value.items():
-        family.add_metric(list(labels), v)
-    return family
+def _model_samples(state, m):
+    """(family key, value or {label values: value}) of one model."""
+    c = m.counters
+    yield "client_disconnects", c.client_disconnects
+    yield "requests_rejected_overloaded", c.rejected_overloaded
+    engine = m.engine
+    serving = m.loaded and engine is not None and engine.executor.failure is None  # a lost rank: /health says 503 too
+    yield "model_loaded", 1 if serving else 0
+    yield "model_memory_bytes", m.memory
+    yield "model_loads", m.loads
+    yield "build_info", {tuple(state.build_info(m)): 1}
+    if engine is None:
+        return
+    s = engine.snapshot
+    n = s.counters
+    yield "prompt_tokens", n.prompt_tokens
+    yield "prompt_tokens_cached", n.cached_prompt_tokens
+    yield "prompt_tokens_computed", s.computed_prompt_tokens
+    yield "generation_tokens", n.generated_tokens
+    yield "request_success", {(r,): s.finished_by_reason.get(r, 0) for r in ("stop", "length", "abort", "error")}
+    yield "request_aborts", n.requests_aborted
+    yield "num_preemptions", n.preemptions
+    yield "engine_steps", n.steps
+    yield "num_requests_running", s.running
+    yield "num_requests_waiting", s.waiting
+    yield "kv_cache_usage_perc", s.kv_usage
+    yield "kv_cache_used_bytes", s.kv_used_bytes
+    yield "kv_cache_total_bytes", s.kv_total_bytes
+    yield "kv_cache_bytes_per_token", s.kv_bytes_per_token
+    yield "kv_cache_capacity_tokens", s.kv_capacity_tokens
+    if s.last_step is not None:
+        yield "step_batch_size", s.last_step.batch_size
+        yield "step_tokens", s.last_step.num_tokens
+        yield "step_duration_seconds", s.last_step.duration
+    pc = s.prefix_cache
+    if pc is not None:
+        yield "prefix_cache_queries", pc["lookups"]
+        yield "prefix_cache_hits", {(k,): pc[f"hits_{k}"] for k in ("extension", "supersequence", "divergence")}
+        yield "prefix_cache_hit_tokens", pc["hit_tokens"]
+        yield "prefix_cache_evictions", pc["evictions"]
+        yield "prefix_cache_cached_blocks", pc["cached_blocks"]
+        yield "prefix_cache_cached_bytes", pc["cached_bytes"]
+    tier = s.kv_tier
+    if tier is not None:
+        yield "prefix_cache_tier_enabled", int(tier["enabled"])
+        for key in ("bytes", "capacity_bytes", "spilled_blocks", "hits", "restored_blocks", "restored_bytes",
+                    "recomputed_blocks", "evictions", "rejected_entries"):
+            yield f"prefix_cache_tier_{key}", tier[key]
+    spec = s.speculative
+    if spec is not None:
+        label = (spec["proposer"],)
+        yield "spec_decode_num_drafts", {label: spec["drafts"]}
+        yield "spec_decode_num_draft_tokens", {label: spec["drafted_tokens"]}
+        yield "spec_decode_num_accepted_tokens", {label: spec["accepted_tokens"]}
+        yield "spec_decode_acceptance_rate", {label: spec["acceptance_rate"]}
+        yield "spec_decode_steps_off", spec["steps_off"]

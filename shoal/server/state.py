@@ -1,64 +1,56 @@
-"""What the HTTP side holds: the engine (once loaded), its names, the chat renderer, counters.
+"""What the HTTP side holds: the settings, the offered models (server/models.py), the metrics.
 
-Handlers read the engine only through its public surface: `validate`,
-`num_running`/`num_waiting`, `stats`, `pool`, `tokenizer`, `max_model_len`,
-`facts` (what is served); requests go through the `AsyncEngine`.
+A handler asks for its model once (`admit` for generation, `model` for the rest) and reads everything else from
+the `ServedModel` it gets: the engine through its public surface (`validate`, `num_waiting`, `tokenizer`,
+`max_model_len`, `facts`, `snapshot`), requests through the `AsyncEngine`, the model's own settings and counters.
 
---max-waiting counts a request from the moment it is admitted: `admit` counts
-it in `admitted` until `release_admission` (streams.merged, as it hands the
+--max-waiting counts a request (per model) from the moment it is admitted: `admit` counts
+it in its model's `admitted` until `release_admission` (streams.merged, as it hands the
 request to the engine, which counts it from then) or the end of the HTTP
 request (`serving`), whichever comes first.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
-from pathlib import Path
 
 from shoal import __version__
 from shoal.config import EngineConfig
-from shoal.server.chat.render import TokenStrings
-from shoal.server.chat.template import ChatRenderer
-from shoal.server.errors import APIError, unavailable
+from shoal.server.errors import unavailable
 from shoal.server.metrics import ServerMetrics
+from shoal.server.models import RETRY_LOADING_S, Lifecycle, ModelManager, ServedModel, ServerCounters, spec_for
 from shoal.server.settings import ServerSettings
 
 log = logging.getLogger("shoal.server")
 
-# Seconds a client is told to wait (Retry-After) while the model loads / the queue is full.
-RETRY_LOADING_S = 5
+# Seconds a client is told to wait (Retry-After) while the queue is full (a model loading: models.RETRY_LOADING_S).
 RETRY_OVERLOADED_S = 1
 
 
-@dataclass
-class ServerCounters:
-    """Plain counters of the HTTP side; /stats reads them."""
-
-    total_requests: int = 0  # generation requests accepted (chat + completions)
-    in_flight: int = 0
-    finished_requests: int = 0
-    client_disconnects: int = 0  # requests aborted because their client went away
-    failed_requests: int = 0  # engine failures (500)
-    rejected_overloaded: int = 0  # 503s for --max-waiting
-
-
 class _Admission:
-    """What one HTTP request holds of `ServerState.admitted`."""
+    """What one HTTP request holds: its models' leases (ModelManager.acquire) until it ends, and of each model's
+    `admitted` count until it hands its requests to the engine."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.held = 0
+        self.held: list[ServedModel] = []  # counted in their `admitted`
+        self.leases: list[ServedModel] = []
 
     def release(self) -> None:
-        self.state.admitted -= self.held
-        self.held = 0
+        for m in self.held:
+            m.admitted -= 1
+        self.held.clear()
+
+    def end(self) -> None:
+        self.release()
+        for m in self.leases:
+            self.state.models.release(m)
+        self.leases.clear()
 
 
 # The admission of the HTTP request being served: set by `ServerState.serving`
@@ -78,205 +70,235 @@ def release_admission() -> None:
         admission.release()
 
 
+_HEALTH = {"loaded": "ok", "unloaded": "ok", "unloading": "ok", "loading": "loading", "failed": "failed"}
+
+
 class ServerState:
-    def __init__(self, settings: ServerSettings) -> None:
+    """`source`: an Engine to serve as it is, an EngineConfig, or the ModelSpecs of every offered model (the first
+    is the default)."""
+
+    def __init__(self, settings: ServerSettings, source=(), lifecycle: Lifecycle | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from shoal.engine.engine import Engine
+
         self.settings = settings
-        self.status = "loading"  # loading | ok | failed
-        self.load_error: str | None = None
-        self.engine = None
-        self.aengine = None
-        self.renderer: ChatRenderer | None = None
-        self.token_strings: TokenStrings | None = None  # token id -> text, for logprobs
-        self.model_name = settings.served_model_name or "shoal"
-        self.model_aliases: frozenset[str] = frozenset()
-        self.generation_defaults: dict = {}
         self.created = int(time.time())
-        self.counters = ServerCounters()
         self.metrics = ServerMetrics(self)  # Prometheus: /metrics (server/metrics.py)
         self.routes: frozenset[str] = frozenset()  # set by create_app
-        # Requests admitted (passed --max-waiting) and not yet handed to the
-        # engine: between the two a handler awaits (rendering in a thread), and
-        # requests arriving together would all see the same engine queue.
-        self.admitted = 0
+        self._engine = source if isinstance(source, Engine) else None
+        if self._engine is not None:
+            source = self._engine.config
+        if isinstance(source, EngineConfig):
+            source = [spec_for(source, settings.served_model_name)]
+        self.models = ModelManager(self, list(source), lifecycle or Lifecycle(), clock)
 
     # ------------------------------------------------------------ life cycle
-    async def load(self, config: EngineConfig, on_error: Callable[[BaseException], None] | None = None) -> None:
-        """Build the engine on the thread that will step it (see AsyncEngine), so /health answers meanwhile."""
-        from shoal.engine import builder
-        from shoal.engine.async_engine import AsyncEngine
-
-        if self.settings.served_model_name is None:
-            self.model_name = config.model
-        t0 = time.perf_counter()
-        try:
-            aengine = AsyncEngine(lambda: builder.build_engine(config))
-            self.attach(await asyncio.wrap_future(aengine.ready), aengine)
-        except Exception as e:  # anything: the server must say so, not die silently
-            self.status = "failed"
-            self.load_error = f"{type(e).__name__}: {e}" if not isinstance(e, (ValueError, FileNotFoundError)) else str(e)
-            log.error("the model failed to load: %s", self.load_error)
-            if on_error is not None:
-                on_error(e)
-            return
-        log.info("model %s ready in %.1f s; serving as %r", config.model, time.perf_counter() - t0, self.model_name)
-
-    def attach(self, engine, aengine=None) -> None:
-        """Serve `engine`, through `aengine` when it already runs one (else a new AsyncEngine)."""
-        from shoal.engine.async_engine import AsyncEngine
-
-        self.engine = engine
-        facts = engine.facts
-        model_arg = engine.config.model
-        if self.settings.served_model_name is None:
-            self.model_name = model_arg
-        names = {self.model_name, model_arg}
-        path = facts.path
-        if path is not None:
-            path = Path(path)
-            names |= {str(path), path.name, path.stem}
-            if path.is_file():  # a .gguf: its folder names it too
-                names.add(str(path.parent))
-        self.model_aliases = frozenset(names)
-        self.generation_defaults = dict(facts.generation_defaults)
-        self.renderer = ChatRenderer(engine.tokenizer, self.settings.chat_template)
-        self.token_strings = TokenStrings(engine.tokenizer)
-        self.aengine = aengine if aengine is not None else AsyncEngine(engine)
-        self.status = "ok"
-        log.info("chat template: %s", self.renderer.source)
+    async def start(self, on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Serve the engine handed in, or preload what --preload says (AsyncEngine builds each on the thread that
+        will step it, so /health answers meanwhile)."""
+        if self._engine is not None:
+            self.models.attach(self._engine)
+            self._engine = None
+        await self.models.start(on_error)
 
     def shutdown(self) -> None:
-        if self.aengine is not None:
-            self.aengine.shutdown()
+        self.models.shutdown()
 
-    def build_info(self) -> tuple[str, str, str, str, str]:
-        """(version, model, dtype, quantization, device) of what is served."""
-        e = self.engine
-        if e is None:
-            return (__version__, self.model_name, "", "", "")
-        f = e.facts
-        return (__version__, self.model_name, f.dtype, f.weight_format, f.device)
-
-    # ------------------------------------------------------------ checks for handlers
-    def require_engine(self) -> None:
-        if self.status == "loading":
-            raise unavailable("the model is still loading; try again shortly", RETRY_LOADING_S, "model_loading")
-        if self.status == "failed":
-            raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
-
-    def require_ranks(self) -> None:
-        """Generation needs every rank that holds part of the model."""
-        if self.engine is not None and self.engine.executor.failure is not None:
-            raise unavailable(self.cluster_down_message, RETRY_LOADING_S, "cluster_unavailable")
+    # ------------------------------------------------------------ the default model (one-model views)
+    @property
+    def default(self) -> ServedModel:
+        return self.models.default
 
     @property
-    def cluster_down_message(self) -> str:
-        then = "it is being started again; try again shortly" if self.engine.config.parallel.restart_workers else "the server must be restarted"
-        what = "a process holding part of the model (tensor or pipeline parallel)"
-        down = self.engine.executor.down_ranks()
-        if down:
-            what = f"rank {', '.join(map(str, down))}, {what},"
-        return f"{what} is unreachable: {then}"
+    def engine(self):
+        return self.default.engine
 
-    def check_model(self, name: str | None) -> None:
-        if name is None or name == "" or name in self.model_aliases:
-            return
-        raise APIError(
-            404,
-            f"model {name!r} does not exist: this server serves {self.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+    @property
+    def aengine(self):
+        return self.default.aengine
+
+    @property
+    def renderer(self):
+        return self.default.renderer
+
+    @property
+    def token_strings(self):
+        return self.default.token_strings
+
+    @property
+    def model_name(self) -> str:
+        return self.default.name
+
+    @property
+    def status(self) -> str:
+        """/health's word for the default model: ok (loaded, or loadable on demand), loading, or failed."""
+        return _HEALTH[self.default.status]
+
+    @property
+    def load_error(self) -> str | None:
+        return self.default.error
+
+    @property
+    def admitted(self) -> int:
+        return sum(m.admitted for m in self.models.models.values())
+
+    @property
+    def counters(self) -> ServerCounters:
+        """Every model's counters added up."""
+        total = ServerCounters()
+        for m in self.models.models.values():
+            for f in dataclasses.fields(ServerCounters):
+                setattr(total, f.name, getattr(total, f.name) + getattr(m.counters, f.name))
+        return total
+
+    def build_info(self, m: ServedModel) -> tuple[str, str, str, str, str]:
+        """(version, model, dtype, quantization, device) of `m`."""
+        e = m.engine
+        if e is None:
+            return (__version__, m.name, "", "", "")
+        f = e.facts
+        return (__version__, m.name, f.dtype, f.weight_format, f.device)
+
+    # ------------------------------------------------------------ checks for handlers
+    def require_ranks(self, m: ServedModel) -> None:
+        """Generation needs every rank that holds part of the model."""
+        if m.engine is not None and m.engine.executor.failure is not None:
+            raise unavailable(cluster_down_message(m), RETRY_LOADING_S, "cluster_unavailable")
 
     @property
     def request_byte_limit(self) -> int:
-        """The body size limit now (it fits the model's context once one is loaded; settings.py)."""
-        return self.settings.request_byte_limit(self.engine.max_model_len if self.engine is not None else None)
+        """The body size limit now (it fits the largest loaded model's context; settings.py)."""
+        lengths = [m.engine.max_model_len for m in self.models.models.values() if m.engine is not None]
+        return self.settings.request_byte_limit(max(lengths) if lengths else None)
 
     @contextmanager
     def serving(self) -> Iterator[_Admission]:
         """Around one HTTP request: what it was admitted for and did not hand to the engine is released at the end,
         at the latest (the middleware releases it before the response's last byte goes out: a client that has its
-        answer never sees its request still counted)."""
+        answer never sees its request still counted); its models' leases end with it."""
         admission = _Admission(self)
         token = _ADMISSION.set(admission)
         try:
             yield admission
         finally:
             _ADMISSION.reset(token)
-            admission.release()
+            admission.end()
 
-    def check_capacity(self) -> None:
-        """Refuse (503) while --max-waiting requests wait. No await between this
+    def check_capacity(self, m: ServedModel) -> None:
+        """Refuse (503) while --max-waiting requests wait for `m`. No await between this
         check and `admit`'s count: simultaneous arrivals see each other."""
         limit = self.settings.max_waiting
-        waiting = (self.aengine.num_waiting if self.aengine is not None else 0) + self.admitted
+        waiting = (m.aengine.num_waiting if m.aengine is not None else 0) + m.admitted
         if limit is not None and waiting >= limit:
-            self.counters.rejected_overloaded += 1
+            m.counters.rejected_overloaded += 1
             raise unavailable(
-                f"the server is overloaded: {waiting} requests are waiting "
+                f"the server is overloaded: {waiting} requests are waiting for model {m.name!r} "
                 f"(--max-waiting {limit}); try again shortly",
                 RETRY_OVERLOADED_S,
                 "server_overloaded",
             )
 
-    def admit(self, model: str | None) -> None:
-        """Everything a generation request is checked for before its body is looked at closely."""
-        self.require_engine()
-        self.check_model(model)
-        self.require_ranks()
-        self.check_capacity()
+    async def model(self, name: str | None, keep_alive=None) -> ServedModel:
+        """The loaded model a request names, leased for the rest of the HTTP request (loaded first if need be;
+        --max-waiting bounds the requests waiting for that)."""
+        limit = self.settings.max_waiting
+        wanted = self.models.find(name)
+        if limit is not None and not wanted.loaded and wanted.waiting_load >= limit:
+            wanted.counters.rejected_overloaded += 1
+            raise unavailable(f"the server is overloaded: {wanted.waiting_load} requests are waiting for model "
+                              f"{wanted.name!r} to load (--max-waiting {limit}); try again shortly", RETRY_LOADING_S,
+                              "server_overloaded")
+        m = await self.models.acquire(name, keep_alive)
+        admission = _ADMISSION.get()
+        if admission is not None:
+            admission.leases.append(m)
+        else:  # outside `serving` nothing would end the lease: the caller does not hold one
+            self.models.release(m)
+        return m
+
+    async def admit(self, name: str | None, keep_alive=None) -> ServedModel:
+        """Everything a generation request is checked for before its body is looked at closely; its model."""
+        m = await self.model(name, keep_alive)
+        self.require_ranks(m)
+        self.check_capacity(m)
         admission = _ADMISSION.get()
         if admission is not None:  # outside `serving` nothing would release it
-            admission.held += 1
-            self.admitted += 1
+            admission.held.append(m)
+            m.admitted += 1
+        return m
 
     # ------------------------------------------------------------ stats
     def stats(self) -> dict:
-        c = self.counters
-        out = {
-            "status": self.status,
-            "model": self.model_name,
-            "total_requests": c.total_requests,
-            "in_flight_requests": c.in_flight,
-            "finished_requests": c.finished_requests,
-            "client_disconnects": c.client_disconnects,
-            "failed_requests": c.failed_requests,
-            "rejected_overloaded": c.rejected_overloaded,
-        }
-        e = self.engine
-        if e is None:
-            return out
-        snap = e.snapshot  # frozen after the engine's last step: nothing here reads live engine objects
-        out.update(
-            active_requests=snap.running,
-            waiting_requests=self.aengine.num_waiting if self.aengine is not None else snap.waiting,
-            aborted_requests=snap.counters.requests_aborted,
-            cache_usage=round(snap.kv_usage, 4),
-            free_blocks=snap.kv_free_blocks,
-            total_blocks=snap.kv_blocks,
-            kv_used_bytes=snap.kv_used_bytes,
-            kv_total_bytes=snap.kv_total_bytes,
-            kv_cache_dtype=snap.facts.kv_cache_dtype,
-            kv_bytes_per_token=snap.kv_bytes_per_token,
-            kv_capacity_tokens=snap.kv_capacity_tokens,
-            tokens_generated=snap.counters.generated_tokens,
-            prompt_tokens=snap.counters.prompt_tokens,
-            cached_prompt_tokens=snap.counters.cached_prompt_tokens,
-            max_model_len=e.max_model_len,
-            throughput={"prompt_tokens_per_s": dict(snap.prompt_throughput), "generation_tokens_per_s": dict(snap.generation_throughput)},
-            last_step=dataclasses.asdict(snap.last_step) if snap.last_step else None,
-            finished_by_reason=dict(snap.finished_by_reason),
-            recent_requests=list(snap.recent_requests),
-            engine={**dataclasses.asdict(snap.counters), "computed_prompt_tokens": snap.computed_prompt_tokens},
-        )
-        if snap.prefix_cache is not None:
-            pc = dict(snap.prefix_cache)
-            pc["token_hit_rate"] = round(pc["token_hit_rate"], 4)
-            pc["hit_rate"] = round(pc["hits"] / pc["lookups"], 4) if pc["lookups"] else 0.0
-            pc["average_match_fraction"] = round(pc["match_fraction_sum"] / pc["recorded_requests"], 4) if pc["recorded_requests"] else 0.0
-            out["prefix_cache"] = pc
-        if snap.kv_tier is not None:
-            out["prefix_cache_tier"] = dict(snap.kv_tier)
-        if snap.speculative is not None:
-            out["speculative"] = {**snap.speculative, "acceptance_rate": round(snap.speculative["acceptance_rate"], 4)}
+        """/stats: the server's counters and the default model's figures at the top (as one model always had them),
+        and every model's under "models"."""
+        models = {m.name: model_stats(m) for m in self.models.models.values()}
+        top = dict(models[self.default.name])
+        top.update(status=self.status, model=self.default.name, **dataclasses.asdict(self.counters))
+        top["in_flight_requests"] = top.pop("in_flight")
+        top["rejected_overloaded"] = top.pop("rejected_overloaded")
+        top["models"] = models
+        return top
+
+
+def cluster_down_message(m: ServedModel) -> str:
+    then = "it is being started again; try again shortly" if m.engine.config.parallel.restart_workers else "the server must be restarted"
+    what = "a process holding part of the model (tensor or pipeline parallel)"
+    down = m.engine.executor.down_ranks()
+    if down:
+        what = f"rank {', '.join(map(str, down))}, {what},"
+    return f"{what} is unreachable: {then}"
+
+
+def model_stats(m: ServedModel) -> dict:
+    """One model's figures: its life cycle and counters, and its engine's latest snapshot once it is loaded."""
+    c = m.counters
+    out = {
+        "status": m.status,
+        "model": m.name,
+        "memory_bytes": m.memory,
+        "total_requests": c.total_requests,
+        "in_flight": c.in_flight,
+        "finished_requests": c.finished_requests,
+        "client_disconnects": c.client_disconnects,
+        "failed_requests": c.failed_requests,
+        "rejected_overloaded": c.rejected_overloaded,
+    }
+    if m.error:
+        out["error"] = m.error
+    e = m.engine
+    if e is None:
         return out
+    snap = e.snapshot  # frozen after the engine's last step: nothing here reads live engine objects
+    out.update(
+        active_requests=snap.running,
+        waiting_requests=m.aengine.num_waiting if m.aengine is not None else snap.waiting,
+        aborted_requests=snap.counters.requests_aborted,
+        cache_usage=round(snap.kv_usage, 4),
+        free_blocks=snap.kv_free_blocks,
+        total_blocks=snap.kv_blocks,
+        kv_used_bytes=snap.kv_used_bytes,
+        kv_total_bytes=snap.kv_total_bytes,
+        kv_cache_dtype=snap.facts.kv_cache_dtype,
+        kv_bytes_per_token=snap.kv_bytes_per_token,
+        kv_capacity_tokens=snap.kv_capacity_tokens,
+        tokens_generated=snap.counters.generated_tokens,
+        prompt_tokens=snap.counters.prompt_tokens,
+        cached_prompt_tokens=snap.counters.cached_prompt_tokens,
+        max_model_len=e.max_model_len,
+        throughput={"prompt_tokens_per_s": dict(snap.prompt_throughput), "generation_tokens_per_s": dict(snap.generation_throughput)},
+        last_step=dataclasses.asdict(snap.last_step) if snap.last_step else None,
+        finished_by_reason=dict(snap.finished_by_reason),
+        recent_requests=list(snap.recent_requests),
+        engine={**dataclasses.asdict(snap.counters), "computed_prompt_tokens": snap.computed_prompt_tokens},
+    )
+    if snap.prefix_cache is not None:
+        pc = dict(snap.prefix_cache)
+        pc["token_hit_rate"] = round(pc["token_hit_rate"], 4)
+        pc["hit_rate"] = round(pc["hits"] / pc["lookups"], 4) if pc["lookups"] else 0.0
+        pc["average_match_fraction"] = round(pc["match_fraction_sum"] / pc["recorded_requests"], 4) if pc["recorded_requests"] else 0.0
+        out["prefix_cache"] = pc
+    if snap.kv_tier is not None:
+        out["prefix_cache_tier"] = dict(snap.kv_tier)
+    if snap.speculative is not None:
+        out["speculative"] = {**snap.speculative, "acceptance_rate": round(snap.speculative["acceptance_rate"], 4)}
+    return out

@@ -13,15 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
-from shoal.engine.async_engine import EngineUnavailable, RequestFailed
+from shoal.engine.async_engine import EngineStopped, EngineUnavailable, RequestFailed
 from shoal.server.errors import APIError, new_request_id, server_failure, unavailable
-from shoal.server.state import RETRY_LOADING_S, release_admission
+from shoal.server.sse import dumps, encode_event
+from shoal.server.models import RETRY_LOADING_S
+from shoal.server.state import release_admission
 from shoal.types import GenerationRequest, RequestOutput
 
 log = logging.getLogger("shoal.server")
@@ -112,7 +114,8 @@ def engine_error(exc: BaseException, request_id: str | None = None) -> APIError:
 
     ValueError: the engine refused the request (400). RequestFailed: this request
     alone failed, and the message already says why in words fit for the client.
-    EngineUnavailable: a rank was lost (503, try again later). Anything else
+    EngineUnavailable: a rank was lost (503, try again later). EngineStopped: the model was unloaded under it (503).
+    Anything else
     (EngineDeadError included) may hold internal text: the client gets a request
     id, the log the details. An APIError is already the client's error.
     """
@@ -122,11 +125,61 @@ def engine_error(exc: BaseException, request_id: str | None = None) -> APIError:
         return APIError(400, str(exc))
     if isinstance(exc, EngineUnavailable):
         return unavailable(str(exc), RETRY_LOADING_S, "cluster_unavailable")
+    if isinstance(exc, EngineStopped):  # its model was unloaded (or the server is stopping) with it in flight
+        return unavailable(str(exc), RETRY_LOADING_S, "model_unloaded")
     if isinstance(exc, RequestFailed):
         return APIError(500, str(exc), code="request_failed")
     request_id = request_id or new_request_id()
     log.error("request %s failed in the engine", request_id, exc_info=exc)
     return server_failure(request_id, code="engine_failure")
+
+
+KEEPALIVE_S = 5.0  # an SSE comment this often while a streamed request waits for its model to load
+
+
+async def answer_when_loaded(request: Request, model: str | None, stream: bool | None,
+                             handler: Callable[[], Awaitable[Response]]) -> Response:
+    """Run a generation handler; a streamed one whose model must load first starts its SSE response at once and
+    sends comments while it waits, then the handler's own stream (or its error, as an SSE event in the route's
+    protocol's format)."""
+    manager = request.app.state.shoal.models
+    try:
+        m = manager.find(model)
+    except APIError:
+        m = None  # the handler refuses it in its own words
+    if not stream or m is None or m.loaded or not manager.lifecycle.autoload:
+        return await answer(handler())
+    path = request.url.path
+
+    async def body() -> AsyncIterator[bytes]:
+        waiting = asyncio.ensure_future(manager.ready(m))
+        try:
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=KEEPALIVE_S)
+                if not waiting.done():
+                    yield b": loading the model\n\n"
+            if waiting.exception() is not None:
+                raise waiting.exception()
+            response = await handler()
+        except APIError as e:
+            yield _error_event(e, path)
+            return
+        finally:
+            waiting.cancel()
+        if isinstance(response, StreamingResponse):
+            async for chunk in response.body_iterator:
+                yield chunk if isinstance(chunk, bytes) else chunk.encode()
+        else:  # not a stream after all (an error response): its body as one event
+            yield b"data: " + bytes(response.body) + b"\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _error_event(e: APIError, path: str) -> bytes:
+    body = e.body(path)
+    if body.get("type") == "error":  # Anthropic's stream names its events
+        return f"event: error\ndata: {dumps(body)}\n\n".encode()
+    return encode_event(body)
 
 
 # What a request that lost its client answers (nobody reads it; nginx's code for it).
@@ -142,10 +195,10 @@ async def answer(handler: Awaitable[Response]) -> Response:
 
 
 @asynccontextmanager
-async def tracked(state, request_id: str, requests: Sequence[GenerationRequest]):
+async def tracked(served, request_id: str, requests: Sequence[GenerationRequest]):
     """A RequestTracker for a non-streamed answer, finished with the outcome of the block: ok, disconnected
     (re-raised), or error, re-raised as the error the client gets (engine_error)."""
-    tracker = RequestTracker(state, request_id, requests)
+    tracker = RequestTracker(served, request_id, requests)
     outcome = "error"
     try:
         yield tracker
@@ -162,16 +215,16 @@ async def tracked(state, request_id: str, requests: Sequence[GenerationRequest])
 class RequestTracker:
     """One HTTP request's timings and token counts, logged as one line when it ends."""
 
-    def __init__(self, state, request_id: str, requests: Sequence[GenerationRequest]) -> None:
-        self.state = state
+    def __init__(self, served, request_id: str, requests: Sequence[GenerationRequest]) -> None:
+        self.served = served
         self.request_id = request_id
         self.start = time.monotonic()
         self.first_token: float | None = None
         self.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
         self.last: list[RequestOutput | None] = [None] * len(requests)
         self.done = False
-        state.counters.total_requests += 1
-        state.counters.in_flight += 1
+        served.counters.total_requests += 1
+        served.counters.in_flight += 1
         if log.isEnabledFor(logging.DEBUG):
             for r in requests:
                 log.debug("%s prompt token ids (%d): %s", r.request_id, len(r.prompt_token_ids), list(r.prompt_token_ids))
@@ -198,8 +251,8 @@ class RequestTracker:
         self.done = True
         for out in self.last:
             if out is not None and out.finished and out.metrics is not None:
-                self.state.metrics.observe(out.metrics)
-        c = self.state.counters
+                self.served.metrics.observe(out.metrics, self.served.name)
+        c = self.served.counters
         c.in_flight -= 1
         if outcome == "ok":
             c.finished_requests += 1
@@ -207,7 +260,7 @@ class RequestTracker:
             c.client_disconnects += 1
         else:
             c.failed_requests += 1
-        if not self.state.settings.log_requests:
+        if not self.served.settings.log_requests:
             return
         elapsed = time.monotonic() - self.start
         reasons = sorted({str(o.finish_reason.value) for r in self.last if r is not None for o in r.outputs if o.finish_reason})
@@ -216,6 +269,6 @@ class RequestTracker:
         n = self.completion_tokens
         log.info(
             "%s model=%s prompt=%d cached=%d completion=%d ttft=%s total=%.3fs %.1f tok/s finish=%s",
-            self.request_id, self.state.model_name, self.prompt_tokens, self.cached_tokens, n, ttft, elapsed,
+            self.request_id, self.served.model_name, self.prompt_tokens, self.cached_tokens, n, ttft, elapsed,
             n / elapsed if elapsed > 0 else 0.0, finish,
         )

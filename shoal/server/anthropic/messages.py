@@ -188,7 +188,7 @@ def template_kwargs(body: CountTokensRequest) -> dict:
     return kw
 
 
-def thinking_budget(state, body: MessagesRequest) -> ThinkingBudget | None:
+def thinking_budget(served, body: MessagesRequest) -> ThinkingBudget | None:
     """`thinking: {"type": "enabled", "budget_tokens": N}` caps the reasoning at N tokens, for a
     model whose reasoning the server knows how to find (--reasoning-parser)."""
     thinking = body.thinking or {}
@@ -197,33 +197,32 @@ def thinking_budget(state, body: MessagesRequest) -> ThinkingBudget | None:
     n = thinking["budget_tokens"]
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise bad_request("thinking.budget_tokens must be a non-negative integer", "thinking.budget_tokens")
-    parser = state.settings.reasoning_parser
+    parser = served.settings.reasoning_parser
     if parser is None:
         return None  # no known reasoning tags: the switch alone applies
-    encode = state.engine.tokenizer.encode
+    encode = served.engine.tokenizer.encode
     start = () if parser == "deepseek_r1" else tuple(encode(START, add_special_tokens=False))
     return ThinkingBudget(n, tuple(encode(END, add_special_tokens=False)), start)
 
 
-def render(state, body: CountTokensRequest, tools: ToolUse | None) -> tuple[str, list[int]]:
-    messages = conversation(body, state.settings.keep_billing_header)
+def render(served, body: CountTokensRequest, tools: ToolUse | None) -> tuple[str, list[int]]:
+    messages = conversation(body, served.settings.keep_billing_header)
     shown = [dict(t) for t in tools.tools] if tools is not None else None
-    return render_messages(state, messages, shown, template_kwargs(body))
+    return render_messages(served, messages, shown, template_kwargs(body))
 
 
 # ---------------------------------------------------------------- routes
 
 
 async def count_tokens(body: CountTokensRequest, state) -> JSONResponse:
-    state.require_engine()
-    state.check_model(body.model)
+    served = await state.model(body.model, body.keep_alive)
     tools = tool_use(body)
-    _, ids = await asyncio.to_thread(render, state, body, tools)
+    _, ids = await asyncio.to_thread(render, served, body, tools)
     return JSONResponse({"input_tokens": len(ids)})
 
 
 async def create_message(body: MessagesRequest, http: Request, state) -> JSONResponse | StreamingResponse:
-    state.admit(body.model)
+    served = await state.admit(body.model, body.keep_alive)
     tools = tool_use(body)
     structured = param = None
     fmt = (body.output_config or {}).get("format")
@@ -235,19 +234,19 @@ async def create_message(body: MessagesRequest, http: Request, state) -> JSONRes
     if tools is not None and tools.forced:
         if structured is not None:
             raise bad_request("a forced tool_choice and output_config.format cannot both constrain the reply", "tool_choice")
-        structured, param = tools.constraint(state), "tools"
+        structured, param = tools.constraint(served), "tools"
     if body.stop_sequences is not None and any(s == "" for s in body.stop_sequences):
         raise bad_request("stop_sequences must not hold empty strings", "stop_sequences")
-    text, ids = await asyncio.to_thread(render, state, body, tools)
-    params = resolve_params(body, state, max_tokens=body.max_tokens, default_max_tokens=None, logprobs=None,
-                            extra_stop=state.renderer.default_stop, structured=structured, tool_call=param == "tools")
-    budget = thinking_budget(state, body)
+    text, ids = await asyncio.to_thread(render, served, body, tools)
+    params = resolve_params(body, served, max_tokens=body.max_tokens, default_max_tokens=None, logprobs=None,
+                            extra_stop=served.renderer.default_stop, structured=structured, tool_call=param == "tools")
+    budget = thinking_budget(served, body)
     if budget is not None:
         params = replace(params, thinking_budget=budget)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    (req,), (clipped,) = await engine_requests(state, rid, [(text, ids)], params, structured, param)
+    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, structured, param)
     headers = clipped_headers([clipped])
-    job = _Message(state, rid, body, req, tools.parser_name(state) if tools is not None else None)
+    job = _Message(served, rid, body, req, tools.parser_name(served) if tools is not None else None)
     if body.stream:
         return StreamingResponse(job.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     return await job.complete(http, headers)
@@ -261,12 +260,12 @@ def _event(name: str, data: dict) -> bytes:
 
 
 class _Message:
-    def __init__(self, state, rid: str, body: MessagesRequest, req: GenerationRequest, tool_parser: str | None) -> None:
-        self.state = state
+    def __init__(self, served, rid: str, body: MessagesRequest, req: GenerationRequest, tool_parser: str | None) -> None:
+        self.served = served
         self.rid = rid
         self.body = body
         self.req = req
-        self.reasoning = state.settings.reasoning_parser
+        self.reasoning = served.settings.reasoning_parser
         self.tool_parser = tool_parser
         self.stops = set(body.stop_sequences or ())
 
@@ -289,11 +288,11 @@ class _Message:
         }
 
     def _shell(self) -> dict:
-        return {"id": self.rid, "type": "message", "role": "assistant", "model": self.state.model_name}
+        return {"id": self.rid, "type": "message", "role": "assistant", "model": self.served.model_name}
 
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
-        async with tracked(self.state, self.rid, [self.req]) as tracker:
-            (out,) = await run_to_end(self.state.aengine, [self.req], http, tracker)
+        async with tracked(self.served, self.rid, [self.req]) as tracker:
+            (out,) = await run_to_end(self.served.aengine, [self.req], http, tracker)
             return JSONResponse(self._body(out), headers=headers)
 
     def _body(self, out: RequestOutput) -> dict:
@@ -308,7 +307,7 @@ class _Message:
         return {**self._shell(), "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage(out)}
 
     async def stream(self) -> AsyncIterator[bytes]:
-        tracker = RequestTracker(self.state, self.rid, [self.req])
+        tracker = RequestTracker(self.served, self.rid, [self.req])
         blocks = _Blocks()
         pipeline = DeltaPipeline(self.reasoning, self.tool_parser)
         called, last, outcome = False, None, "disconnected"
@@ -316,7 +315,7 @@ class _Message:
             yield _event("message_start", {"type": "message_start", "message": {
                 **self._shell(), "content": [], "stop_reason": None, "stop_sequence": None, "usage": self._usage(None)}})
             yield _event("ping", {"type": "ping"})
-            async with aclosing(merged(self.state.aengine, [self.req])) as outputs:
+            async with aclosing(merged(self.served.aengine, [self.req])) as outputs:
                 async for _, out in outputs:
                     tracker.observe(0, out)
                     last = out

@@ -33,6 +33,8 @@ class CountTokensRequest(_Request):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    # Ollama's: how long the model stays loaded once idle (seconds or a duration like "10m"; 0 now; negative: always).
+    keep_alive: int | float | str | None = None
 
 
 class MessagesRequest(CountTokensRequest):

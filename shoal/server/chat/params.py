@@ -56,7 +56,7 @@ _MODEL_ONLY = ("typical_p", "no_repeat_ngram_size")
 
 def resolve_params(
     req,
-    state,
+    served,
     *,
     max_tokens: int | None,
     default_max_tokens: int | None,
@@ -72,7 +72,7 @@ def resolve_params(
     (`temperature`, `top_p`, `top_k`, `stop`, `seed`, ...), None or absent when not given.
     `tool_call`: `structured` is a forced tool call's, not a JSON reply the client asked for.
     """
-    settings, model = state.settings, state.generation_defaults
+    settings, model = served.settings, served.generation_defaults
     kw: dict = {}
     for name in _CHAINED:
         for level in (_get(req, name), getattr(settings, name), model.get(name)):
@@ -161,13 +161,13 @@ def constraint(kind: str, value, param: str) -> StructuredOutput:
     return StructuredOutput(regex=value) if kind == "regex" else StructuredOutput(grammar=value)
 
 
-async def compile_constraint(state, spec: StructuredOutput | None, param: str | None) -> None:
+async def compile_constraint(served, spec: StructuredOutput | None, param: str | None) -> None:
     """Compile the constraint in a worker thread (cached by the engine), so the engine thread
     never compiles and a constraint that cannot be compiled is a 400 naming the problem."""
     if spec is None:
         return
     try:
-        await asyncio.to_thread(state.engine.grammars.compile, spec)
+        await asyncio.to_thread(served.engine.grammars.compile, spec)
     except GrammarError as e:
         raise bad_request(f"{param} cannot be used for structured output: {e}", param) from None
 
@@ -175,21 +175,21 @@ async def compile_constraint(state, spec: StructuredOutput | None, param: str | 
 # ---------------------------------------------------------------- the engine's requests
 
 
-async def engine_requests(state, rid: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+async def engine_requests(served, rid: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                           structured: StructuredOutput | None, structured_param: str | None, *, priority: int = 0,
                           prompt_param: str = "messages") -> tuple[list[GenerationRequest], list[int | None]]:
     """Every protocol's last steps, once its prompts are rendered and its parameters resolved: compile the
     constraint, then per prompt the engine's request (ids `rid`, or `rid-i` for several), checked as the engine
     will check it, with max_tokens clipped to the room the context leaves. Returns the requests and the
     clipped max_tokens (None: unchanged). Any problem is a 400 that names its field."""
-    await compile_constraint(state, structured, structured_param)
+    await compile_constraint(served, structured, structured_param)
     arrival = time.monotonic()
     reqs, clipped = [], []
     for i, (text, ids) in enumerate(prompts):
         req = GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids), params, priority=priority, prompt=text,
                                 arrival_time=arrival)
-        check_prompt(state, req, prompt_param)
-        req, clip = fit_max_tokens(state, req)
+        check_prompt(served, req, prompt_param)
+        req, clip = fit_max_tokens(served, req)
         reqs.append(req)
         clipped.append(clip)
     return reqs, clipped
@@ -198,28 +198,28 @@ async def engine_requests(state, rid: str, prompts: list[tuple[str | None, list[
 # ---------------------------------------------------------------- the engine's checks
 
 
-def check_prompt(state, request: GenerationRequest, prompt_param: str) -> None:
+def check_prompt(served, request: GenerationRequest, prompt_param: str) -> None:
     """The engine's checks (vocabulary, context length, logit_bias ids) and stop_token_ids as a 400."""
     try:
-        state.engine.validate(request)
+        served.engine.validate(request)
     except ValueError as e:
         msg = str(e)
         raise bad_request(msg, "logit_bias" if msg.startswith("logit_bias") else prompt_param) from None
-    vocab = state.engine.vocab_size
+    vocab = served.engine.vocab_size
     bad = [t for t in request.params.stop_token_ids if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})", "stop_token_ids")
 
 
-def fit_max_tokens(state, request: GenerationRequest) -> tuple[GenerationRequest, int | None]:
+def fit_max_tokens(served, request: GenerationRequest) -> tuple[GenerationRequest, int | None]:
     """The request with max_tokens clipped to the room the context leaves, and the clipped value (None: unchanged)."""
     p = request.params
-    room = state.engine.max_model_len - len(request.prompt_token_ids)
+    room = served.engine.max_model_len - len(request.prompt_token_ids)
     if p.max_tokens is None or p.max_tokens <= room:
         return request, None
     if p.min_tokens > room:
         raise bad_request(
-            f"min_tokens ({p.min_tokens}) cannot be met: the context of {state.engine.max_model_len} tokens "
+            f"min_tokens ({p.min_tokens}) cannot be met: the context of {served.engine.max_model_len} tokens "
             f"leaves room for {room} after the prompt",
             "min_tokens",
         )

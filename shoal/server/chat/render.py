@@ -41,21 +41,21 @@ class ToolUse:
     def forced(self) -> bool:
         return self.mode != "auto"
 
-    def parser_name(self, state) -> str:
-        family = state.settings.tool_call_parser or parser_for_template(state.renderer.template_source)
-        if self.forced and (family not in ("hermes", "qwen") or state.renderer.tool_call_layout is None):
+    def parser_name(self, served) -> str:
+        family = served.settings.tool_call_parser or parser_for_template(served.renderer.template_source)
+        if self.forced and (family not in ("hermes", "qwen") or served.renderer.tool_call_layout is None):
             return "json"
         return family
 
-    def constraint(self, state) -> StructuredOutput | None:
+    def constraint(self, served) -> StructuredOutput | None:
         if not self.forced:
             return None
         defs = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")} for t in self.tools
                 if self.name is None or t["function"]["name"] == self.name]
         parallel = self.parallel and self.name is None
-        if self.parser_name(state) == "json":
+        if self.parser_name(served) == "json":
             return StructuredOutput(json_schema=json.dumps(forced_calls_schema(defs, self.name, self.parallel)))
-        before, after, between = state.renderer.tool_call_layout
+        before, after, between = served.renderer.tool_call_layout
         # compact, as the template's json.dumps writes a call: the next turn's prompt then repeats the generated tokens
         schema = {**json_schema.prepare(forced_tool_call_schema(defs)), "x-guidance": json_schema.COMPACT}
         more = f" ({json.dumps(between)} call)*" if parallel else ""
@@ -75,29 +75,29 @@ def _longest_token_chars(tokenizer) -> int:
     return max((len(t) for t in tokenizer.get_vocab()), default=1)
 
 
-def max_prompt_chars(state) -> int:
+def max_prompt_chars(served) -> int:
     """More characters than this cannot fit the context, whatever they are (see NORMALIZATION_SLACK)."""
-    return state.engine.max_model_len * _longest_token_chars(state.engine.tokenizer) * NORMALIZATION_SLACK
+    return served.engine.max_model_len * _longest_token_chars(served.engine.tokenizer) * NORMALIZATION_SLACK
 
 
-def check_prompt_chars(state, num_chars: int, param: str) -> None:
+def check_prompt_chars(served, num_chars: int, param: str) -> None:
     """Refuse a text that cannot fit the context before spending time tokenizing it."""
-    limit = max_prompt_chars(state)
+    limit = max_prompt_chars(served)
     if num_chars > limit:
         raise bad_request(
             f"the prompt has {num_chars} characters: more than {limit}, so it cannot fit "
-            f"the context of {state.engine.max_model_len} tokens",
+            f"the context of {served.engine.max_model_len} tokens",
             param,
         )
 
 
-def render_messages(state, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None,
+def render_messages(served, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None,
                     add_generation_prompt: bool | None = None, param: str = "messages") -> tuple[str, list[int]]:
     """The prompt text and its token ids. `tools`: the definitions the model sees (None: none)."""
     # The rendered text holds every message's content: too much of it cannot fit.
-    check_prompt_chars(state, sum(len(m.get("content") or "") for m in messages), param)
+    check_prompt_chars(served, sum(len(m.get("content") or "") for m in messages), param)
     messages = [{**m, "tool_calls": template_tool_calls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
-    renderer = state.renderer
+    renderer = served.renderer
     if tools and not renderer.supports_tools:
         messages, tools = manual_tool_messages(messages, tools), None
     kwargs = dict(template_kwargs or {})
@@ -107,7 +107,7 @@ def render_messages(state, messages: list[dict], tools: list[dict] | None = None
         text = renderer.render(messages, tools=tools or None, template_kwargs=kwargs)
     except ValueError as e:
         raise bad_request(str(e), param) from None
-    check_prompt_chars(state, len(text), param)
+    check_prompt_chars(served, len(text), param)
     return text, renderer.encode(text)
 
 

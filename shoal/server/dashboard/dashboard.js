@@ -83,6 +83,42 @@ function lines(svg, series) {
 
 const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 
+// Several models: a table of them all, and the charts follow the one picked (the default model at first).
+let chosen = null;
+function renderModels(all) {
+  const names = Object.keys(all.models || {});
+  $("models").hidden = names.length < 2;
+  const select = $("model-select");
+  select.hidden = names.length < 2;
+  if ([...select.options].map((o) => o.value).join("\n") !== names.join("\n")) {
+    select.textContent = "";
+    for (const n of names) select.add(new Option(n, n));
+  }
+  if (chosen === null || !names.includes(chosen)) chosen = all.model;
+  select.value = chosen;
+  const body = $("models-table").tBodies[0];
+  body.textContent = "";
+  for (const n of names) {
+    const m = all.models[n];
+    const tr = body.insertRow();
+    tr.dataset.model = n;
+    for (const v of [n, m.error ? `${m.status}: ${m.error}` : m.status, bytes(m.memory_bytes), fmt(m.in_flight),
+                     fmt(m.total_requests), fmt(m.tokens_generated)]) tr.insertCell().textContent = v;
+    tr.addEventListener("click", () => pick(n));
+  }
+}
+
+function pick(name) {
+  if (name === chosen) return;
+  chosen = name;
+  history.length = 0; // the charts over time start again for the model picked
+  if (lastAll) { renderModels(lastAll); render(view(lastAll)); }
+}
+
+function view(all) {
+  return (all.models && all.models[chosen]) || all;
+}
+
 function render(stats) {
   $("model").textContent = stats.model;
   $("status").textContent = stats.status;
@@ -166,7 +202,8 @@ function showDetail(stats) {
   if (r) $("detail").textContent = JSON.stringify(r, null, 2);
 }
 
-let lastStats = null;
+let lastStats = null; // what the charts show: the model picked
+let lastAll = null; // /stats as it came
 async function poll() {
   if (document.body.dataset.auth === "required" && !keyInput.value) {
     $("status").textContent = "enter the API key";
@@ -177,7 +214,9 @@ async function poll() {
     const resp = await fetch("/stats", { headers });
     if (resp.status === 401) { $("status").textContent = "API key needed"; return; }
     if (!resp.ok) { $("status").textContent = `error ${resp.status}`; return; }
-    lastStats = await resp.json();
+    lastAll = await resp.json();
+    renderModels(lastAll);
+    lastStats = view(lastAll);
     const tp = lastStats.throughput || { prompt_tokens_per_s: {}, generation_tokens_per_s: {} };
     history.push({ prefill: tp.prompt_tokens_per_s["10s"] || 0, decode: tp.generation_tokens_per_s["10s"] || 0,
                    running: lastStats.active_requests || 0, waiting: lastStats.waiting_requests || 0 });
@@ -190,5 +229,6 @@ async function poll() {
 }
 
 window.addEventListener("resize", () => { if (lastStats) render(lastStats); });
+$("model-select").addEventListener("change", (e) => pick(e.target.value));
 poll();
 setInterval(poll, POLL_MS);

@@ -74,9 +74,9 @@ def _text(content, i: int) -> str:
     return "\n".join(texts)
 
 
-def render_chat(state, messages: list[ChatMessage], template_kwargs: dict | None, tools=None, add_generation_prompt=None) -> tuple[str, list[int]]:
+def render_chat(served, messages: list[ChatMessage], template_kwargs: dict | None, tools=None, add_generation_prompt=None) -> tuple[str, list[int]]:
     """The prompt text and its token ids. Blocking work: call it in a worker thread."""
-    return render_messages(state, message_dicts(messages), tools, template_kwargs, add_generation_prompt)
+    return render_messages(served, message_dicts(messages), tools, template_kwargs, add_generation_prompt)
 
 
 def tool_use(tools: list[dict] | None, choice, parallel: bool | None) -> ToolUse | None:
@@ -121,7 +121,7 @@ def openai_tool_calls(calls: list[ToolCall], start: int = 0) -> list[dict]:
 
 
 async def create_chat_completion(body: ChatCompletionRequest, http: Request, state) -> JSONResponse | StreamingResponse:
-    state.admit(body.model)
+    served = await state.admit(body.model, body.keep_alive)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     check_unsupported(body)
@@ -130,26 +130,26 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
     if tools is not None and tools.forced:
         if structured is not None:
             raise bad_request(f"tool_choice {body.tool_choice!r} forces a tool call, so {structured_param} cannot also be given", "tool_choice")
-        structured, structured_param = tools.constraint(state), "tools"
-    check_sequences(state, 1, body.n)
+        structured, structured_param = tools.constraint(served), "tools"
+    check_sequences(served, 1, body.n)
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is not supported with stream yet", "prompt_logprobs")
     shown = [dict(t) for t in tools.tools] if tools is not None else None
-    text, ids = await asyncio.to_thread(render_chat, state, body.messages, body.chat_template_kwargs, shown, body.add_generation_prompt)
+    text, ids = await asyncio.to_thread(render_chat, served, body.messages, body.chat_template_kwargs, shown, body.add_generation_prompt)
     params = resolve_params(
         body,
-        state,
+        served,
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         default_max_tokens=None,  # up to the context limit
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_logprobs=body.prompt_logprobs,
-        extra_stop=state.renderer.default_stop,
+        extra_stop=served.renderer.default_stop,
         structured=structured,
         tool_call=structured_param == "tools",
     )
     rid = new_id("chatcmpl")
-    (req,), (clipped,) = await engine_requests(state, rid, [(text, ids)], params, structured, structured_param, priority=body.priority or 0)
-    chat = _Chat(state, rid, body, req, tools.parser_name(state) if tools is not None else None)
+    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, structured, structured_param, priority=body.priority or 0)
+    chat = _Chat(served, rid, body, req, tools.parser_name(served) if tools is not None else None)
     headers = clipped_headers([clipped])
     if body.stream:
         return StreamingResponse(chat.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
@@ -157,30 +157,30 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
 
 
 class _Chat:
-    def __init__(self, state, rid: str, body: ChatCompletionRequest, req: GenerationRequest, tool_parser: str | None) -> None:
-        self.state = state
+    def __init__(self, served, rid: str, body: ChatCompletionRequest, req: GenerationRequest, tool_parser: str | None) -> None:
+        self.served = served
         self.tool_parser = tool_parser  # None: no tools, the text is all answer
         self.rid = rid
         self.body = body
         self.req = req
         self.created = now()
-        self.parser = state.settings.reasoning_parser
-        self.text_of = state.token_strings if req.params.logprobs is not None else None
+        self.parser = served.settings.reasoning_parser
+        self.text_of = served.token_strings if req.params.logprobs is not None else None
 
     def _chunk(self, choices: list[dict], **extra) -> dict:
         return {
             "id": self.rid,
             "object": "chat.completion.chunk",
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.served.model_name,
             "choices": choices,
             **extra,
         }
 
     # ------------------------------------------------------------ non-streaming
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
-        async with tracked(self.state, self.rid, [self.req]) as tracker:
-            (out,) = await run_to_end(self.state.aengine, [self.req], http, tracker)
+        async with tracked(self.served, self.rid, [self.req]) as tracker:
+            (out,) = await run_to_end(self.served.aengine, [self.req], http, tracker)
             return JSONResponse(self._body(out), headers=headers)
 
     def _body(self, out: RequestOutput) -> dict:
@@ -208,17 +208,17 @@ class _Chat:
             "id": self.rid,
             "object": "chat.completion",
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.served.model_name,
             "choices": choices,
             "usage": usage([out]),
         }
         if self.body.prompt_logprobs is not None:
-            body["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, self.state.token_strings)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, self.served.token_strings)
         return body
 
     # ------------------------------------------------------------ streaming
     async def stream(self) -> AsyncIterator[bytes]:
-        tracker = RequestTracker(self.state, self.rid, [self.req])
+        tracker = RequestTracker(self.served, self.rid, [self.req])
         n = self.req.params.n
         fast = DeltaEncoder(
             lambda key, text: self._chunk([{"index": key[0], "delta": {key[1]: text}, "logprobs": None, "finish_reason": None}])
@@ -232,7 +232,7 @@ class _Chat:
         try:
             for i in range(n):
                 yield encode_event(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
-            async with aclosing(merged(self.state.aengine, [self.req])) as outputs:
+            async with aclosing(merged(self.served.aengine, [self.req])) as outputs:
                 async for _, out in outputs:
                     tracker.observe(0, out)
                     last = out

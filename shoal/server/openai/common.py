@@ -137,9 +137,9 @@ def _vllm_layout(opts: dict) -> dict:
     return out
 
 
-def check_sequences(state, num_prompts: int, n: int | None) -> None:
+def check_sequences(served, num_prompts: int, n: int | None) -> None:
     """prompts x n within --max-sequences-per-request (counted before any tokenizing)."""
-    limit = state.settings.max_sequences_per_request
+    limit = served.settings.max_sequences_per_request
     n = n or 1
     if num_prompts * n > limit:
         raise bad_request(

@@ -71,17 +71,17 @@ def prompt_items(prompt) -> list[str | list[int]]:
     return items
 
 
-def tokenize_prompts(state, items: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+def tokenize_prompts(served, items: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt. Blocking work: call it in a worker thread."""
     for p in items:
         if isinstance(p, str):
-            check_prompt_chars(state, len(p), "prompt")
-    tokenizer = state.engine.tokenizer
+            check_prompt_chars(served, len(p), "prompt")
+    tokenizer = served.engine.tokenizer
     return [(p, list(tokenizer.encode(p))) if isinstance(p, str) else (None, list(p)) for p in items]
 
 
 async def create_completion(body: CompletionRequest, http: Request, state) -> JSONResponse | StreamingResponse:
-    state.admit(body.model)
+    served = await state.admit(body.model, body.keep_alive)
     if body.suffix is not None:
         raise bad_request("suffix is not supported: this server does not do fill-in-the-middle", "suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
@@ -96,12 +96,12 @@ async def create_completion(body: CompletionRequest, http: Request, state) -> JS
     if echo_only and not body.echo:
         raise bad_request("max_tokens 0 is only allowed with echo (the prompt back, nothing generated)", "max_tokens")
     items = prompt_items(body.prompt)
-    check_sequences(state, len(items), body.n)
-    prompts = await asyncio.to_thread(tokenize_prompts, state, items)
+    check_sequences(served, len(items), body.n)
+    prompts = await asyncio.to_thread(tokenize_prompts, served, items)
     prompt_k = max((k for k in (body.logprobs if echo_logprobs else None, body.prompt_logprobs) if k is not None), default=None)
     params = resolve_params(
         body,
-        state,
+        served,
         # Prompt logprobs come with the first step; the one token it samples is dropped.
         max_tokens=1 if echo_only else body.max_tokens,
         default_max_tokens=DEFAULT_MAX_TOKENS,
@@ -110,11 +110,11 @@ async def create_completion(body: CompletionRequest, http: Request, state) -> JS
         structured=structured,
     )
     rid = new_id("cmpl")
-    reqs, clipped = await engine_requests(state, rid, prompts, params, structured, structured_param, priority=body.priority or 0,
+    reqs, clipped = await engine_requests(served, rid, prompts, params, structured, structured_param, priority=body.priority or 0,
                                           prompt_param="prompt")
-    tokenizer = state.engine.tokenizer
+    tokenizer = served.engine.tokenizer
     echo = [(text if text is not None else tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
-    job = _Completion(state, rid, body, reqs, echo, echo_only)
+    job = _Completion(served, rid, body, reqs, echo, echo_only)
     headers = clipped_headers(clipped)
     if echo_only and prompt_k is None:
         return job.echo_without_engine(headers)
@@ -124,8 +124,8 @@ async def create_completion(body: CompletionRequest, http: Request, state) -> JS
 
 
 class _Completion:
-    def __init__(self, state, rid, body: CompletionRequest, reqs: list[GenerationRequest], echo: list[str], echo_only: bool) -> None:
-        self.state = state
+    def __init__(self, served, rid, body: CompletionRequest, reqs: list[GenerationRequest], echo: list[str], echo_only: bool) -> None:
+        self.served = served
         self.rid = rid
         self.body = body
         self.reqs = reqs
@@ -133,21 +133,21 @@ class _Completion:
         self.echo_only = echo_only  # max_tokens 0: whatever the engine samples is dropped
         self.n = reqs[0].params.n
         self.created = now()
-        self.text_of = state.token_strings if body.logprobs is not None else None
+        self.text_of = served.token_strings if body.logprobs is not None else None
 
     def _chunk(self, choices: list[dict], **extra) -> dict:
         return {
             "id": self.rid,
             "object": "text_completion",
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.served.model_name,
             "choices": choices,
             **extra,
         }
 
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
-        async with tracked(self.state, self.rid, self.reqs) as tracker:
-            finals = await run_to_end(self.state.aengine, self.reqs, http, tracker)
+        async with tracked(self.served, self.rid, self.reqs) as tracker:
+            finals = await run_to_end(self.served.aengine, self.reqs, http, tracker)
             choices = [self._choice(p, out, c) for p, out in enumerate(finals) for c in out.outputs]
             if self.echo_only:
                 finals = [_without_output(out) for out in finals]
@@ -155,7 +155,7 @@ class _Completion:
 
     def _choice(self, p: int, out: RequestOutput, c) -> dict:
         """One finished choice: echo and generated text, logprobs (the prompt's first when echoed)."""
-        body, text_of = self.body, self.state.token_strings
+        body, text_of = self.body, self.served.token_strings
         entries = [] if self.echo_only else (c.logprobs or [])
         prompt_ids = None
         if body.echo and body.logprobs is not None:
@@ -194,7 +194,7 @@ class _Completion:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
     async def stream(self) -> AsyncIterator[bytes]:
-        tracker = RequestTracker(self.state, self.rid, self.reqs)
+        tracker = RequestTracker(self.served, self.rid, self.reqs)
         fast = DeltaEncoder(lambda index, text: self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}]))
         total = len(self.reqs) * self.n
         sent_logprobs = [0] * total
@@ -207,7 +207,7 @@ class _Completion:
                 for index in range(total):
                     if self.echo[index // self.n]:
                         yield fast.encode(index, self.echo[index // self.n])
-            async with aclosing(merged(self.state.aengine, self.reqs)) as outputs:
+            async with aclosing(merged(self.served.aengine, self.reqs)) as outputs:
                 async for p, out in outputs:
                     tracker.observe(p, out)
                     finals[p] = out

@@ -58,6 +58,8 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: Int | None = None
+    # Ollama's: how long the model stays loaded once idle (seconds or a duration like "10m"; 0 now; negative: always).
+    keep_alive: int | float | str | None = None
     # Structured output (checked by the adapter, which names what is wrong): OpenAI's
     # response_format, and vLLM's extras, `structured_outputs` and the older `guided_*`.
     response_format: Any = None
@@ -240,13 +242,28 @@ class CompletionResponse(_Response):
     usage: Usage
 
 
+class ModelStatus(_Response):
+    value: Literal["loaded", "loading", "unloaded", "unloading", "failed"]
+    reason: str | None = None  # why it failed
+
+
+class ModelModalities(_Response):
+    input: list[str]
+    output: list[str]
+
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"]
-    created: int
+    created: int  # when it was last loaded (0: never)
     owned_by: str
-    root: str
-    max_model_len: int
+    root: str  # its file's or folder's name
+    status: ModelStatus
+    memory_bytes: int  # weights, KV pool and workspace: measured once loaded, estimated before
+    memory_measured: bool
+    modalities: ModelModalities
+    in_flight: int  # HTTP requests using it now
+    max_model_len: int | None = None  # while loaded
 
 
 class ModelList(_Response):
@@ -316,4 +333,5 @@ _STATUS_TEXT = {
     413: "The body is larger than --max-request-bytes",
     500: "The server failed; details are in its log",
     503: "The model is loading, failed to load, or the server is overloaded (Retry-After)",
+    507: "The model cannot fit the server's memory budget (--models-memory)",
 }
