@@ -2,14 +2,14 @@
 
     .venv/bin/python benchmarks/several_models.py [--rounds 2] [--quick]
 
-Models: the default GGUF (SmolLM2-135M-Instruct, Q4_1) and the same model as a Hugging Face folder (float weights:
-.peers/smollm2-hf when `make bench-peers` made it, else exported here from the GGUF with transformers).
+Models: the default GGUF (SmolLM2-135M-Instruct, Q4_1) and the same model as a Hugging Face folder (float32
+safetensors, exported from the GGUF with transformers into .peers/smollm2-hf once, as compare_peers does).
 
-    cold-load       POST /v1/models for each, unloaded between (median of 3), and the server's own measure
+    cold-load       POST /v1/models for each, unloaded between (median of 3)
     first-request   TTFT of a streamed chat request whose model is unloaded, against the same request once loaded
-    two-at-once     output tok/s of shoal bench's chat workload (8 streams, 64 tokens) on model a alone, on b alone,
-                    and on both at once (two bench runs side by side); the GGUF under two names, so a and b are the
-                    same work. Twice: steps in turns (the default) and --models-parallel-steps
+    two-at-once     output tok/s of shoal bench's chat workload (4 and 16 streams, 64 tokens) on model a alone, on b
+                    alone, and on both at once (two bench runs side by side); the GGUF under two names, so a and b
+                    are the same work. Twice: steps at the same time (the default) and --models-step-turns
     cycles          the server's RSS after each of 20 load and unload cycles of the HF folder
 
 One server process at a time. Each throughput row is the round with the median total. Writes
@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,7 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compare_peers import HF_EXPORT, free_port  # noqa: E402
+from compare_peers import HF_EXPORT, Peer, Server, export_hf_folder  # noqa: E402
 from publish import cpu_kind, machine, machine_line, publish, table  # noqa: E402
 
 from shoal.bench import BenchConfig, run  # noqa: E402
@@ -46,85 +44,62 @@ SHOAL = ROOT / ".venv" / "bin" / "shoal"
 CHAT = [{"role": "user", "content": "Write two sentences about the sea."}]
 
 
-class ShoalServer:
-    """`shoal serve` with a YAML config, on a free port, in its own process group."""
+class ShoalModels(Peer):
+    """`shoal serve` with a YAML config (its `models:` list), as compare_peers' Server runs a peer."""
 
-    def __init__(self, config: dict, log_dir: Path, name: str, *flags: str) -> None:
+    def __init__(self, name: str, config: dict, log_dir: Path, *flags: str) -> None:
         import yaml
 
-        self.port = free_port()
-        path = log_dir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.log_path = log_dir / f"{name}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([str(SHOAL), "serve", "--config", str(path), "--port", str(self.port), "--log-requests", "false",
-                                      *flags], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.http = httpx.Client(base_url=self.url, timeout=600, trust_env=False)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"shoal exited; see {self.log_path}")
-            try:
-                if self.http.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"shoal did not start; see {self.log_path}")
-            time.sleep(0.2)
+        super().__init__(name=name, label=f"shoal {' '.join(flags)}".strip(), health_path="/health", available=True)
+        self.config_path = log_dir / f"{name}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.flags = flags
 
-    def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
-
-    def threads(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/task"))
-
-    def stop(self) -> None:
-        self.http.close()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
+    def command(self, port: int, gguf: Path) -> list[str]:
+        return [sys.executable, "-m", "shoal.cli", "serve", "--config", str(self.config_path), "--port", str(port),
+                "--no-log-requests", *self.flags]
 
 
-def hf_folder(tmp: Path) -> Path:
-    if (HF_EXPORT / "config.json").is_file():
-        return HF_EXPORT
-    import torch
-    import transformers
-
-    gguf = resolve_model_path("smollm2")
-    out = tmp / "smollm2-hf"
-    print(f"exporting {gguf.name} to a Hugging Face folder ({out})", file=sys.stderr)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    return out
+def start(name: str, config: dict, log_dir: Path, *flags: str) -> Server:
+    srv = Server(ShoalModels(name, config, log_dir, *flags), Path(), log_dir)
+    srv.wait_ready(300)
+    srv.url = srv.base_url.removesuffix("/v1")
+    srv.http = httpx.Client(base_url=srv.url, timeout=600, trust_env=False)
+    return srv
 
 
-def ttft(srv: ShoalServer, model: str) -> float:
+def rss_mib(srv: Server) -> float:
+    for line in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def threads(srv: Server) -> int:
+    return len(os.listdir(f"/proc/{srv.proc.pid}/task"))
+
+
+def hf_folder() -> Path:
+    """The default model as a Hugging Face folder (float32 safetensors), exported once into .peers/."""
+    export_hf_folder(resolve_model_path("smollm2"), HF_EXPORT)
+    return HF_EXPORT
+
+
+def ttft(srv: Server, model: str) -> float:
     t0 = time.perf_counter()
     body = {"model": model, "messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": True}
     with srv.http.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+        first = None
+        for line in r.iter_lines():  # read to the end: the next request starts on an idle server
+            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 first = time.perf_counter() - t0
-                for _ in r.iter_lines():
-                    pass
-                return first
-    raise RuntimeError("no token came")
+    if first is None:
+        raise RuntimeError("no token came")
+    return first
 
 
-def cold_loads(srv: ShoalServer, names: list[str], repeats: int) -> dict:
+def cold_loads(srv: Server, names: list[str], repeats: int) -> dict:
     out = {}
     for name in names:
         times, own = [], []
@@ -138,7 +113,7 @@ def cold_loads(srv: ShoalServer, names: list[str], repeats: int) -> dict:
     return out
 
 
-def first_request(srv: ShoalServer, name: str, repeats: int) -> dict:
+def first_request(srv: Server, name: str, repeats: int) -> dict:
     cold, warm = [], []
     for _ in range(repeats):
         srv.http.delete(f"/v1/models/{name}").raise_for_status()
@@ -156,7 +131,7 @@ def chat_run(url: str, model: str, streams: int, requests: int, seed: int) -> di
     return r
 
 
-def two_at_once(srv: ShoalServer, streams: int, requests: int, seed: int) -> dict:
+def two_at_once(srv: Server, streams: int, requests: int, seed: int) -> dict:
     alone = {m: chat_run(srv.url, m, streams, requests, seed)["output_throughput"] for m in ("a", "b")}
     both: dict[str, dict] = {}
     threads = [threading.Thread(target=lambda m=m: both.update({m: chat_run(srv.url, m, streams, requests, seed + 1)}))
@@ -178,49 +153,52 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer requests and cycles (a smoke run)")
     a = ap.parse_args()
-    streams, requests, repeats, cycles = (4, 8, 1, 3) if a.quick else (8, 32, 3, 20)
+    levels, repeats, cycles = ((4,), 1, 3) if a.quick else ((4, 16), 3, 20)
     gguf = str(resolve_model_path("smollm2"))
     results: dict = {"machine": machine(), "args": vars(a)}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        hf = hf_folder(tmp)
+        hf = hf_folder()
         offered = {"models": [{"model": gguf, "alias": "gguf"}, {"model": str(hf), "alias": "hf"}], "preload": "none"}
         print("cold loads, first requests and load/unload cycles", file=sys.stderr)
-        srv = ShoalServer(offered, tmp, "lifecycle")
+        srv = start("lifecycle", offered, tmp)
         try:
             results["cold_load"] = cold_loads(srv, ["gguf", "hf"], repeats)
             results["first_request"] = {n: first_request(srv, n, repeats) for n in ("gguf", "hf")}
             srv.http.delete("/v1/models").raise_for_status()
-            rss, threads = [srv.rss_mib()], [srv.threads()]
+            rss, counts = [rss_mib(srv)], [threads(srv)]
             for i in range(cycles):
                 srv.http.post("/v1/models", json={"model": "hf"}).raise_for_status()
                 srv.http.post("/v1/chat/completions", json={"model": "hf", "messages": CHAT, "max_tokens": 4}).raise_for_status()
                 srv.http.delete("/v1/models/hf").raise_for_status()
-                rss.append(srv.rss_mib())
-                threads.append(srv.threads())
-                print(f"  cycle {i + 1}/{cycles}: RSS {rss[-1]:.0f} MiB, {threads[-1]} threads", file=sys.stderr)
-            results["cycles"] = {"rss_mib": rss, "threads": threads}
+                rss.append(rss_mib(srv))
+                counts.append(threads(srv))
+                print(f"  cycle {i + 1}/{cycles}: RSS {rss[-1]:.0f} MiB, {counts[-1]} threads", file=sys.stderr)
+            results["cycles"] = {"rss_mib": rss, "threads": counts}
         finally:
+            srv.http.close()
             srv.stop()
         two = {"models": [{"model": gguf, "alias": "a"}, {"model": gguf, "alias": "b"}], "preload": "all"}
-        results["two_at_once"] = {}
-        for mode, flags in (("turns", ()), ("parallel", ("--models-parallel-steps",))):
-            rounds = []
-            for r in range(a.rounds):
-                srv = ShoalServer(two, tmp, f"two-{mode}", *flags)
+        rounds: dict = {}
+        for r in range(a.rounds):
+            for mode, flags in (("parallel", ()), ("turns", ("--models-step-turns",))):
+                srv = start(f"two-{mode}", two, tmp, *flags)
                 try:
                     chat_run(srv.url, "a", 2, 2, 999)  # warm-up: first-call allocations are not what we measure
                     chat_run(srv.url, "b", 2, 2, 999)
-                    rounds.append(two_at_once(srv, streams, requests, seed=r))
+                    for streams in levels:
+                        rounds.setdefault((mode, streams), []).append(two_at_once(srv, streams, 3 * streams, seed=r))
+                        print(f"  {mode}, {streams} streams, round {r + 1}: {rounds[mode, streams][-1]}", file=sys.stderr)
                 finally:
+                    srv.http.close()
                     srv.stop()
-                print(f"  {mode} round {r + 1}: {rounds[-1]}", file=sys.stderr)
-            results["two_at_once"][mode] = sorted(rounds, key=lambda x: x["together_total"])[len(rounds) // 2]
+        results["two_at_once"] = [{"mode": mode, "streams": streams, **sorted(runs, key=lambda x: x["together_total"])[len(runs) // 2]}
+                                  for (mode, streams), runs in rounds.items()]
     kind = cpu_kind()
     c, f, cy = results["cold_load"], results["first_request"], results["cycles"]
     lines = [f"# Several models in one server ({kind})", "", f"Measured on {machine_line(results['machine'])}.",
-             "The default GGUF (SmolLM2-135M-Instruct, Q4_1) and the same model as a Hugging Face folder (bfloat16 "
-             "safetensors); `benchmarks/several_models.py`.", "", "## Loading", ""]
+             "The default GGUF (SmolLM2-135M-Instruct, Q4_1) and the same model as a Hugging Face folder (float32 "
+             "safetensors, served in the default dtype); `benchmarks/several_models.py`.", "", "## Loading", ""]
     lines += table(["model", "cold load (POST /v1/models)", "TTFT, model unloaded", "TTFT, model loaded"],
                    [[n, f"{c[n]['seconds']:.2f} s", f"{f[n]['cold_ttft_s'] * 1000:.0f} ms", f"{f[n]['warm_ttft_s'] * 1000:.0f} ms"]
                     for n in ("gguf", "hf")], "lrrr")
@@ -228,13 +206,14 @@ def main() -> int:
               f"RSS before the first load {cy['rss_mib'][0]:.0f} MiB; after cycle 1 {cy['rss_mib'][1]:.0f} MiB; "
               f"after the last {cy['rss_mib'][-1]:.0f} MiB (max {max(cy['rss_mib']):.0f}). "
               f"Threads: {cy['threads'][0]} before, {cy['threads'][-1]} after.", "",
-              f"## Two models at once (shoal bench chat, {streams} streams each, 64 tokens, greedy)", ""]
+              f"## Two models at once (shoal bench chat, 64 tokens, greedy; of {a.rounds} rounds, the upper median by total)", ""]
     rows = []
-    for mode, t in results["two_at_once"].items():
+    for t in results["two_at_once"]:
         alone = (t["alone_a"] + t["alone_b"]) / 2
-        rows.append([{"turns": "steps in turns (default)", "parallel": "--models-parallel-steps"}[mode], f"{alone:.1f}",
+        rows.append([{"parallel": "steps at once (default)", "turns": "--models-step-turns"}[t["mode"]], t["streams"], f"{alone:.1f}",
                      f"{t['together_a']:.1f} + {t['together_b']:.1f}", f"{t['together_total']:.1f}", f"{t['together_total'] / alone:.2f}x"])
-    lines += table(["mode", "one model alone, tok/s", "both at once, tok/s each", "both, total tok/s", "total / alone"], rows, "lrrrr")
+    lines += table(["mode", "streams per model", "one model alone, tok/s", "both at once, tok/s each", "both, total tok/s",
+                    "total / alone"], rows, "lrrrrr")
     publish(f"several-models-{kind}", results, lines)
     return 0
 

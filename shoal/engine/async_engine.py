@@ -54,10 +54,12 @@ class EngineStopped(EngineDeadError):
 class StepTurns:
     """Engines that share one take turns at stepping, first come first served (a ticket lock).
 
-    Several models in one server each have an engine and a thread; on a CPU two steps at once fight for the same
-    cores, and two OpenMP pools outnumbering the cores make every parallel region sleep and wake (module
-    docstring). With turns each step has the cores to itself, and a model waits at most one step of each other
-    model. A lone engine takes its turn uncontended (a lock and a counter, microseconds per step).
+    Several models in one server each have an engine and a thread, and by default they step at the same time:
+    on the 2-core hosts measured, one small model's step leaves the cores idle much of the time (Python
+    bookkeeping, sampling, single-threaded stretches), and two models at once gave 1.3-1.7x the tokens of one,
+    where turns gave 0.9-1.1x (docs/guides/several-models.md). Turns (--models-step-turns) are for models whose
+    steps already keep every core busy: each step then has the cores to itself, and a model waits at most one
+    step of each other model.
     """
 
     def __init__(self) -> None:

@@ -19,8 +19,8 @@ files before its first load; measured after it). A load that would pass --models
 loaded models) first unloads the least recently used idle models; if that is not enough the load is refused:
 507 when the model could never fit the budget, 503 with Retry-After while other models' requests hold the room.
 
-Steps of different models take turns on the CPU (`StepTurns`, engine/async_engine.py); why is in
-docs/guides/several-models.md.
+Models step at the same time, each on its engine's thread; `--models-step-turns` makes them take turns
+(`StepTurns`, engine/async_engine.py). Why the default is what it is: docs/guides/several-models.md.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ class Lifecycle:
     default_fallback: bool = False  # --default-model-fallback: unknown names go to the default model
     load_timeout: float = 120.0  # --model-load-timeout: longest a request waits for its model to load
     drain_timeout: float = 30.0  # --model-drain-timeout: longest an unload waits for requests in flight
-    parallel_steps: bool = False  # --models-parallel-steps: models step at the same time instead of in turns
+    step_turns: bool = False  # --models-step-turns: one model's step at a time instead of all at once
 
     def __post_init__(self) -> None:
         if self.preload not in ("default", "all", "none"):
@@ -296,7 +296,7 @@ class ModelManager:
                 self._by_name.setdefault(alias, m)
         if not self.models:
             raise ValueError("a server needs at least one model")
-        self.turns = None if lifecycle.parallel_steps else StepTurns()
+        self.turns = StepTurns() if lifecycle.step_turns else None
         self._subscribers: set[asyncio.Queue] = set()
         self._reaper: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once started
@@ -342,7 +342,7 @@ class ModelManager:
         if m.in_use == 0:
             m._idle.set()
             if m.status in ("unloaded", "failed") and m.engine is not None:  # unloaded under this lease
-                m.detach()
+                _let_go(m)
             if m.expires <= self.clock() and m.loaded:  # keep_alive 0: unload now that it is idle
                 asyncio.get_running_loop().create_task(self._unload_quietly(m, "its keep_alive ran out"))
 
@@ -500,8 +500,7 @@ class ModelManager:
         # Requests still in the engine end with `reason`; later ones from leases still held get it too.
         await asyncio.to_thread(m.aengine.shutdown, reason)
         if m.in_use == 0:  # else the last lease lets go (`release`): its handler may still read the engine
-            m.detach()
-            gc.collect()  # the engine's tensors (weights, KV pool) go back now, not at some later collection
+            _let_go(m)
         m.status = "unloaded"
         m.expires = math.inf
         log.info("model %s unloaded", m.name)
@@ -577,6 +576,20 @@ class ModelManager:
                 q.put_nowait(event)
             except asyncio.QueueFull:  # a reader that does not read loses events, not the server
                 pass
+
+
+def _let_go(m: ServedModel) -> None:
+    """Drop the engine of an unloaded model, and give its memory back to the system now: a collection frees its
+    tensors (weights, KV pool), and glibc's malloc_trim returns the freed heap pages it would otherwise keep for
+    later allocations (the weights' tensors are small enough to live in the heap)."""
+    import ctypes
+
+    m.detach()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory goes back when the allocator decides
+        pass
 
 
 def _request_keep_alive(value) -> float:
