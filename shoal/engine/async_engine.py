@@ -94,7 +94,8 @@ class _Sink:
 class AsyncEngine:
     def __init__(self, engine: Engine | Callable[[], Engine], turns: StepTurns | None = None, name: str = "shoal-engine") -> None:
         """`engine`: an Engine, or a function that builds one on the loop's thread (see the module docstring).
-        `ready` resolves to the engine once it is there, or to the build's exception. `turns`: shared with the
+        `ready` resolves (to None: it keeps no reference to the engine, which may be unloaded while the future
+        lives on) once `self.engine` is there, or to the build's exception. `turns`: shared with the
         other engines of the process, so that their steps take turns (StepTurns)."""
         self._turns = turns
         self._stop_reason = "the server is shutting down"
@@ -121,7 +122,10 @@ class AsyncEngine:
         RequestFailed when it failed on its own (others go on), EngineDeadError when
         the whole step failed.
         """
-        self.engine.validate(request)  # read-only: safe from this thread
+        engine = self.engine
+        if engine is None:  # shut down (or still building: the server never routes a request here then)
+            raise EngineStopped(self._stop_reason)
+        engine.validate(request)  # read-only: safe from this thread
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._drained:  # the loop is over: nothing would ever take this in
@@ -151,7 +155,8 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests waiting to run: in the engine's queue, or submitted and not yet taken in."""
-        return self.engine.num_waiting + self._queued_adds
+        engine = self.engine
+        return (engine.num_waiting if engine is not None else 0) + self._queued_adds
 
     def shutdown(self, reason: str | None = None, wait: bool = True) -> None:
         """Stop the loop and release the engine; requests still in it end with EngineStopped(`reason`). `wait`:
@@ -177,7 +182,7 @@ class AsyncEngine:
                 self.ready.set_exception(exc)
                 return
         try:
-            self.ready.set_result(self.engine)
+            self.ready.set_result(None)
         except concurrent.futures.InvalidStateError:  # the load was cancelled (the server stopped): nobody steps it
             self._stopped.set()
         try:
@@ -185,6 +190,9 @@ class AsyncEngine:
         finally:
             self._end_remaining()
             self.engine.close()  # stop the other ranks, if any (this thread ran their collectives)
+            # Shut down for good: whoever still holds this object (a caller's frame, a thread pool's last work
+            # item) does not hold the engine's memory (weights, KV pool) with it.
+            self.engine = None
 
     def _end_remaining(self) -> None:
         """The loop is over: whoever still waits on a request (in the engine, or still in the inbox) hears why."""

@@ -426,7 +426,8 @@ class ModelManager:
         t0 = time.perf_counter()
         aengine = AsyncEngine(lambda: builder.build_engine(m.config), turns=self.turns, name=f"shoal-engine-{m.name}")
         try:
-            engine = await asyncio.wrap_future(aengine.ready)
+            await asyncio.wrap_future(aengine.ready)
+            engine = aengine.engine
         except Exception as e:  # anything: the server must say so, not die
             m.status = "failed"
             m.error = str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
