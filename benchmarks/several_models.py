@@ -5,15 +5,18 @@
 Models: the default GGUF (SmolLM2-135M-Instruct, Q4_1) and the same model as a Hugging Face folder (float32
 safetensors, exported from the GGUF with transformers into .peers/smollm2-hf once, as compare_peers does).
 
-    cold-load       POST /v1/models for each, unloaded between (median of 3)
+    cold-load       POST /models/load (llama.cpp's route, which shoal serves too) until the model is listed as loaded,
+                    unloaded between (median of 3)
     first-request   TTFT of a streamed chat request whose model is unloaded, against the same request once loaded
     two-at-once     output tok/s of shoal bench's chat workload (4 and 16 streams, 64 tokens) on model a alone, on b
                     alone, and on both at once (two bench runs side by side); the GGUF under two names, so a and b
-                    are the same work. Twice: steps at the same time (the default) and --models-step-turns
-    cycles          the server's RSS after each of 20 load and unload cycles of the HF folder
+                    are the same work. shoal with steps at the same time (the default) and --models-step-turns
+    cycles          shoal's RSS and threads after each of 20 load and unload cycles of the HF folder
 
-One server process at a time. Each throughput row is the round with the median total. Writes
-benchmarks/results/several-models-KIND.{md,json} (KIND: publish.cpu_kind).
+The peer, where `make bench-peers` built it: llama-server in router mode (--models-dir, a process per model, -np 16),
+for the GGUF's cold load and first requests, and two models at once. One server process at a time. Each
+throughput row is the upper median round by total. Writes benchmarks/results/several-models-KIND.{md,json}
+(KIND: publish.cpu_kind).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compare_peers import HF_EXPORT, Peer, Server, export_hf_folder  # noqa: E402
+from compare_peers import HF_EXPORT, LLAMA_SERVER, THREADS, Peer, Server, export_hf_folder  # noqa: E402
 from publish import cpu_kind, machine, machine_line, publish, table  # noqa: E402
 
 from shoal.bench import BenchConfig, run  # noqa: E402
@@ -60,8 +63,25 @@ class ShoalModels(Peer):
                 "--no-log-requests", *self.flags]
 
 
+class LlamaRouter(Peer):
+    """llama-server in router mode: every .gguf in a directory, each loaded in a process of its own on demand."""
+
+    def __init__(self, name: str, models: dict[str, str], log_dir: Path, threads: int = THREADS) -> None:
+        super().__init__(name=name, label="llama-server router", health_path="/health", available=LLAMA_SERVER.exists())
+        self.threads = threads  # each model's process's
+        self.dir = log_dir / name
+        self.dir.mkdir(exist_ok=True)
+        for alias, path in models.items():
+            (self.dir / f"{alias}.gguf").symlink_to(path)
+
+    def command(self, port: int, gguf: Path) -> list[str]:
+        return [str(LLAMA_SERVER), "--models-dir", str(self.dir), "--models-max", "4", "--host", "127.0.0.1", "--port",
+                str(port), "-t", str(self.threads), "-tb", str(self.threads), "-np", "16", "-c", str(16 * 4096), "--log-disable"]
+
+
 def start(name: str, config: dict, log_dir: Path, *flags: str) -> Server:
-    srv = Server(ShoalModels(name, config, log_dir, *flags), Path(), log_dir)
+    peer = LlamaRouter(name, config, log_dir, *flags) if name.startswith("llama") else ShoalModels(name, config, log_dir, *flags)
+    srv = Server(peer, Path(), log_dir)
     srv.wait_ready(300)
     srv.url = srv.base_url.removesuffix("/v1")
     srv.http = httpx.Client(base_url=srv.url, timeout=600, trust_env=False)
@@ -99,24 +119,49 @@ def ttft(srv: Server, model: str) -> float:
     return first
 
 
+def status(srv: Server, name: str) -> str:
+    """A model's status from llama.cpp's router list, which shoal serves too (GET /models)."""
+    for m in srv.http.get("/models").json()["data"]:
+        if m["id"] == name:
+            return m["status"]["value"]
+    raise RuntimeError(f"{srv.peer.name} offers no model {name!r}")
+
+
+def settle(srv: Server, name: str, want: str) -> None:
+    deadline = time.monotonic() + 300
+    while status(srv, name) != want:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} on {srv.peer.name} is not {want} after 300 s; see {srv.log_path}")
+        time.sleep(0.02)
+
+
+def unload(srv: Server, name: str) -> None:
+    """llama.cpp's POST /models/unload (shoal's answers once done; the router's may answer first)."""
+    if status(srv, name) == "loaded":
+        srv.http.post("/models/unload", json={"model": name}).raise_for_status()
+    settle(srv, name, "unloaded")
+
+
 def cold_loads(srv: Server, names: list[str], repeats: int) -> dict:
+    """POST /models/load until the model is listed as loaded."""
     out = {}
     for name in names:
-        times, own = [], []
+        times = []
         for _ in range(repeats):
-            srv.http.delete(f"/v1/models/{name}").raise_for_status()
+            unload(srv, name)
             t0 = time.perf_counter()
-            srv.http.post("/v1/models", json={"model": name}).raise_for_status()
+            srv.http.post("/models/load", json={"model": name}).raise_for_status()
+            settle(srv, name, "loaded")
             times.append(time.perf_counter() - t0)
         out[name] = {"seconds": statistics.median(times), "all": times}
-        print(f"  load {name}: {statistics.median(times):.2f} s", file=sys.stderr)
+        print(f"  {srv.peer.name}: load {name} {statistics.median(times):.2f} s", file=sys.stderr)
     return out
 
 
 def first_request(srv: Server, name: str, repeats: int) -> dict:
     cold, warm = [], []
     for _ in range(repeats):
-        srv.http.delete(f"/v1/models/{name}").raise_for_status()
+        unload(srv, name)
         cold.append(ttft(srv, name))
         warm.append(ttft(srv, name))
     return {"cold_ttft_s": statistics.median(cold), "warm_ttft_s": statistics.median(warm)}
@@ -166,6 +211,8 @@ def main() -> int:
             results["cold_load"] = cold_loads(srv, ["gguf", "hf"], repeats)
             results["first_request"] = {n: first_request(srv, n, repeats) for n in ("gguf", "hf")}
             srv.http.delete("/v1/models").raise_for_status()
+            results["cold_load_rss_mib"] = rss_mib(srv)
+            srv.http.delete("/v1/models").raise_for_status()
             rss, counts = [rss_mib(srv)], [threads(srv)]
             for i in range(cycles):
                 srv.http.post("/v1/models", json={"model": "hf"}).raise_for_status()
@@ -178,14 +225,30 @@ def main() -> int:
         finally:
             srv.http.close()
             srv.stop()
+        if LLAMA_SERVER.exists():
+            srv = start("llama-lifecycle", {"gguf": gguf}, tmp)
+            try:
+                results["llama"] = {"cold_load": cold_loads(srv, ["gguf"], repeats), "first_request": first_request(srv, "gguf", repeats)}
+            finally:
+                srv.http.close()
+                srv.stop()
         two = {"models": [{"model": gguf, "alias": "a"}, {"model": gguf, "alias": "b"}], "preload": "all"}
+        # The router as it starts (every model's process takes -t all cores), and with one thread per model's process
+        # (two models on 2 cores: what its threads' spinning needs).
+        llama = [("llama", (THREADS,)), ("llama-t1", (1,))] if LLAMA_SERVER.exists() else []
+        modes = [("parallel", ()), ("turns", ("--models-step-turns",)), *llama]
         rounds: dict = {}
         for r in range(a.rounds):
-            for mode, flags in (("parallel", ()), ("turns", ("--models-step-turns",))):
-                srv = start(f"two-{mode}", two, tmp, *flags)
+            for mode, flags in modes:
+                if mode.startswith("llama"):  # a directory of its own each time: the router offers what it holds
+                    srv = start(f"{mode}-two-{r}", {"a": gguf, "b": gguf}, tmp, *flags)
+                else:
+                    srv = start(f"two-{mode}", two, tmp, *flags)
                 try:
-                    chat_run(srv.url, "a", 2, 2, 999)  # warm-up: first-call allocations are not what we measure
-                    chat_run(srv.url, "b", 2, 2, 999)
+                    for m in ("a", "b"):  # loaded, then warm: first-call allocations are not what we measure
+                        srv.http.post("/models/load", json={"model": m}).raise_for_status()
+                        settle(srv, m, "loaded")
+                        chat_run(srv.url, m, 2, 2, 999)
                     for streams in levels:
                         rounds.setdefault((mode, streams), []).append(two_at_once(srv, streams, 3 * streams, seed=r))
                         print(f"  {mode}, {streams} streams, round {r + 1}: {rounds[mode, streams][-1]}", file=sys.stderr)
@@ -199,9 +262,14 @@ def main() -> int:
     lines = [f"# Several models in one server ({kind})", "", f"Measured on {machine_line(results['machine'])}.",
              "The default GGUF (SmolLM2-135M-Instruct, Q4_1) and the same model as a Hugging Face folder (float32 "
              "safetensors, served in the default dtype); `benchmarks/several_models.py`.", "", "## Loading", ""]
-    lines += table(["model", "cold load (POST /v1/models)", "TTFT, model unloaded", "TTFT, model loaded"],
-                   [[n, f"{c[n]['seconds']:.2f} s", f"{f[n]['cold_ttft_s'] * 1000:.0f} ms", f"{f[n]['warm_ttft_s'] * 1000:.0f} ms"]
-                    for n in ("gguf", "hf")], "lrrr")
+    rows = [[f"shoal, {n}", f"{c[n]['seconds']:.2f} s", f"{f[n]['cold_ttft_s'] * 1000:.0f} ms", f"{f[n]['warm_ttft_s'] * 1000:.0f} ms"]
+            for n in ("gguf", "hf")]
+    if "llama" in results:
+        lc, lf = results["llama"]["cold_load"]["gguf"], results["llama"]["first_request"]
+        rows.append(["llama-server router, gguf", f"{lc['seconds']:.2f} s", f"{lf['cold_ttft_s'] * 1000:.0f} ms",
+                     f"{lf['warm_ttft_s'] * 1000:.0f} ms"])
+    lines += table(["server, model", "cold load (POST /models/load until loaded)", "TTFT, model unloaded",
+                    "TTFT, model loaded"], rows, "lrrr")
     lines += ["", f"## {len(cy['rss_mib']) - 1} load and unload cycles (the Hugging Face folder)", "",
               f"RSS before the first load {cy['rss_mib'][0]:.0f} MiB; after cycle 1 {cy['rss_mib'][1]:.0f} MiB; "
               f"after the last {cy['rss_mib'][-1]:.0f} MiB (max {max(cy['rss_mib']):.0f}). "
@@ -210,7 +278,9 @@ def main() -> int:
     rows = []
     for t in results["two_at_once"]:
         alone = (t["alone_a"] + t["alone_b"]) / 2
-        rows.append([{"parallel": "steps at once (default)", "turns": "--models-step-turns"}[t["mode"]], t["streams"], f"{alone:.1f}",
+        rows.append([{"parallel": "shoal, steps at once (default)", "turns": "shoal --models-step-turns",
+                      "llama": f"llama-server router, -t {THREADS} a model (its default: all cores)",
+                      "llama-t1": "llama-server router, -t 1 a model"}[t["mode"]], t["streams"], f"{alone:.1f}",
                      f"{t['together_a']:.1f} + {t['together_b']:.1f}", f"{t['together_total']:.1f}", f"{t['together_total'] / alone:.2f}x"])
     lines += table(["mode", "streams per model", "one model alone, tok/s", "both at once, tok/s each", "both, total tok/s",
                     "total / alone"], rows, "lrrrrr")
