@@ -108,7 +108,9 @@ def hf_folder() -> Path:
 def ttft(srv: Server, model: str) -> float:
     t0 = time.perf_counter()
     body = {"model": model, "messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": True}
-    with srv.http.stream("POST", "/v1/chat/completions", json=body) as r:
+    # A connection of its own: the router closed a kept-alive one between requests ("disconnected without a response").
+    with httpx.Client(base_url=srv.url, timeout=600, trust_env=False) as fresh, \
+            fresh.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         first = None
         for line in r.iter_lines():  # read to the end: the next request starts on an idle server
