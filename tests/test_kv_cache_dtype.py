@@ -111,8 +111,9 @@ def test_stats_and_metrics_report_bytes_per_token_and_the_tokens_the_pool_holds(
         assert stats["kv_bytes_per_token"] == per_token and stats["kv_capacity_tokens"] == 64 * 8
         assert stats["kv_cache_dtype"] == "int8"
         metrics = httpx.get(f"{srv.url}/metrics").text
-        assert f"shoal:kv_cache_bytes_per_token {float(per_token)}" in metrics
-        assert f"shoal:kv_cache_capacity_tokens {float(64 * 8)}" in metrics
+        label = f'{{model_name="{srv.state.model_name}"}}'
+        assert f"shoal:kv_cache_bytes_per_token{label} {float(per_token)}" in metrics
+        assert f"shoal:kv_cache_capacity_tokens{label} {float(64 * 8)}" in metrics
 
 
 def _real_text(llm: LLM, tokens: int) -> list[int]:

@@ -75,7 +75,7 @@ def concrete(expr: str) -> str:
 
 
 def scrape(srv) -> tuple[dict[str, str], set[str], dict[str, float]]:
-    """{family: type}, the series names and {unlabelled series: value} of a /metrics scrape."""
+    """{family: type}, the series names and {series labelled by model_name alone: value} of a /metrics scrape."""
     with srv.http() as h:
         r = h.get("/metrics", headers=AUTH)
     assert r.status_code == 200, r.text
@@ -84,7 +84,7 @@ def scrape(srv) -> tuple[dict[str, str], set[str], dict[str, float]]:
         families[f.name] = f.type
         for s in f.samples:
             series.add(s.name)
-            if not s.labels:
+            if not {k for k in s.labels if k != "model_name"}:  # one model: its series is the server's
                 values[s.name] = s.value
     return families, series, values
 

@@ -358,7 +358,7 @@ def test_server_over_two_ranks_answers_shows_the_cluster_and_survives_a_lost_ran
             assert "must be restarted" in r.json()["error"]["message"]
             health = http.get("/health")
             assert health.status_code == 503 and health.json()["error"].startswith("rank 1, a process holding part of the model")
-            assert "shoal:model_loaded 0.0" in http.get("/metrics").text  # /metrics agrees with /health
+            assert f'shoal:model_loaded{{model_name="{srv.state.model_name}"}} 0.0' in http.get("/metrics").text  # as /health says
             states = [x["state"] for x in http.get("/v1/cluster").json()["ranks"]]
             assert states == ["unreachable", "exited (-9)"]
 

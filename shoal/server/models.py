@@ -41,7 +41,6 @@ from shoal.server.errors import APIError, bad_request, unavailable
 
 log = logging.getLogger("shoal.server")
 
-STATUSES = ("unloaded", "loading", "loaded", "unloading", "failed")
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's 5 minutes
 RETRY_LOADING_S = 5  # Retry-After (seconds) while a model loads
 WORKSPACE_BYTES = 256 << 20  # activations, logits and scratch of one step, before a load measures nothing better
@@ -301,6 +300,8 @@ class ModelManager:
         self._reaper: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once started
         self.preloaded = False  # every --preload model has loaded (or failed)
+        # --preload's models not loaded yet: from the start, so that /health says "loading" before their load begins
+        self.to_preload = {"default": [self.default], "all": list(self.models.values()), "none": []}[lifecycle.preload]
         self._lock = asyncio.Lock()  # one admission decision (and its evictions) at a time
 
     # ------------------------------------------------------------ names
@@ -521,13 +522,13 @@ class ModelManager:
         """Preload what --preload says, and start the keep-alive reaper."""
         self.loop = asyncio.get_running_loop()
         self._reaper = asyncio.create_task(self._reap())
-        preload = {"default": [self.default], "all": list(self.models.values()), "none": []}[self.lifecycle.preload]
-        for m in preload:
+        for m in list(self.to_preload):
             try:
                 await self.start_load(m)
             except APIError as e:  # refused by the budget: it says why, and the server goes on
                 m.status, m.error = "failed", e.message
                 log.error("model %s cannot be loaded: %s", m.name, e.message)
+            self.to_preload.remove(m)
             if m is self.default and m.status == "failed" and on_default_error is not None:
                 on_default_error(RuntimeError(m.error))
         self.preloaded = True
@@ -538,6 +539,8 @@ class ModelManager:
 
         m = self.default
         m.attach(engine, AsyncEngine(engine, turns=self.turns))
+        if m in self.to_preload:
+            self.to_preload.remove(m)
         m.spec = dataclasses.replace(m.spec, keep_alive=math.inf)  # not ours to unload when idle: it was handed in
         self._touch(m, math.inf)
         self._emit(m)

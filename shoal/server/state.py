@@ -131,8 +131,10 @@ class ServerState:
 
     @property
     def status(self) -> str:
-        """/health's word for the default model: ok (loaded, or loadable on demand), loading, or failed."""
-        return _HEALTH[self.default.status]
+        """/health's word for the default model: ok (loaded, or loadable on demand), loading (its load at start
+        included, before it began), or failed."""
+        m = self.default
+        return "loading" if m.status == "unloaded" and m in self.models.to_preload else _HEALTH[m.status]
 
     @property
     def load_error(self) -> str | None:
