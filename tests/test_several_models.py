@@ -140,7 +140,7 @@ def test_load_unload_by_api_and_the_compatible_routes(tiny_llama_path, tiny_qwen
         assert r.status_code == 503 and "POST /v1/models" in r.json()["error"]["message"]
 
 
-def test_a_streamed_request_waits_for_its_model_with_keep_alive_comments(tiny_llama_path, tiny_qwen_path, monkeypatch):
+def test_a_streamed_request_waits_for_its_model_with_keep_alive_comments(tiny_llama_path, tiny_qwen_path, tmp_path, monkeypatch):
     from shoal.engine import builder
     from shoal.server import streams
 
@@ -154,7 +154,17 @@ def test_a_streamed_request_waits_for_its_model_with_keep_alive_comments(tiny_ll
         return real(config)
 
     monkeypatch.setattr(builder, "build_engine", slow)
-    with LiveServer(_specs(tiny_llama_path, tiny_qwen_path)) as srv, srv.http() as h:
+    from shoal.config import EngineConfig
+
+    specs = [*_specs(tiny_llama_path, tiny_qwen_path), ModelSpec("broken", EngineConfig(model=str(tmp_path / "missing.gguf")))]
+    with LiveServer(specs) as srv, srv.http() as h:
+        # A load that fails after the stream began: the protocol's own error event ends it.
+        r = h.post("/v1/completions", json={"model": "broken", "prompt": "hi", "stream": True})
+        assert r.status_code == 200
+        events = [ln for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert json.loads(events[0][6:])["error"]["code"] == "model_load_failed" and events[-1] == "data: [DONE]"
+        r = h.post("/v1/messages", json={"model": "broken", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200 and "event: error" in r.text and "failed to load" in r.text
         lines = []
         with h.stream("POST", "/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 3, "temperature": 0, "stream": True}) as r:
             assert r.status_code == 200

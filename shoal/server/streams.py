@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from shoal.engine.async_engine import EngineStopped, EngineUnavailable, RequestFailed
 from shoal.server.errors import APIError, new_request_id, server_failure, unavailable
-from shoal.server.sse import dumps, encode_event
+from shoal.server.sse import DONE, dumps, encode_event
 from shoal.server.models import RETRY_LOADING_S
 from shoal.server.state import release_admission
 from shoal.types import GenerationRequest, RequestOutput
@@ -176,10 +176,11 @@ async def answer_when_loaded(request: Request, model: str | None, stream: bool |
 
 
 def _error_event(e: APIError, path: str) -> bytes:
+    """The error as the route's own streams end with one: Anthropic's named event, or OpenAI's chunk and [DONE]."""
     body = e.body(path)
-    if body.get("type") == "error":  # Anthropic's stream names its events
+    if body.get("type") == "error":
         return f"event: error\ndata: {dumps(body)}\n\n".encode()
-    return encode_event(body)
+    return encode_event(body) + DONE
 
 
 # What a request that lost its client answers (nobody reads it; nginx's code for it).
