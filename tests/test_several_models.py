@@ -48,6 +48,13 @@ def _complete(h, model: str, prompt: str, **kw) -> httpx.Response:
     return h.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, **kw})
 
 
+def _used(srv, h, model: str, **kw) -> None:
+    """A request to `model`, and its lease over: the server lets go of it just after the answer's last byte, and a
+    clock moved before that would count the model's idle time from the wrong moment."""
+    assert _complete(h, model, "x", **kw).status_code == 200
+    srv.wait_until(lambda: srv.state.models.models[model].in_use == 0, what=f"{model}'s lease to end")
+
+
 # ---------------------------------------------------------------- keep_alive values
 
 
@@ -188,9 +195,8 @@ def test_idle_models_unload_after_their_keep_alive(tiny_llama_path, tiny_qwen_pa
     specs[1] = ModelSpec("b", specs[1].config, keep_alive=60.0)  # its own keep-alive
     with LiveServer(specs, lifecycle=Lifecycle(keep_alive=600.0), clock=clock) as srv, srv.http() as h:
         manager = srv.state.models
-        assert _complete(h, "b", "x").status_code == 200
+        _used(srv, h, "b")
         clock.now += 59
-        srv.wait_until(lambda: manager.models["b"].expires > clock.now, what="b's expiry to be ahead")
         assert _status(h, "b") == "loaded" and _status(h, "a") == "loaded"
         clock.now += 2  # past b's 60 s, not a's 600 s: the reaper (once a second) unloads b only
         srv.wait_until(lambda: _status(h, "b") == "unloaded", what="b to expire")
@@ -202,8 +208,8 @@ def test_idle_models_unload_after_their_keep_alive(tiny_llama_path, tiny_qwen_pa
         assert r.status_code == 200 and r.json()["model"] == "b"
         srv.wait_until(lambda: _status(h, "b") == "unloaded", what="b to unload at once")
         # keep_alive -1: never, however long it idles; "10m": ten minutes from its last use.
-        assert _complete(h, "b", "x", keep_alive=-1).status_code == 200
-        assert _complete(h, "a", "x", keep_alive="10m").status_code == 200
+        _used(srv, h, "b", keep_alive=-1)
+        _used(srv, h, "a", keep_alive="10m")
         def expire() -> list[str]:
             return asyncio.run_coroutine_threadsafe(manager.expire(), manager.loop).result(10)
 
@@ -233,9 +239,9 @@ def test_the_budget_evicts_the_least_recently_used_idle_model_and_never_a_busy_o
         manager = srv.state.models
         for m in manager.models.values():  # as measured: the same checkpoints
             m.memory = sizes[m.name]
-        assert _complete(h, "b", "x").status_code == 200
-        assert _complete(h, "a", "x").status_code == 200  # a is now the most recently used
-        assert _complete(h, "c", "x").status_code == 200  # b, the least recently used idle one, made room
+        _used(srv, h, "b")
+        _used(srv, h, "a")  # a is now the most recently used
+        _used(srv, h, "c")  # b, the least recently used idle one, made room
         assert [_status(h, n) for n in ("a", "b", "c")] == ["loaded", "unloaded", "loaded"]
         # With requests in flight on both a and c, b cannot come in: a 503 with Retry-After, and nothing unloads.
         manager.models["a"].in_use += 1
