@@ -376,7 +376,7 @@ def _model_entries(value, path) -> list[dict]:
 def model_specs(v: dict) -> list:
     """Every model `serve` offers: `models:` entries, then --model values, then --models-dir's; the first is the
     default. The served name of the first is --served-model-name when given."""
-    from shoal.server.models import parse_keep_alive, spec_for, specs_in_dir
+    from shoal.server.models import MODEL_SERVER_FIELDS, parse_keep_alive, spec_for, specs_in_dir
 
     models = v.get("model") or []
     models = [models] if isinstance(models, str) else list(models)
@@ -386,7 +386,7 @@ def model_specs(v: dict) -> list:
     specs = []
     for i, entry in enumerate(entries):
         config = engine_config({**v, **{k: x for k, x in entry.items() if k not in MODEL_ENTRY_KEYS}})
-        overrides = {k: entry[k] for k in ("chat_template", "reasoning_parser", "tool_call_parser") if k in entry}
+        overrides = {k: entry[k] for k in MODEL_SERVER_FIELDS if k in entry}
         keep = entry.get("keep_alive")
         name = entry.get("alias") or (v.get("served_model_name") if i == 0 else None)
         specs.append(spec_for(config, name, overrides=overrides,

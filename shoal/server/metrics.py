@@ -180,7 +180,7 @@ class _SnapshotCollector:
     def collect(self):
         samples: dict[str, dict[tuple, float]] = {}
         for m in self.state.models.models.values():
-            for key, value in _model_samples(self.state, m):
+            for key, value in _model_samples(m):
                 labels = value if isinstance(value, dict) else {(): value}
                 into = samples.setdefault(key, {})
                 for k, v in labels.items():
@@ -193,7 +193,7 @@ class _SnapshotCollector:
             yield family
 
 
-def _model_samples(state, m):
+def _model_samples(m):
     """(family key, value or {label values: value}) of one model."""
     c = m.counters
     yield "client_disconnects", c.client_disconnects
@@ -203,7 +203,7 @@ def _model_samples(state, m):
     yield "model_loaded", 1 if serving else 0
     yield "model_memory_bytes", m.memory
     yield "model_loads", m.loads
-    yield "build_info", {tuple(state.build_info(m)): 1}
+    yield "build_info", {m.build_info(): 1}
     if engine is None:
         return
     s = engine.snapshot

@@ -224,6 +224,13 @@ class ServedModel:
         self.measured = True
         log.info("model %s: chat template %s", self.name, self.renderer.source)
 
+    def build_info(self) -> tuple[str, str, str, str, str]:
+        """(version, model, dtype, quantization, device): what /metrics' build_info says of it."""
+        from shoal import __version__
+
+        f = self.engine.facts if self.engine is not None else None
+        return (__version__, self.name, *((f.dtype, f.weight_format, f.device) if f is not None else ("", "", "")))
+
     def detach(self) -> None:
         self.engine = self.aengine = self.renderer = self.token_strings = None
         self.generation_defaults = {}
@@ -380,14 +387,13 @@ class ModelManager:
             waiting = m._loading
             left = deadline - self.clock()
             if waiting is None or left <= 0:
-                raise unavailable(f"model {m.name!r} is still loading; try again shortly", RETRY_LOADING_S, "model_loading")
+                raise _still_loading(m)
             try:
                 await asyncio.wait_for(asyncio.shield(waiting), timeout=left)
             except TimeoutError:
-                raise unavailable(f"model {m.name!r} is still loading; try again shortly", RETRY_LOADING_S,
-                                  "model_loading") from None
+                raise _still_loading(m) from None
             if m.status == "failed":
-                raise APIError(503, f"model {m.name!r} failed to load: {m.error}", code="model_load_failed")
+                raise _load_failed(m)
 
     # ------------------------------------------------------------ loading
     def start_load(self, m: ServedModel) -> asyncio.Future:
@@ -406,7 +412,7 @@ class ModelManager:
         m = self.find(name)
         await self.start_load(m)
         if m.status == "failed":
-            raise APIError(503, f"model {m.name!r} failed to load: {m.error}", code="model_load_failed")
+            raise _load_failed(m)
         self._touch(m, self.keep_alive_of(m))
         return m
 
@@ -580,6 +586,14 @@ class ModelManager:
                 q.put_nowait(event)
             except asyncio.QueueFull:  # a reader that does not read loses events, not the server
                 pass
+
+
+def _still_loading(m: ServedModel) -> APIError:
+    return unavailable(f"model {m.name!r} is still loading; try again shortly", RETRY_LOADING_S, "model_loading")
+
+
+def _load_failed(m: ServedModel) -> APIError:
+    return APIError(503, f"model {m.name!r} failed to load: {m.error}", code="model_load_failed")
 
 
 def _let_go(m: ServedModel) -> None:

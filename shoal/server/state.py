@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from shoal import __version__
 from shoal.config import EngineConfig
 from shoal.server.errors import unavailable
 from shoal.server.metrics import ServerMetrics
@@ -82,7 +81,6 @@ class ServerState:
         from shoal.engine.engine import Engine
 
         self.settings = settings
-        self.created = int(time.time())
         self.metrics = ServerMetrics(self)  # Prometheus: /metrics (server/metrics.py)
         self.routes: frozenset[str] = frozenset()  # set by create_app
         self._engine = source if isinstance(source, Engine) else None
@@ -152,14 +150,6 @@ class ServerState:
             for f in dataclasses.fields(ServerCounters):
                 setattr(total, f.name, getattr(total, f.name) + getattr(m.counters, f.name))
         return total
-
-    def build_info(self, m: ServedModel) -> tuple[str, str, str, str, str]:
-        """(version, model, dtype, quantization, device) of `m`."""
-        e = m.engine
-        if e is None:
-            return (__version__, m.name, "", "", "")
-        f = e.facts
-        return (__version__, m.name, f.dtype, f.weight_format, f.device)
 
     # ------------------------------------------------------------ checks for handlers
     def require_ranks(self, m: ServedModel) -> None:
