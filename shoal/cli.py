@@ -75,6 +75,8 @@ ENGINE_OPTS = [
     Opt("--kv-cache-memory", "1GiB", str, "KV cache budget on CPU, e.g. 2GiB or 512MiB"),
     Opt("--kv-cache-dtype", "auto", str, "what the KV cache holds: auto (the activations' dtype), float32, bfloat16, "
         "float16, int8 (a scale per token and head: about half of bfloat16's bytes) or fp8 (CUDA)", choices=KV_CACHE_DTYPES),
+    Opt("--encoder-cache-memory", "256MiB", str, "a vision model's image embeddings kept by content, so an image "
+        "sent again (this conversation's next turn, or anyone's) is not encoded again"),
     Opt("--block-size", 16, int, "tokens per KV block"),
     Opt("--max-num-seqs", 64, int, "most sequences in one step"),
     Opt("--max-num-batched-tokens", 512, int, "most tokens in one step (prefill chunk size)"),
@@ -155,6 +157,16 @@ SERVER_OPTS = [
         "(dropped by default: they change every request and defeat the prefix cache)", kind="flag"),
     Opt("--ignore-eos", False, None, "server default: keep generating past EOS", kind="flag"),
     Opt("--log-requests", True, None, "one log line per request (default: on)", kind="bool"),
+    # Images for vision models (docs/guides/vision.md): data: URIs always; URLs and files only where allowed.
+    Opt("--allowed-media-domains", [], str, "fetch image URLs (http, https) from these host names (repeatable, or "
+        "comma-separated; *.example.com takes subdomains). Default: none, so image URLs are refused", kind="list"),
+    Opt("--allow-private-media-addresses", False, None, "let image URLs reach loopback, private and link-local "
+        "addresses (refused by default, whatever the domain list says)", kind="flag"),
+    Opt("--allowed-local-media-path", None, str, "read file: image URLs under this folder (default: none)"),
+    Opt("--max-image-bytes", "10MiB", str, "largest image file, fetched or sent"),
+    Opt("--max-image-pixels", 8192 * 8192, int, "most pixels of one image, read from its header before decoding"),
+    Opt("--max-images-per-request", 8, int, "most images in one request"),
+    Opt("--media-fetch-timeout", 10.0, float, "seconds one image URL may take, redirects and body included"),
 ]
 
 # Several models in one server (docs/guides/several-models.md). The YAML config may also list `models:`.
@@ -285,6 +297,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
         prefix_cache_disk_bytes=parse_bytes(v.get("prefix_cache_disk_bytes", "8GiB")),
         prefix_cache_host_bytes=parse_bytes(v.get("prefix_cache_host_bytes", 0)),
         prefix_cache_restore=v.get("prefix_cache_restore", "auto"),
+        encoder_cache_memory=parse_bytes(v.get("encoder_cache_memory", "256MiB")),
     )
     return EngineConfig(
         model=str(v["model"]),
@@ -486,6 +499,13 @@ def server_settings(v: dict):
         log_format=v["log_format"],
         log_requests=bool(v["log_requests"]),
         ignore_eos=bool(v["ignore_eos"]) if v["ignore_eos"] else None,
+        allowed_media_domains=tuple(d.strip() for item in (v["allowed_media_domains"] or []) for d in str(item).split(",") if d.strip()),
+        allow_private_media_addresses=bool(v["allow_private_media_addresses"]),
+        allowed_local_media_path=v["allowed_local_media_path"],
+        max_image_bytes=parse_bytes(v["max_image_bytes"]),
+        max_image_pixels=int(v["max_image_pixels"]),
+        max_images_per_request=int(v["max_images_per_request"]),
+        media_fetch_timeout=float(v["media_fetch_timeout"]),
         **{o.key: v[o.key] for o in SERVER_SAMPLING_OPTS if o.key != "stop"},
         stop=tuple(v["stop"]) if v["stop"] else None,
     )

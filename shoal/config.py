@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 # MKL's float32 GEMM gives a row other bits depending on how many rows share the call (a GEMV for one row,
 # other blockings for a few); in this strict reproducible mode it computes every row the same way, at up to
@@ -72,8 +73,12 @@ class CacheConfig:
     prefix_cache_disk_bytes: int = 8 * GiB  # ... up to this many bytes
     prefix_cache_host_bytes: int = 0  # ... or in host RAM, up to this many bytes (for a KV cache on a GPU)
     prefix_cache_restore: str = "auto"  # auto: restore when the measured rates say it is cheaper | always | never
+    # A vision model's image embeddings kept by content (runner/encoder_cache.py), so an image is encoded once.
+    encoder_cache_memory: int = 256 * MiB
 
     def __post_init__(self) -> None:
+        if self.encoder_cache_memory < 0:
+            raise ValueError(f"encoder_cache_memory must not be negative, got {self.encoder_cache_memory}")
         if self.prefix_cache_disk_bytes < 1 or self.prefix_cache_host_bytes < 0:
             raise ValueError("prefix_cache_disk_bytes must be positive and prefix_cache_host_bytes not negative")
         if self.prefix_cache_restore not in ("auto", "always", "never"):

@@ -129,20 +129,34 @@ def test_several_models_are_listed_and_the_charts_follow_the_one_picked(browser,
     from server_utils import tiny_engine_config
     from shoal.server.models import Lifecycle, ModelSpec
 
+    from test_server_vision import PNG, data_uri
+    from tiny_models import make_tiny_vl_model
+
     coder = make_tiny_model("qwen2", tmp_path / "coder", seed=1)
+    eyes = make_tiny_vl_model("qwen2_vl", tmp_path / "eyes")
     specs = [ModelSpec("chat", tiny_engine_config(tiny_llama_path)), ModelSpec("coder", tiny_engine_config(coder)),
-             ModelSpec("idle", tiny_engine_config(coder))]
+             ModelSpec("idle", tiny_engine_config(coder)), ModelSpec("eyes", tiny_engine_config(eyes, max_model_len=256))]
     with LiveServer(specs, lifecycle=Lifecycle(preload="none")) as srv:
         client = srv.openai()
         client.completions.create(model="chat", prompt="one", max_tokens=3, extra_body={"ignore_eos": True})
         client.completions.create(model="coder", prompt="two", max_tokens=7, extra_body={"ignore_eos": True})
+        for _ in range(2):  # a vision model: the same image twice, encoded once
+            client.chat.completions.create(model="eyes", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_uri(PNG)}}, {"type": "text", "text": "and?"}]}])
         errors: list[str] = []
         page = open_page(browser, srv.url, errors)
-        page.wait_for_function("document.querySelectorAll('#models-table tbody tr').length === 3", timeout=15000)
+        page.wait_for_function("document.querySelectorAll('#models-table tbody tr').length === 4", timeout=15000)
         rows = page.eval_on_selector_all("#models-table tbody tr", "rs => rs.map(r => [...r.cells].slice(0, 2).map(c => c.innerText))")
-        assert rows == [["chat", "loaded"], ["coder", "loaded"], ["idle", "unloaded"]]
+        assert rows == [["chat", "loaded"], ["coder", "loaded"], ["idle", "unloaded"], ["eyes", "loaded"]]
         assert page.inner_text("#tile-generated") == "3"  # the default model's, at first
+        assert page.is_hidden("#vision")  # a text model has no image panel
         page.select_option("#model-select", "coder")
         page.wait_for_function("document.getElementById('tile-generated').innerText === '7'", timeout=15000)
         assert page.inner_text("#model") == "coder"
+        page.select_option("#model-select", "eyes")
+        page.wait_for_selector("#vision:not([hidden])", timeout=15000)
+        vision = srv.state.models.find("eyes").engine.monitor.snapshot.vision
+        shown = page.eval_on_selector_all("#chart-vision rect.bar", "rs => rs.map(r => [r.dataset.label, Number(r.dataset.value)])")
+        assert shown == [["encoded", 1], ["cache hits", vision["cache_hits"]]] and vision["images_encoded"] == 1
+        assert page.inner_text("#vision-text").startswith("2 images in requests")
         assert errors == []

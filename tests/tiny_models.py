@@ -125,3 +125,63 @@ def make_tiny_model(arch: str, path: Path, *, seed: int = 0, rope_parameters: di
     tokenizer.save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2], "temperature": 0.7}))
     return path
+
+
+# Qwen2-VL's chat template, reduced: a message's content is a string or a list of parts, and each image part
+# becomes <|vision_start|><|image_pad|><|vision_end|> (the processor, or shoal, repeats the pad per token).
+VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+VL_ARCHS = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
+}
+
+
+def make_tiny_vl_model(family: str, path: Path, *, seed: int = 0, max_pixels: int = 28 * 28 * 64) -> Path:
+    """Write a random-weight vision-language model folder (config, safetensors, tokenizer, chat template and
+    preprocessor config) of `family` (VL_ARCHS): a two-layer ViT over 14-pixel patches, merged 2x2, before a
+    two-layer Qwen2 decoder with M-RoPE. max_pixels keeps images small (64 tokens at most)."""
+    import importlib
+
+    import transformers
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *VL_TOKENS]})
+    tokenizer.chat_template = VL_TEMPLATE
+    ids = dict(zip(VL_TOKENS, tokenizer.convert_tokens_to_ids(VL_TOKENS)))
+    config_cls, model_cls, proc_module, proc_cls = VL_ARCHS[family]
+    text = dict(_BASE, num_hidden_layers=2, vocab_size=len(tokenizer),
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, hidden_size=32 if family == "qwen2_5_vl" else 64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    if family == "qwen2_vl":
+        vision.update(embed_dim=32, mlp_ratio=2)
+    else:  # window attention over 2x2 windows of merged tokens, full attention in the last block
+        vision.update(intermediate_size=64, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
+    config = getattr(transformers, config_cls)(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+    )
+    config.architectures = [model_cls]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias") or "norm1" in name or "norm2" in name or "ln_q" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    processor = getattr(importlib.import_module(f"transformers.models.{proc_module}"), proc_cls)(min_pixels=56 * 56, max_pixels=max_pixels)
+    processor.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    return path

@@ -42,7 +42,8 @@ class BeamSearch(RequestState):
 
     def start(self, grammar) -> None:
         request, p = self.request, self.request.params
-        seq = Sequence(request.request_id, list(request.prompt_token_ids), p, priority=request.priority, seed=p.seed)
+        seq = Sequence(request.request_id, list(request.prompt_token_ids), p, priority=request.priority, seed=p.seed,
+                       images=request.images)
         seq.grammar = self.ctx.constraint(p, grammar)
         self.live, self.scores = [seq], {seq.seq_id: 0.0}
         self.ctx.scheduler.add(seq)
@@ -135,6 +136,7 @@ class BeamSearch(RequestState):
             token_ids=beam.token_ids[:-1] + [token_id],
             seed=beam.seed,
             num_prompt_logprobs=beam.num_prompt_logprobs,
+            images=beam.images,
         )
         if beam.grammar is not None:
             child.grammar = beam.grammar.fork()

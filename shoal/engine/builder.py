@@ -37,7 +37,7 @@ def build_engine(config: EngineConfig) -> Engine:
     tier = build_tier(config, runner, facts)
     speculator = build_speculator(config, runner, ckpt.tokenizer, part.max_model_len)
     engine = Engine(executor, ckpt.tokenizer, ckpt.eos_token_ids, config, part.max_model_len, facts=facts, tier=tier,
-                    speculator=speculator)
+                    speculator=speculator, vision=ckpt.image_preparer)
     log.info(
         "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks%s",
         time.perf_counter() - t0, facts.architecture, facts.dtype,

@@ -12,6 +12,7 @@ import logging
 import time
 from collections import deque
 
+from shoal import multimodal
 from shoal.config import EngineConfig, SchedulerConfig
 from shoal.engine.beam import BeamSearch
 from shoal.engine.block_pool import KVBlockPool
@@ -41,12 +42,15 @@ class Engine:
         facts: EngineFacts | None = None,
         tier=None,
         speculator=None,
+        vision=None,
     ) -> None:
         """executor: how the engine reaches the model (shoal/executor): `submit(plan)` up to `depth` steps in flight, `collect(ticket)`, `failure`, `runner`
         (this process's ModelRunner), `cluster()`, `close()`. A bare ModelRunner is taken as a local one.
         facts: what is served (the builder knows the checkpoint); by default what the runner tells.
         tier: the prefix cache's second tier (engine/kv_tier.py), or None; it needs the KV in this process.
-        speculator: speculative decoding (engine/speculative.py), or None."""
+        speculator: speculative decoding (engine/speculative.py), or None.
+        vision: a vision-language model's image preparation (model/vision.ImagePreparer), which the server uses
+        to turn images into prompt tokens; None for a text-only model."""
         from shoal.executor import LocalExecutor  # noqa: PLC0415 (the executor imports torch; the engine's bookkeeping does not)
 
         if not hasattr(executor, "runner"):
@@ -60,6 +64,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.vocab_size = runner.config.vocab_size
+        self.vision = vision
         pool = KVBlockPool(runner.num_blocks, runner.block_size)
         cache = config.cache
         prefix_cache = PrefixCache(pool, ttl=cache.prefix_cache_ttl, block_bytes=runner.bytes_per_block) if cache.enable_prefix_cache else None
@@ -92,6 +97,10 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
                 f"(the prompt plus at least one output token must fit)"
             )
+        if self.vision is not None:  # every placeholder token belongs to an image, and every image has its own
+            multimodal.check_spans(request.images, ids, self.vision.spec.image_token_id)
+        elif request.images:
+            raise ValueError("this model does not take images")
         p = request.params
         bad_bias = [t for t in (p.logit_bias or {}) if not 0 <= int(t) < self.vocab_size]
         if bad_bias:
@@ -116,6 +125,7 @@ class Engine:
         self._requests[request.request_id] = state
         self.stats.requests_added += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
+        self.stats.images += len(request.images)
 
     def abort(self, request_id: str, client_disconnected: bool = False) -> bool:
         """Stop a request now; its output (finish_reason abort) comes with the next step().

@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from shoal import multimodal
 from shoal.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from shoal.engine.builder import build_engine
 from shoal.server.chat.template import ChatRenderer
+from shoal.server.media import pixel_digest
 from shoal.types import GenerationRequest, RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -62,14 +64,35 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them. A vision model's messages may
+        hold images as content parts: {"type": "image", "image": a PIL image, "detail": optional}."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        token_lists = [self.apply_chat_template(c, **(chat_template_kwargs or {})) for c in conversations]
+        prompts = [self._chat_prompt(c, chat_template_kwargs or {}) for c in conversations]
         stop = self._renderer.default_stop  # the plain fallback's: a base model must not write the user's turn
         if stop:
-            plist = self._params(params, len(token_lists))
+            plist = self._params(params, len(prompts))
             params = [replace(p, stop=p.stop + tuple(s for s in stop if s not in p.stop)) for p in plist]
-        return self._run(token_lists, params, None, use_tqdm, texts=[None] * len(token_lists))
+        return self._run([ids for ids, _ in prompts], params, None, use_tqdm, texts=[None] * len(prompts),
+                         images=[spans for _, spans in prompts])
+
+    def _chat_prompt(self, messages: Sequence[Message], kwargs: dict) -> tuple[list[int], tuple]:
+        """A conversation's token ids, with each image's tokens in place, and the images' spans."""
+        images, rendered = [], []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list) and any(p.get("type") == "image" for p in content):
+                if self.engine.vision is None:
+                    raise ValueError("this model does not accept images")
+                for p in content:
+                    if p.get("type") == "image":
+                        image = p["image"].convert("RGB")
+                        images.append(self.engine.vision.prepare(image, pixel_digest(image), p.get("detail")))
+                m = {**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in content]}
+            rendered.append(m)
+        ids = self.apply_chat_template(rendered, **kwargs)
+        if self.engine.vision is None:
+            return ids, ()
+        return multimodal.expand_placeholders(ids, self.engine.vision.spec.image_token_id, images)
 
     def apply_chat_template(self, messages: Sequence[Message], **kwargs: Any) -> list[int]:
         return self._renderer.encode(self._renderer.render(list(messages), template_kwargs=kwargs))
@@ -89,13 +112,14 @@ class LLM:
             raise ValueError(f"{n} prompts but {len(plist)} SamplingParams")
         return plist
 
-    def _run(self, token_lists, params, priority, use_tqdm, texts) -> list[RequestOutput]:
+    def _run(self, token_lists, params, priority, use_tqdm, texts, images=None) -> list[RequestOutput]:
         n = len(token_lists)
         plist = self._params(params, n)
         order = []
         for i, ids in enumerate(token_lists):
             rid = f"offline-{next(self._ids)}"
-            req = GenerationRequest(rid, tuple(ids), plist[i], priority=priority[i] if priority else 0, prompt=texts[i])
+            req = GenerationRequest(rid, tuple(ids), plist[i], priority=priority[i] if priority else 0, prompt=texts[i],
+                                    images=images[i] if images else ())
             self.engine.add_request(req)
             order.append(rid)
         done: dict[str, RequestOutput] = {}

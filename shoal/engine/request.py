@@ -190,6 +190,7 @@ class SampledChoices(RequestState):
                 # Forks share the prompt: only the first choice computes its logprobs.
                 num_prompt_logprobs=0 if first is None else len(request.prompt_token_ids),
                 grammar=ctx.constraint(p, grammar),
+                images=request.images,
             )
             first = first or seq
             detok = IncrementalDetokenizer(

@@ -379,6 +379,7 @@ class Scheduler:
             token_mask=seq.grammar.mask if sample and seq.grammar is not None else None,
             draft=draft,
             draft_masks=seq.draft_masks if draft and seq.grammar is not None else (),
+            images=seq.images,
         )
 
     def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> tuple[list[SampledToken], list]:

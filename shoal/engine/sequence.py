@@ -14,6 +14,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from shoal import multimodal
 from shoal.types import FinishReason, SamplingParams
 
 _seq_counter = itertools.count()
@@ -54,8 +55,11 @@ class Sequence:
     # them); the prompt is done at prompt_len - 1. Not reset by preemption, so a recompute
     # does not compute them again.
     num_prompt_logprobs: int = 0
-    # Extra content hashes at token positions (image placeholders): part of the prefix-cache key.
-    extra_keys: dict[int, int] | None = None
+    # The prompt's images (multimodal.ImageSpan), in order.
+    images: tuple = ()
+    # Extra content hashes at token positions (image placeholders): part of the prefix-cache key. By default
+    # each image's digest at each of its placeholders.
+    extra_keys: dict[int, int | bytes] | None = None
     # Prefix-cache trie nodes of this sequence's indexed full blocks, in order.
     cache_nodes: list = field(default_factory=list)
     # A read from the prefix cache's second tier in progress for this waiting sequence (kv_store.Fetch).
@@ -75,6 +79,8 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.extra_keys is None:
+            self.extra_keys = multimodal.extra_keys(self.images)
         if self.arrival < 0:
             self.arrival = self.seq_id
 

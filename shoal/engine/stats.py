@@ -33,6 +33,7 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    images: int = 0  # images in the requests added (a vision model's)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class EngineSnapshot:
     prefix_cache: MappingProxyType | None = None  # PrefixCacheStats' fields and its derived figures
     kv_tier: MappingProxyType | None = None  # the second tier's TierStats (engine/kv_tier.py); None: no tier
     speculative: MappingProxyType | None = None  # speculative decoding's counters (engine/speculative.py); None: off
+    vision: MappingProxyType | None = None  # a vision model's encoder cache (runner/encoder_cache.py); None: text only
     last_step: StepStats | None = None
     prompt_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> computed prompt tok/s
     generation_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> tok/s
@@ -123,7 +125,7 @@ class EngineSnapshot:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["counters"] = dataclasses.asdict(self.counters)
         d["facts"] = {**vars(self.facts), "generation_defaults": dict(self.facts.generation_defaults)}
-        for k in ("finished_by_reason", "prefix_cache", "kv_tier", "speculative", "prompt_throughput", "generation_throughput"):
+        for k in ("finished_by_reason", "prefix_cache", "kv_tier", "speculative", "vision", "prompt_throughput", "generation_throughput"):
             d[k] = dict(d[k]) if d[k] is not None else None
         d["last_step"] = dataclasses.asdict(self.last_step) if self.last_step else None
         d["recent_requests"] = list(self.recent_requests)
@@ -139,7 +141,8 @@ class StatsMonitor:
         self.engine = engine
         self.snapshot = EngineSnapshot(time=engine.clock(), facts=engine.facts, kv_blocks=engine.pool.num_blocks, kv_free_blocks=engine.pool.num_free,
                                        kv_block_bytes=engine.runner.bytes_per_block, kv_block_tokens=engine.runner.block_size, prefix_cache=_cache_view(engine.prefix_cache),
-                                       kv_tier=_tier_view(engine.tier), speculative=_spec_view(engine.speculator))
+                                       kv_tier=_tier_view(engine.tier), speculative=_spec_view(engine.speculator),
+                                       vision=_vision_view(engine.runner))
         self._last_step: StepStats | None = None
         self._computed_prompt_tokens = 0
         self._samples: deque[tuple[float, int, int]] = deque()  # (time, computed prompt tokens, generated tokens)
@@ -188,6 +191,7 @@ class StatsMonitor:
             prefix_cache=_cache_view(cache),
             kv_tier=_tier_view(e.tier),
             speculative=_spec_view(e.speculator),
+            vision=_vision_view(e.runner),
             last_step=self._last_step,
             prompt_throughput=self._rates(now, 1),
             generation_throughput=self._rates(now, 2),
@@ -229,3 +233,11 @@ def _spec_view(speculator) -> MappingProxyType | None:
     return MappingProxyType({"proposer": speculator.name, "max_draft_tokens": speculator.max_tokens,
                              "max_batch": speculator.max_batch, "draft_cost": speculator.draft_cost, **dataclasses.asdict(st),
                              "acceptance_rate": st.acceptance_rate, "steps_off": speculator.steps_off})
+
+
+def _vision_view(runner) -> MappingProxyType | None:
+    """The vision tower's encoder-cache counters (None for a text-only model)."""
+    encoder = getattr(runner, "encoder", None)
+    if encoder is None:
+        return None
+    return MappingProxyType({**dataclasses.asdict(encoder.stats), "capacity_bytes": encoder.capacity})

@@ -22,7 +22,7 @@ class ModelConfig:
     attention_bias: bool  # bias on q/k/v projections (Qwen2)
     qk_norm: bool  # RMSNorm over each head of q and k before rotary (Qwen3)
     sliding_window: int | None
-    hf_config: Any  # the transformers config, for rope parameters and anything family-specific
+    hf_config: Any  # the decoder's transformers config, for rope parameters and anything family-specific
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -45,13 +45,15 @@ class ModelConfig:
         return replace(self, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads, intermediate_size=shard.intermediate_size)
 
     @classmethod
-    def from_hf(cls, hf: Any, *, qk_norm: bool = False, attention_bias: bool | None = None) -> ModelConfig:
+    def from_hf(cls, config: Any, *, qk_norm: bool = False, attention_bias: bool | None = None) -> ModelConfig:
+        """config: a transformers config; a vision-language model's describes its decoder in `text_config`."""
+        hf = config.get_text_config()
         heads = hf.num_attention_heads
         window = getattr(hf, "sliding_window", None)
         if getattr(hf, "use_sliding_window", True) is False:
             window = None  # Qwen2 carries a window size it does not use
         return cls(
-            architecture=(hf.architectures or ["?"])[0],
+            architecture=(config.architectures or ["?"])[0],
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,

@@ -89,16 +89,21 @@ class Rotary(Layer):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """positions: [T] -> the step's cos and signed sin: looked up once per step, used by every layer.
+        """positions: [T] -> the step's cos and signed sin: looked up once per step, used by every layer."""
+        return self.tables(self.cos[positions], self.sin[positions], dtype)
+
+    @staticmethod
+    def tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos, sin: [T, D], the step's rows of the tables -> what apply_rope takes.
 
         HF rotates x by x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
         That is roll(x, D/2) * cat(-sin1, sin2): the sign moves into the table,
         and the rotation is one roll instead of a chunk, a negation and a cat.
         """
-        sin = self.sin[positions].float()
+        sin = sin.float()
         half = sin.shape[-1] // 2
         signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        cos = self.cos[positions].float()
+        cos = cos.float()
         if kernels.native_for(cos):  # the native op takes float32 [T, D] and rounds once
             return RopeTables(cos.contiguous(), signed, native=True)
         return RopeTables(cos.unsqueeze(1).to(dtype), signed.unsqueeze(1).to(dtype), native=False)
@@ -193,19 +198,24 @@ class DecoderLayer(Layer):
 class DecoderModel(Layer):
     """Embeddings, N pre-norm decoder layers, final norm: the HF `model.` prefix."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, first: bool = True, last: bool = True) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, first: bool = True, last: bool = True,
+                 rotary=Rotary) -> None:
         """first / last: whether this holds the model's first / last layers (a pipeline stage may hold neither):
-        the embedding lives on the first stage, the final norm is applied on the last."""
+        the embedding lives on the first stage, the final norm is applied on the last. rotary: the class of
+        the position tables (the family's)."""
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else None
-        self.rotary = Rotary(config, max_positions)
+        self.rotary = rotary(config, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(config, linear) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.last = last
 
-    def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
-        """hidden: the previous pipeline stage's output, in place of embedding input_ids."""
+    def forward(self, input_ids, positions, kv_caches, meta, hidden=None, embeds=None):
+        """hidden: the previous pipeline stage's output, in place of embedding input_ids. embeds: (rows [N],
+        values [N, hidden]) that replace those rows' token embeddings (an image's, from its encoder)."""
         x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, hidden]
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         rope = self.rotary(positions, x.dtype)
         if kernels.native_for(x):
             return self._forward_fused(x, rope, kv_caches, meta)
@@ -234,6 +244,7 @@ class DecoderForCausalLM(nn.Module):
 
     qk_norm = False
     attention_bias: bool | None = None  # None: as the config says
+    rotary = Rotary  # the position tables' class (M-RoPE for Qwen2-VL)
 
     def __init__(self, hf_config, max_positions: int, linear=float_linear, layers: tuple[int, int] | None = None) -> None:
         """linear(in, out, bias, parts) builds the decoder's projections: `quant.WeightFormat.linear`
@@ -254,16 +265,17 @@ class DecoderForCausalLM(nn.Module):
         first = self.layer_range[0] == 0
         if self.layer_range != (0, total):
             self.config = replace(self.config, num_layers=self.layer_range[1] - self.layer_range[0])
-        self.model = DecoderModel(self.config, max_positions, linear, first, self.layer_range[1] == total)
+        self.model = DecoderModel(self.config, max_positions, linear, first, self.layer_range[1] == total, self.rotary)
         if not self.config.tie_word_embeddings and first:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set by WeightFormat.finish_head: replaces the (tied) head
         self.tp = self.shard = self.vocab = None  # a tensor-parallel rank's split, shard and vocabulary rows
         self.gather_logits = None  # with a split vocabulary: every rank's logits side by side
 
-    def forward(self, input_ids, positions, kv_caches, meta, hidden=None) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden] (hidden: a previous pipeline stage's)."""
-        return self.model(input_ids, positions, kv_caches, meta, hidden)
+    def forward(self, input_ids, positions, kv_caches, meta, hidden=None, embeds=None) -> torch.Tensor:
+        """input_ids, positions: [T] ([3, T] for M-RoPE) -> hidden states [T, hidden] (hidden: a previous pipeline
+        stage's; embeds: rows whose embeddings are given, see DecoderModel.forward)."""
+        return self.model(input_ids, positions, kv_caches, meta, hidden, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32. With a split vocabulary (`vocab`) every

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from shoal.model.gguf_loader import GGUFFileReader, load_gguf, planned_weight_format
+from shoal.model.vision import load_preparer
 
 log = logging.getLogger("shoal.loader")
 
@@ -68,6 +69,9 @@ class LoadedCheckpoint:
     format: str  # "gguf" or "hf"
     weight_format: str = "none"  # the decoder projections' format (quant.WeightFormat); int4 from a GGUF: Q4Codes values
     defaults_source: str = "none"  # where generation_defaults come from: "the model's files", "the SmolLM2 model card", "none"
+    # A vision-language model's: its vision tower's tensors (names under the tower), and its image preparation.
+    vision_state_dict: dict[str, torch.Tensor] | None = None
+    image_preparer: object | None = None  # model.vision.ImagePreparer
 
 
 # ---------------------------------------------------------------- finding the model
@@ -152,6 +156,7 @@ def load_checkpoint(
     """
     path = resolve_model_path(str(name_or_path))
     start = time.perf_counter()
+    vision_state = preparer = None
     if path.suffix == ".gguf":
         gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization, select=select, reader=gguf_reader)
         weight_format = gg.weight_format
@@ -163,6 +168,8 @@ def load_checkpoint(
         weight_format = planned_weight_format(quantization, None)
         state_dict = load_safetensors(path, config, dtype, progress, select)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        if getattr(config, "vision_config", None) is not None:
+            vision_state, preparer = split_vision(state_dict), load_preparer(path, config, tokenizer)
         generation_eos, defaults = read_generation_config(path, config)
         fmt = "hf"
         names = (path.name,)
@@ -177,7 +184,21 @@ def load_checkpoint(
         path.name, fmt, config.model_type, len(state_dict), n_params / 1e6, list(eos), time.perf_counter() - start,
     )
     log.info("sampling defaults from %s: %s", source, defaults or "none (the built-in ones apply)")
-    return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt, weight_format, source)
+    return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt, weight_format, source, vision_state, preparer)
+
+
+VISION_PREFIXES = ("visual.", "model.visual.")  # a Qwen2-VL checkpoint's tower, as saved and as transformers 5 names it
+
+
+def split_vision(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Take the vision tower's tensors out of `state_dict` (normalize_names put them under `model.`), named
+    as under the tower."""
+    vision = {}
+    for key in [k for k in state_dict if k.startswith("model.visual.")]:
+        vision[key.removeprefix("model.visual.")] = state_dict.pop(key)
+    if not vision:
+        raise ValueError("the config describes a vision tower, but the checkpoint has no visual.* tensors")
+    return vision
 
 
 def card_defaults(names) -> tuple[str, dict] | None:
@@ -239,6 +260,8 @@ def normalize_names(raw: dict[str, torch.Tensor], tied: bool, names: list[str] |
             continue
         if key.endswith("lm_head.weight"):
             out["lm_head.weight"] = tensor
+        elif key.startswith(VISION_PREFIXES):  # a vision tower's: split_vision takes it
+            out["model.visual." + key.split("visual.", 1)[1]] = tensor
         elif key.startswith(prefix):
             out["model." + key[len(prefix) :]] = tensor
         else:

@@ -9,6 +9,8 @@ _MODELS = {
     "MistralForCausalLM": ("shoal.model.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("shoal.model.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("shoal.model.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ("shoal.model.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("shoal.model.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

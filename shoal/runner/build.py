@@ -14,10 +14,11 @@ from shoal import kernels
 from shoal.config import STRICT_MKL, EngineConfig
 from shoal.model.config import ModelConfig
 from shoal.model.invariance import make_row_invariant
-from shoal.model.layers import Rotary, bind_attributes
+from shoal.model.layers import bind_attributes
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
+from shoal.model.vision import build_tower
 from shoal.model.tensor_parallel import TensorParallel, connect_ranks, shard_model
 from shoal.model.weights import load_weights, shard_slice, stage_name
 from shoal.runner.host import keep_freed_memory
@@ -60,9 +61,12 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         select = part_selector(whole, split, layers)
     ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0, select=select, gguf_reader=gguf)
     hf = ckpt.hf_config
-    max_model_len = config.max_model_len or hf.max_position_embeddings
-    if config.max_model_len and config.max_model_len > hf.max_position_embeddings:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {hf.max_position_embeddings} positions")
+    positions = hf.get_text_config().max_position_embeddings
+    max_model_len = config.max_model_len or positions
+    if config.max_model_len and config.max_model_len > positions:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {positions} positions")
+    if ckpt.vision_state_dict is not None and group is not None:
+        raise ValueError("a vision-language model runs on one rank for now: tensor and pipeline parallelism take text-only models")
 
     weights = WeightFormat(ckpt.weight_format, dtype)
     with torch.device("meta"):
@@ -71,7 +75,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
             shard_model(model, split, weights.linear)
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
-    model.model.rotary = Rotary(model.config, max_model_len).to(device)
+    model.model.rotary = model.rotary(model.config, max_model_len).to(device)
     load_weights(model, ckpt.state_dict)
     model = model.to(dtype).eval()
     head = rank == 0 or model.vocab is not None  # rank 0 computes the logits, or every rank its slice of them
@@ -99,7 +103,11 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     spec = plan_kv_cache(model.config, config.cache, device, max_model_len, kv_dtype)
     if group is not None:
         spec = replace(spec, num_blocks=group.agree_min(spec.num_blocks))
-    runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, attention)
+    tower = None
+    if ckpt.vision_state_dict is not None:
+        tower = build_tower(type(model), hf, ckpt.vision_state_dict, device, dtype)
+        ckpt.vision_state_dict = None
+    runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, attention, tower, config.cache.encoder_cache_memory)
     ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
     return ModelPart(runner, ckpt, weights.name, max_model_len)
 

@@ -24,6 +24,9 @@ from shoal.config import CacheConfig
 from shoal.model.attention import SeqSpan, make_attention_backend
 from shoal.model.attention.common import cache_row, kv_bytes_per_token
 from shoal.model.layers import DecoderForCausalLM
+from shoal.model.qwen2_vl import MRotary
+from shoal.multimodal import mrope_positions
+from shoal.runner.encoder_cache import EncoderCache
 from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, process_logits, sample
 from shoal.types import Logprob, SampledToken, ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
 
@@ -81,10 +84,21 @@ class ForwardBatch:
     block_copies: list[tuple[int, int]]
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled (a sequence's last token)
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
+    images: list[ImageRows] = field(default_factory=list)  # the sequences with images, where their rows are
 
     @property
     def empty(self) -> bool:
         return not self.token_ids
+
+
+@dataclass(frozen=True)
+class ImageRows:
+    """A sequence with images in a step: its first row in the batch, the position of that row, its row count."""
+
+    row: int
+    start_pos: int
+    num_tokens: int
+    images: tuple  # multimodal.ImageSpan, the sequence's all
 
 
 @dataclass(frozen=True)
@@ -137,7 +151,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         attention: str = "invariant",
+        vision_tower=None,
+        encoder_cache_memory: int = 256 << 20,
     ) -> None:
+        """vision_tower: a vision-language model's (model/vision.py), whose image embeddings replace the
+        placeholder tokens' (through an EncoderCache of `encoder_cache_memory` bytes)."""
         self.model = model
         self.config = model.config
         self.device = device
@@ -159,6 +177,8 @@ class ModelRunner:
         self.kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, spec.num_blocks + 1, spec.block_size, row, dtype=spec.dtype, device=device)
         self.kv_caches = list(self.kv)  # per layer: [2, Hkv, blocks + 1, block_size, D (int8: D + 4)]
         self.attention = make_attention_backend(attention, c, block_size=spec.block_size, null_block=spec.num_blocks, device=device, dtype=dtype)
+        self.encoder = EncoderCache(vision_tower, encoder_cache_memory) if vision_tower is not None else None
+        self.mrope = isinstance(model.model.rotary, MRotary)
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",
             spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, self.kv.numel() * self.kv.element_size() / 2**20,
@@ -251,9 +271,41 @@ class ModelRunner:
         for s in batch.chunks:
             pos.extend(range(s.start_pos, s.context_len))
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        embeds = None
+        if batch.images and self.mrope:
+            positions = torch.tensor(self._mrope_positions(pos, batch.images), dtype=torch.long, device=dev)  # [3, T]
+        else:
+            positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        if batch.images and self.encoder is not None:
+            embeds = self._image_embeddings(batch.images)
         meta = self.attention.prepare(batch.decodes, batch.chunks)
-        return self.model(input_ids, positions, self.kv_caches, meta, hidden)
+        return self.model(input_ids, positions, self.kv_caches, meta, hidden, embeds)
+
+    @staticmethod
+    def _mrope_positions(pos: list[int], images: list[ImageRows]) -> list[list[int]]:
+        """The step's three M-RoPE rows: every token's index, but where a sequence with images has its own."""
+        rows = [pos, list(pos), list(pos)]
+        for at in images:
+            for row, own in zip(rows, mrope_positions(at.images, at.start_pos, at.start_pos + at.num_tokens)):
+                row[at.row : at.row + at.num_tokens] = own
+        return rows
+
+    def _image_embeddings(self, images: list[ImageRows]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, embeddings) of the step's image placeholders: each image's tower output (EncoderCache), sliced to
+        the placeholders this step computes."""
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        for at in images:
+            end = at.start_pos + at.num_tokens
+            for span in at.images:
+                a, b = max(span.offset, at.start_pos), min(span.end, end)
+                if a >= b:
+                    continue
+                parts.append(self.encoder.embeddings(span)[a - span.offset : b - span.offset])
+                rows.extend(range(at.row + a - at.start_pos, at.row + b - at.start_pos))
+        if not rows:
+            return None
+        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts)
 
     def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
         """One SampledToken per sequence. A failure that belongs to some rows (their
@@ -356,10 +408,13 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
     ids: list[int] = []
     sample_rows: list[int] = []
     prompt_rows: list[int] = []
+    images: list[ImageRows] = []
     for s in seqs:
         if s.prompt_targets:  # the first position whose logits give prompt logprobs, and on
             first = len(ids) + s.prompt_logprobs_from - s.start_pos
             prompt_rows.extend(range(first, first + len(s.prompt_targets)))
+        if s.images:
+            images.append(ImageRows(len(ids), s.start_pos, len(s.token_ids), s.images))
         ids.extend(s.token_ids)
         if s.sample:  # the last token's row, and with a draft every drafted token's too
             sample_rows.extend(range(len(ids) - 1 - len(s.draft), len(ids)))
@@ -370,6 +425,7 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         list(plan.block_copies),
         sample_rows,
         prompt_rows,
+        images,
     )
     return batch, seqs
 

@@ -123,6 +123,11 @@ SNAPSHOT = {f.name.removeprefix("shoal:"): replace(f, labels=("model_name", *f.l
            ("proposer",)),
     Family("shoal:spec_decode_steps_off", "counter", "Steps with too many decoding sequences to draft in (compute-bound: "
            "--speculative-max-batch)."),
+    Family("shoal:request_images", "counter", "Images in the requests added (zero for a text-only model, as the encoder's are)."),
+    Family("shoal:encoder_runs", "counter", "Images the vision tower encoded."),
+    Family("shoal:encoder_cache_hits", "counter", "Image embeddings found in the encoder cache instead of encoded again."),
+    Family("shoal:encoder_seconds", "counter", "Time in the vision tower."),
+    Family("shoal:encoder_cache_bytes", "gauge", "Bytes of image embeddings the encoder cache holds (--encoder-cache-memory)."),
 )}
 
 DEFAULT_COLLECTORS = (ProcessCollector, PlatformCollector, GCCollector)
@@ -249,3 +254,9 @@ def _model_samples(m):
         yield "spec_decode_num_accepted_tokens", {label: spec["accepted_tokens"]}
         yield "spec_decode_acceptance_rate", {label: spec["acceptance_rate"]}
         yield "spec_decode_steps_off", spec["steps_off"]
+    vision = s.vision or {}  # a text-only model's stay at zero
+    yield "request_images", s.counters.images
+    yield "encoder_runs", vision.get("images_encoded", 0)
+    yield "encoder_cache_hits", vision.get("cache_hits", 0)
+    yield "encoder_seconds", vision.get("encode_seconds", 0.0)
+    yield "encoder_cache_bytes", vision.get("cached_bytes", 0)

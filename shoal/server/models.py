@@ -28,12 +28,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import json
 import logging
 import math
 import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from shoal.config import EngineConfig
@@ -235,6 +237,13 @@ class ServedModel:
         self.engine = self.aengine = self.renderer = self.token_strings = None
         self.generation_defaults = {}
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model has a vision tower: the loaded engine's answer, or before a load its config's."""
+        if self.engine is not None:
+            return self.engine.vision is not None
+        return has_vision_config(self.config.model)
+
     def card(self) -> dict:
         """What GET /v1/models says of it."""
         out = {
@@ -246,12 +255,21 @@ class ServedModel:
             "status": {"value": self.status, **({"reason": self.error} if self.error else {})},
             "memory_bytes": self.memory,
             "memory_measured": self.measured,
-            "modalities": {"input": ["text"], "output": ["text"]},
+            "modalities": {"input": ["text", "image"] if self.takes_images else ["text"], "output": ["text"]},
             "in_flight": self.in_use,
         }
         if self.engine is not None:
             out["max_model_len"] = self.engine.max_model_len
         return out
+
+
+@lru_cache(maxsize=64)
+def has_vision_config(model: str) -> bool:
+    """Whether a Hugging Face folder's config.json describes a vision tower (read once; a GGUF's: no)."""
+    try:
+        return "vision_config" in json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)

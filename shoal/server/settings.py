@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from shoal.server.media import MediaPolicy
 from shoal.types import SamplingParams
 
 # Fields of ServerSettings that are server-level sampling defaults, named as in
@@ -40,6 +41,7 @@ TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "mistral", "pythonic")
 AUTO_REQUEST_BYTES_PER_TOKEN = 16
 AUTO_REQUEST_BYTES_SLACK = 64 << 10
 AUTO_REQUEST_BYTES_FLOOR = 1 << 20
+AUTO_REQUEST_BYTES_IMAGES = 32 << 20  # base64 images in one body, for a model that takes them
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,16 @@ class ServerSettings:
     metrics_public: bool = False  # serve /metrics without the API key
     log_format: str = "text"  # text | json (one JSON object per line, for log shippers)
     log_requests: bool = True  # one INFO line per request
+    # Images for vision models (server/media.py). data: URIs are always taken; http(s) URLs only from these
+    # host names, and never from loopback, private or link-local addresses unless allowed; file: URLs only
+    # under the local folder.
+    allowed_media_domains: tuple[str, ...] = ()
+    allow_private_media_addresses: bool = False
+    allowed_local_media_path: Path | None = None
+    max_image_bytes: int = 10 << 20
+    max_image_pixels: int = 8192 * 8192
+    max_images_per_request: int = 8
+    media_fetch_timeout: float = 10.0
     # Server-level stopping defaults.
     ignore_eos: bool | None = None
     stop: tuple[str, ...] | None = None
@@ -92,6 +104,11 @@ class ServerSettings:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", Path(self.chat_template))
+        if isinstance(self.allowed_media_domains, str):
+            object.__setattr__(self, "allowed_media_domains", (self.allowed_media_domains,))
+        object.__setattr__(self, "allowed_media_domains", tuple(self.allowed_media_domains))
+        if self.allowed_local_media_path is not None:
+            object.__setattr__(self, "allowed_local_media_path", Path(self.allowed_local_media_path))
         if self.api_key == "":
             object.__setattr__(self, "api_key", None)
         errors = []
@@ -115,21 +132,42 @@ class ServerSettings:
             errors.append(f"invalid server sampling default: {e}")
         if self.chat_template is not None and not self.chat_template.is_file():
             errors.append(f"chat_template file {self.chat_template} does not exist")
+        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
+            errors.append(f"allowed_local_media_path {self.allowed_local_media_path} is not a folder")
+        try:
+            self.media_policy
+        except ValueError as e:
+            errors.append(str(e))
         if errors:
             raise ValueError("; ".join(errors))
 
-    def request_byte_limit(self, max_model_len: int | None) -> int:
+    def request_byte_limit(self, max_model_len: int | None, images: bool = False) -> int:
         """The body size limit: max_request_bytes when set, else one that fits the context.
 
         Auto: 16 bytes per token of context (a token is about 4 characters;
         4 bytes each leaves room for non-ASCII text and JSON escapes), plus
         64 KiB for the rest of the request, and never under 1 MiB. SmolLM2's 8k context gets
         1 MiB; a 128k context gets 2 MiB + 64 KiB. Before a model is loaded
-        (max_model_len None) the floor applies.
+        (max_model_len None) the floor applies. Where a loaded model takes images (`images`), the body
+        may also carry AUTO_REQUEST_BYTES_IMAGES of them in base64.
         """
         if self.max_request_bytes is not None:
             return self.max_request_bytes
-        return max(AUTO_REQUEST_BYTES_FLOOR, AUTO_REQUEST_BYTES_PER_TOKEN * (max_model_len or 0) + AUTO_REQUEST_BYTES_SLACK)
+        text = max(AUTO_REQUEST_BYTES_FLOOR, AUTO_REQUEST_BYTES_PER_TOKEN * (max_model_len or 0) + AUTO_REQUEST_BYTES_SLACK)
+        return text + (AUTO_REQUEST_BYTES_IMAGES if images else 0)
+
+    @property
+    def media_policy(self) -> MediaPolicy:
+        """What image inputs may be fetched or read, and how large they may be."""
+        return MediaPolicy(
+            allowed_domains=self.allowed_media_domains,
+            allow_private_addresses=self.allow_private_media_addresses,
+            local_root=self.allowed_local_media_path,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_images=self.max_images_per_request,
+            fetch_timeout_s=self.media_fetch_timeout,
+        )
 
     @property
     def sampling_defaults(self) -> dict:

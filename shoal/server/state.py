@@ -160,8 +160,9 @@ class ServerState:
     @property
     def request_byte_limit(self) -> int:
         """The body size limit now (it fits the largest loaded model's context; settings.py)."""
-        lengths = [m.engine.max_model_len for m in self.models.models.values() if m.engine is not None]
-        return self.settings.request_byte_limit(max(lengths) if lengths else None)
+        loaded = [m.engine for m in self.models.models.values() if m.engine is not None]
+        return self.settings.request_byte_limit(max((e.max_model_len for e in loaded), default=None),
+                                                images=any(e.vision is not None for e in loaded))
 
     @contextmanager
     def serving(self) -> Iterator[_Admission]:
@@ -293,4 +294,6 @@ def model_stats(m: ServedModel) -> dict:
         out["prefix_cache_tier"] = dict(snap.kv_tier)
     if snap.speculative is not None:
         out["speculative"] = {**snap.speculative, "acceptance_rate": round(snap.speculative["acceptance_rate"], 4)}
+    if snap.vision is not None:
+        out["vision"] = {**snap.vision, "images": snap.counters.images, "encode_seconds": round(snap.vision["encode_seconds"], 4)}
     return out

@@ -15,7 +15,6 @@ Real clients' habits:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -30,7 +29,8 @@ from shoal.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from shoal.server.chat.params import clipped_headers, constraint, engine_requests, resolve_params
 from shoal.server.chat.pipeline import DeltaPipeline
 from shoal.server.chat.reasoning import END, START
-from shoal.server.chat.render import ToolUse, render_messages
+from shoal.server.chat.images import IMAGE_PART, ImageRef, render_conversation
+from shoal.server.chat.render import ToolUse
 from shoal.server.chat.tools import ToolCall
 from shoal.server.errors import APIError, bad_request
 from shoal.server.sse import dumps
@@ -60,25 +60,52 @@ def error_body(err: APIError) -> dict:
 # ---------------------------------------------------------------- request -> conversation
 
 
-def _text_of(content, where: str, allowed=("text",)) -> str:
-    """A string, or text blocks joined; other block kinds are a 400 naming the block."""
+def _text_of(content, where: str, allowed=("text",), images: list[ImageRef] | None = None) -> str | list[dict]:
+    """A string, or text blocks joined; with `images` (where the turn may hold them) image blocks too, listed
+    there, and then the template's parts in order. Other block kinds are a 400 naming the block."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content blocks", where)
-    texts = []
+    parts: list[dict] = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}[{j}]"
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise bad_request(f"{at}.text must be a string", f"{at}.text")
-            texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and images is not None:
+            images.append(_image_ref(block, at))
+            parts.append(IMAGE_PART)
         elif kind == "image":
-            raise bad_request(f"this model does not accept images ({at} is an image block)", at)
+            raise bad_request(f"{at} is an image block, which this field does not take", at)
         elif kind not in allowed:
             raise bad_request(f"{at}.type {kind!r} is not supported here", f"{at}.type")
-    return "\n".join(texts)
+    if IMAGE_PART not in parts:
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_ref(block: dict, at: str) -> ImageRef:
+    """{"type": "image", "source": {"type": "base64", "media_type", "data"} | {"type": "url", "url"}}."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        data = source.get("data")
+        if not isinstance(data, str) or not data:
+            raise bad_request(f"{at}.source.data must be a base64 string", f"{at}.source.data")
+        media_type = source.get("media_type")
+        if media_type is not None and not isinstance(media_type, str):
+            raise bad_request(f"{at}.source.media_type must be a string", f"{at}.source.media_type")
+        return ImageRef(at, "image block", data=data, media_type=media_type)
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise bad_request(f"{at}.source.url must be a URL string", f"{at}.source.url")
+        return ImageRef(at, "image block", url=url)
+    raise bad_request(f"{at}.source must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or {{\"type\": \"url\", \"url\"}}",
+                      f"{at}.source")
 
 
 def system_text(system, keep_billing_header: bool) -> str | None:
@@ -89,8 +116,9 @@ def system_text(system, keep_billing_header: bool) -> str | None:
     return _text_of(system, "system")
 
 
-def conversation(body: CountTokensRequest, keep_billing_header: bool) -> list[dict]:
-    """Anthropic messages -> the template's message dicts (OpenAI-style tool calls and tool turns)."""
+def conversation(body: CountTokensRequest, keep_billing_header: bool, images: list[ImageRef]) -> list[dict]:
+    """Anthropic messages -> the template's message dicts (OpenAI-style tool calls and tool turns); the image
+    blocks of user turns and tool results are listed in `images`, in order."""
     out: list[dict] = []
     system = system_text(body.system, keep_billing_header)
     if system:
@@ -102,14 +130,15 @@ def conversation(body: CountTokensRequest, keep_billing_header: bool) -> list[di
         if isinstance(m.content, str):
             out.append({"role": role, "content": m.content})
             continue
-        texts, calls, thinking, results = [], [], [], []
+        texts, calls, thinking, results = [], [], [], []  # texts: the turn's text and image parts
         for j, block in enumerate(m.content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}[{j}]"
             if kind == "text":
-                texts.append(_text_of([block], where))
-            elif kind == "image":
-                raise bad_request(f"this model does not accept images ({at} is an image block)", at)
+                texts.append({"type": "text", "text": _text_of([block], where)})
+            elif kind == "image" and role == "user":
+                images.append(_image_ref(block, at))
+                texts.append(IMAGE_PART)
             elif kind == "tool_use" and role == "assistant":
                 name, tid, args = block.get("name"), block.get("id"), block.get("input", {})
                 if not isinstance(name, str) or not isinstance(tid, str) or not isinstance(args, dict):
@@ -120,9 +149,9 @@ def conversation(body: CountTokensRequest, keep_billing_header: bool) -> list[di
                 tid = block.get("tool_use_id")
                 if tid not in tool_ids:
                     raise bad_request(f"{at}.tool_use_id {tid!r} answers no tool_use block of an earlier assistant turn", f"{at}.tool_use_id")
-                content = _text_of(block.get("content", ""), f"{at}.content")
+                content = _text_of(block.get("content", ""), f"{at}.content", images=images)
                 if block.get("is_error"):
-                    content = f"Error: {content}"
+                    content = f"Error: {content}" if isinstance(content, str) else [{"type": "text", "text": "Error:"}, *content]
                 results.append({"role": "tool", "tool_call_id": tid, "content": content})
             elif kind == "thinking" and role == "assistant":
                 thinking.append(str(block.get("thinking", "")))
@@ -132,7 +161,8 @@ def conversation(body: CountTokensRequest, keep_billing_header: bool) -> list[di
                 raise bad_request(f"{at}.type {kind!r} is not supported in a{'n' if role == 'assistant' else ''} {role} turn", f"{at}.type")
         out.extend(results)  # tool results first: they answer the previous turn's calls
         if texts or calls or thinking or not results:
-            msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+            content = texts if IMAGE_PART in texts else "\n".join(p["text"] for p in texts)
+            msg: dict[str, Any] = {"role": role, "content": content}
             if calls:
                 msg["tool_calls"] = calls
             if thinking:
@@ -205,10 +235,12 @@ def thinking_budget(served, body: MessagesRequest) -> ThinkingBudget | None:
     return ThinkingBudget(n, tuple(encode(END, add_special_tokens=False)), start)
 
 
-def render(served, body: CountTokensRequest, tools: ToolUse | None) -> tuple[str, list[int]]:
-    messages = conversation(body, served.settings.keep_billing_header)
+async def render(served, body: CountTokensRequest, tools: ToolUse | None) -> tuple[str, list[int], tuple]:
+    """The prompt: text, token ids (images' tokens in place) and image spans."""
+    images: list[ImageRef] = []
+    messages = conversation(body, served.settings.keep_billing_header, images)
     shown = [dict(t) for t in tools.tools] if tools is not None else None
-    return render_messages(served, messages, shown, template_kwargs(body))
+    return await render_conversation(served, messages, images, shown, template_kwargs(body))
 
 
 # ---------------------------------------------------------------- routes
@@ -217,7 +249,7 @@ def render(served, body: CountTokensRequest, tools: ToolUse | None) -> tuple[str
 async def count_tokens(body: CountTokensRequest, state) -> JSONResponse:
     served = await state.model(body.model, body.keep_alive)
     tools = tool_use(body)
-    _, ids = await asyncio.to_thread(render, served, body, tools)
+    _, ids, _ = await render(served, body, tools)  # every image counted as its tokens
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -237,14 +269,14 @@ async def create_message(body: MessagesRequest, http: Request, state) -> JSONRes
         structured, param = tools.constraint(served), "tools"
     if body.stop_sequences is not None and any(s == "" for s in body.stop_sequences):
         raise bad_request("stop_sequences must not hold empty strings", "stop_sequences")
-    text, ids = await asyncio.to_thread(render, served, body, tools)
+    text, ids, images = await render(served, body, tools)
     params = resolve_params(body, served, max_tokens=body.max_tokens, default_max_tokens=None, logprobs=None,
                             extra_stop=served.renderer.default_stop, structured=structured, tool_call=param == "tools")
     budget = thinking_budget(served, body)
     if budget is not None:
         params = replace(params, thinking_budget=budget)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, structured, param)
+    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, structured, param, images=images)
     headers = clipped_headers([clipped])
     job = _Message(served, rid, body, req, tools.parser_name(served) if tools is not None else None)
     if body.stream:

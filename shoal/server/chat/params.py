@@ -177,17 +177,18 @@ async def compile_constraint(served, spec: StructuredOutput | None, param: str |
 
 async def engine_requests(served, rid: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                           structured: StructuredOutput | None, structured_param: str | None, *, priority: int = 0,
-                          prompt_param: str = "messages") -> tuple[list[GenerationRequest], list[int | None]]:
+                          prompt_param: str = "messages", images: tuple = ()) -> tuple[list[GenerationRequest], list[int | None]]:
     """Every protocol's last steps, once its prompts are rendered and its parameters resolved: compile the
     constraint, then per prompt the engine's request (ids `rid`, or `rid-i` for several), checked as the engine
     will check it, with max_tokens clipped to the room the context leaves. Returns the requests and the
-    clipped max_tokens (None: unchanged). Any problem is a 400 that names its field."""
+    clipped max_tokens (None: unchanged). Any problem is a 400 that names its field. images: the one prompt's
+    (multimodal.ImageSpan), for a chat with images."""
     await compile_constraint(served, structured, structured_param)
     arrival = time.monotonic()
     reqs, clipped = [], []
     for i, (text, ids) in enumerate(prompts):
         req = GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids), params, priority=priority, prompt=text,
-                                arrival_time=arrival)
+                                arrival_time=arrival, images=images)
         check_prompt(served, req, prompt_param)
         req, clip = fit_max_tokens(served, req)
         reqs.append(req)

@@ -70,6 +70,13 @@ class ToolUse:
 NORMALIZATION_SLACK = 4
 
 
+def content_chars(content) -> int:
+    """Characters of a message's text, whether its content is a string or template parts (with images)."""
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return len(content or "")
+
+
 @lru_cache(maxsize=8)
 def _longest_token_chars(tokenizer) -> int:
     return max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -95,7 +102,7 @@ def render_messages(served, messages: list[dict], tools: list[dict] | None = Non
                     add_generation_prompt: bool | None = None, param: str = "messages") -> tuple[str, list[int]]:
     """The prompt text and its token ids. `tools`: the definitions the model sees (None: none)."""
     # The rendered text holds every message's content: too much of it cannot fit.
-    check_prompt_chars(served, sum(len(m.get("content") or "") for m in messages), param)
+    check_prompt_chars(served, sum(content_chars(m.get("content")) for m in messages), param)
     messages = [{**m, "tool_calls": template_tool_calls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
     renderer = served.renderer
     if tools and not renderer.supports_tools:

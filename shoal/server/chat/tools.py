@@ -389,7 +389,9 @@ def manual_tool_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
                 for c in calls
             )
             m["content"] = (m.get("content") or "") + blocks
-        if m["role"] == "tool":
+        if m["role"] == "tool" and isinstance(m["content"], list):  # text and image parts (a vision model's)
+            m["content"] = [{"type": "text", "text": "<tool_response>\n"}, *m["content"], {"type": "text", "text": "\n</tool_response>"}]
+        elif m["role"] == "tool":
             m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
     return out
 

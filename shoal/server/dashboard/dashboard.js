@@ -173,6 +173,16 @@ function render(stats) {
       : "off: the tier stopped taking blocks (see the server log)";
   }
 
+  const vision = stats.vision;
+  $("vision").hidden = !vision;
+  if (vision) {
+    bars($("chart-vision"), ["encoded", "cache hits"], [
+      { values: [vision.images_encoded, vision.cache_hits], color: css("--a") },
+    ], "images");
+    $("vision-text").textContent = `${fmt(vision.images)} images in requests, ${fmt(vision.encode_seconds, 2)} s in the ` +
+      `vision tower, ${fmt(vision.cached_images)} kept (${bytes(vision.cached_bytes)} of ${bytes(vision.capacity_bytes)})`;
+  }
+
   const spec = stats.speculative;
   $("spec").hidden = !spec;
   if (spec) {

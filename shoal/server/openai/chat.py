@@ -6,7 +6,6 @@ stall the event loop (and /health with it).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -29,21 +28,23 @@ from shoal.server.openai.common import (
 )
 from shoal.server.openai.protocol import ChatCompletionRequest, ChatMessage
 from shoal.server.chat.pipeline import DeltaPipeline
-from shoal.server.chat.render import ToolUse, render_messages
+from shoal.server.chat.images import IMAGE_PART, ImageRef, render_conversation
+from shoal.server.chat.render import ToolUse
 from shoal.server.chat.tools import ToolCall
 from shoal.server.sse import DONE, DeltaEncoder, encode_event
 from shoal.server.streams import RequestTracker, engine_error, merged, run_to_end, tracked
 from shoal.types import GenerationRequest, RequestOutput
 
-_IMAGE_PARTS = {"image_url", "image", "input_image"}
+_IMAGE_PARTS = {"image_url", "input_image"}
 _AUDIO_PARTS = {"input_audio", "audio"}
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the template sees them: string content, `developer` as `system`."""
+def message_dicts(messages: list[ChatMessage], images: list[ImageRef]) -> list[dict[str, Any]]:
+    """Messages as the template sees them: string content (or text and image parts, where a message has
+    images, each listed in `images`), `developer` as `system`."""
     out = []
     for i, m in enumerate(messages):
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, i)}
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content(m.content, i, images)}
         for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             value = getattr(m, key)
             if value is not None:
@@ -52,31 +53,51 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _text(content, i: int) -> str:
+def _content(content, i: int, images: list[ImageRef]) -> str | list[dict]:
+    """A message's content: its text parts joined, or with images the parts in order."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type")
         where = f"messages[{i}].content[{j}]"
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}.text must be a string", f"{where}.text")
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind in _IMAGE_PARTS:
-            raise bad_request(f"this model does not accept images ({where} is an {kind} part)", where)
+            images.append(_image_ref(part, kind, where))
+            parts.append(IMAGE_PART)
+        elif kind == "image":
+            raise bad_request(f"{where}.type 'image' is not an OpenAI content part: send images as 'image_url' parts", f"{where}.type")
         elif kind in _AUDIO_PARTS:
             raise bad_request(f"this model does not accept audio ({where} is an {kind} part)", where)
         else:
-            raise bad_request(f"{where}.type {kind!r} is not supported (use 'text')", f"{where}.type")
-    return "\n".join(texts)
+            raise bad_request(f"{where}.type {kind!r} is not supported (use 'text' or 'image_url')", f"{where}.type")
+    if IMAGE_PART not in parts:
+        return "\n".join(p["text"] for p in parts)
+    return parts
 
 
-def render_chat(served, messages: list[ChatMessage], template_kwargs: dict | None, tools=None, add_generation_prompt=None) -> tuple[str, list[int]]:
-    """The prompt text and its token ids. Blocking work: call it in a worker thread."""
-    return render_messages(served, message_dicts(messages), tools, template_kwargs, add_generation_prompt)
+def _image_ref(part: dict, kind: str, where: str) -> ImageRef:
+    """{"type": "image_url", "image_url": {"url", "detail"}} (or the url alone, as some clients send it), and the
+    Responses API's {"type": "input_image", "image_url": "...", "detail"}."""
+    spec = part.get(kind) if kind == "image_url" else part
+    url = spec.get("url") if isinstance(spec, dict) and kind == "image_url" else part.get("image_url") if kind == "input_image" else spec
+    detail = spec.get("detail") if isinstance(spec, dict) else None
+    field = f"{where}.image_url.url" if kind == "image_url" and isinstance(spec, dict) else f"{where}.image_url"
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{field} must be a URL string (data:, http(s) or file:)", field)
+    return ImageRef(where, f"{kind} part", url=url, detail=detail)
+
+
+async def chat_prompt(served, body, tools: list[dict] | None) -> tuple[str, list[int], tuple]:
+    """The chat request's prompt: text, token ids (images' tokens in place) and image spans."""
+    images: list[ImageRef] = []
+    messages = message_dicts(body.messages, images)
+    return await render_conversation(served, messages, images, tools, body.chat_template_kwargs, body.add_generation_prompt)
 
 
 def tool_use(tools: list[dict] | None, choice, parallel: bool | None) -> ToolUse | None:
@@ -135,7 +156,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is not supported with stream yet", "prompt_logprobs")
     shown = [dict(t) for t in tools.tools] if tools is not None else None
-    text, ids = await asyncio.to_thread(render_chat, served, body.messages, body.chat_template_kwargs, shown, body.add_generation_prompt)
+    text, ids, images = await chat_prompt(served, body, shown)
     params = resolve_params(
         body,
         served,
@@ -148,7 +169,8 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
         tool_call=structured_param == "tools",
     )
     rid = new_id("chatcmpl")
-    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, structured, structured_param, priority=body.priority or 0)
+    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, structured, structured_param, priority=body.priority or 0,
+                                               images=images)
     chat = _Chat(served, rid, body, req, tools.parser_name(served) if tools is not None else None)
     headers = clipped_headers([clipped])
     if body.stream:

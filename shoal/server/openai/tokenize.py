@@ -1,5 +1,5 @@
 """vLLM's /tokenize and /detokenize: a prompt or OpenAI chat messages to token ids, rendered as a chat
-completion renders them (`render_chat`, through the shared renderer in server/chat/render.py), and back."""
+completion renders them (`chat_prompt`, through the shared renderer in server/chat/render.py), and back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from shoal.server.chat.render import check_prompt_chars
 from shoal.server.errors import bad_request
-from shoal.server.openai.chat import render_chat, tool_use
+from shoal.server.openai.chat import chat_prompt, tool_use
 from shoal.server.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, error_responses
 
 router = APIRouter()
@@ -25,7 +25,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if body.messages is not None:
         tools = tool_use(body.tools, None, None)  # checked like chat's; rendered the same way
         shown = [dict(t) for t in tools.tools] if tools is not None else None
-        text, ids = await asyncio.to_thread(render_chat, served, body.messages, body.chat_template_kwargs, shown, body.add_generation_prompt)
+        text, ids, _ = await chat_prompt(served, body, shown)  # every image counted as its tokens
     else:
         text = body.prompt
         check_prompt_chars(served, len(text), "prompt")

@@ -1,0 +1,228 @@
+"""Vision-language models: Qwen2-VL and Qwen2.5-VL against transformers, and images through the engine's caches.
+
+Tiny random-weight models of the real architectures (tests/tiny_models.py: a two-block ViT, the 2x2 merger,
+a two-layer Qwen2 decoder with M-RoPE) go through shoal's loader, runner and engine:
+- the logits equal transformers' `...ForConditionalGeneration` on the same weights and image, in float32, with
+  prefill chunks that cut through an image and a text-only sequence in the same step;
+- the prompt and pixels equal transformers' processor's (Qwen2VLProcessor), at each `detail`;
+- the M-RoPE positions equal transformers' get_rope_index, chunk by chunk;
+- in the default dtype the greedy tokens are the same alone, in a batch, in chunks and after a prefix-cache
+  hit, and the vision tower runs once per distinct image (its counters prove it);
+- a different image misses the prefix cache from its first token; the same pixels in another encoding hit.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from shoal import LLM, SamplingParams
+from shoal.config import CacheConfig, EngineConfig
+from shoal.multimodal import ImageSpan, expand_placeholders, mrope_positions
+from shoal.runner.build import build_part
+from shoal.runner.model_runner import forward_batch
+from shoal.server.media import pixel_digest
+from shoal.types import ScheduledSeq, StepPlan
+from tiny_models import VL_ARCHS, make_tiny_vl_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def picture(w: int, h: int, seed: int = 0) -> Image.Image:
+    """A deterministic RGB picture with structure (so resizing and patching matter)."""
+    rng = np.random.default_rng(seed)
+    base = np.add.outer(np.arange(h), np.arange(w))[..., None] * np.array([3, 5, 7]) % 256
+    return Image.fromarray((base + rng.integers(0, 40, (h, w, 3))).clip(0, 255).astype("uint8"))
+
+
+def reencoded(image: Image.Image, fmt: str) -> Image.Image:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    return Image.open(io.BytesIO(buf.getvalue()))
+
+
+@pytest.fixture(scope="module", params=sorted(VL_ARCHS))
+def family(request, tmp_path_factory):
+    path = make_tiny_vl_model(request.param, tmp_path_factory.mktemp(request.param))
+    cls = getattr(transformers, VL_ARCHS[request.param][1])
+    return request.param, path, cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def chat_ids(tokenizer, parts) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+USER = [{"type": "text", "text": "What is in "}, {"type": "image"}, {"type": "text", "text": " and in "}, {"type": "image"},
+        {"type": "text", "text": "?"}]
+
+
+def test_logits_match_transformers_with_images_split_across_chunks(family):
+    name, path, hf = family
+    part = build_part(EngineConfig(model=str(path), dtype="float32", max_model_len=256, cache=CacheConfig(num_blocks=64, block_size=4)))
+    runner, ckpt = part.runner, part.checkpoint
+    prep = ckpt.image_preparer
+    images = [prep.prepare(im, pixel_digest(im)) for im in (picture(150, 100, 1), picture(60, 90, 2))]
+    ids, spans = expand_placeholders(chat_ids(ckpt.tokenizer, USER), prep.spec.image_token_id, images)
+    text = [5, 17, 99, 23, 8, 200, 150, 3, 44]
+    n = len(ids)
+    table = tuple(range(-(-n // 4) + 1))
+    other = tuple(range(40, 43))
+    got, other_logits = [], None
+    with torch.inference_mode():
+        for start in range(0, n, 7):  # chunks of 7 cut through both images
+            seqs = [ScheduledSeq(1, tuple(ids[start : start + 7]), start, table, False, GREEDY, images=spans)]
+            if start == 7:  # a text-only sequence in the same step
+                seqs.append(ScheduledSeq(2, tuple(text), 0, other, False, GREEDY))
+            batch, _ = forward_batch(StepPlan(tuple(seqs)))
+            logits = runner.model.compute_logits(runner.forward(batch))
+            got.append(logits[: len(seqs[0].token_ids)])
+            if start == 7:
+                other_logits = logits[len(seqs[0].token_ids) :]
+        pixels = torch.cat([im.pixels["pixel_values"] for im in images])
+        grid = torch.cat([im.pixels["image_grid_thw"] for im in images])
+        mm = torch.tensor([[int(t == prep.spec.image_token_id) for t in ids]])
+        ref = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=mm).logits[0]
+        ref_text = hf(input_ids=torch.tensor([text])).logits[0]
+    torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(other_logits, ref_text, atol=1e-4, rtol=0)
+    # Each image went through the tower once, whatever the number of chunks that held it.
+    stats = runner.encoder.stats
+    assert stats.images_encoded == 2 and stats.cache_hits >= 1
+
+
+def test_mrope_positions_equal_transformers_rope_index_in_any_chunking(family):
+    name, path, hf = family
+    tower_grids = [(1, 8, 10), (1, 6, 4)]  # before the 2x2 merge
+    images = [ImageSpan(3, 20, b"a", (1, 4, 5)), ImageSpan(30, 6, b"b", (1, 3, 2))]
+    ids = [7] * 40
+    for s in images:
+        ids[s.offset : s.end] = [hf.config.image_token_id] * s.length
+    mm = torch.tensor([[int(t == hf.config.image_token_id) for t in ids]])
+    ref, delta = hf.model.get_rope_index(torch.tensor([ids]), mm, image_grid_thw=torch.tensor(tower_grids))
+    for chunk in (1, 5, 40):
+        rows = [[], [], []]
+        for start in range(0, 40, chunk):
+            for row, part in zip(rows, mrope_positions(tuple(images), start, min(start + chunk, 40))):
+                row.extend(part)
+        assert torch.equal(torch.tensor(rows), ref[:, 0]), chunk
+    # Past the prompt (outputs): the index plus the images' shift, transformers' rope delta.
+    assert mrope_positions(tuple(images), 45, 46) == ([45 + int(delta)],) * 3
+
+
+@pytest.mark.parametrize("detail", [None, "low"])
+def test_prompt_and_pixels_equal_transformers_processor(family, detail, tmp_path):
+    name, path, _ = family
+    from shoal.model.loader import load_checkpoint
+
+    ckpt = load_checkpoint(str(path), progress=False)
+    prep = ckpt.image_preparer
+    image = picture(700, 500, 3)  # over the tiny max_pixels: resized down
+    if detail == "low":  # low detail caps the pixels lower than the model's own maximum
+        prep = type(prep)(prep.processor, prep.spec)
+        prep.max_pixels = 28 * 28 * 1024  # so that low (448 x 448) is below it
+    ours = prep.prepare(image, pixel_digest(image), detail)
+    size = prep._size(detail)
+    # The model's image processor, loaded as transformers loads it, and its prompt expansion as
+    # Qwen2VLProcessor does it (on the text: the pad token repeated grid.prod() // merge**2 times).
+    processor = transformers.AutoImageProcessor.from_pretrained(path)
+    ref = processor(images=[image], return_tensors="pt", size=size)
+    assert torch.equal(ours.pixels["pixel_values"], ref["pixel_values"])
+    assert torch.equal(ours.pixels["image_grid_thw"], ref["image_grid_thw"])
+    count = int(ref["image_grid_thw"].prod()) // processor.merge_size**2
+    text = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": USER[:2]}], tokenize=False, add_generation_prompt=True)
+    expected = ckpt.tokenizer.encode(text.replace("<|image_pad|>", "<|image_pad|>" * count), add_special_tokens=False)
+    ids, spans = expand_placeholders(chat_ids(ckpt.tokenizer, USER[:2]), prep.spec.image_token_id, [ours])
+    assert ids == expected
+    assert spans[0].length == ours.length == count
+    if detail == "low":
+        assert ours.length < prep.prepare(image, pixel_digest(image), "high").length
+
+
+def vision_llm(path, **kw) -> LLM:
+    """The default dtype (bfloat16 where the CPU has it), with the batch-invariant attention."""
+    return LLM(str(path), attention="invariant", max_model_len=256, num_blocks=96, block_size=4, **kw)
+
+
+ASK = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def conversation(image, question: str = "what is it?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    return make_tiny_vl_model("qwen2_vl", tmp_path_factory.mktemp("qwen2_vl_engine"))
+
+
+def test_greedy_tokens_are_the_same_alone_batched_chunked_and_after_a_cache_hit(qwen2_vl):
+    chats = [conversation(picture(150, 100, i), f"question {i}") for i in range(3)]
+    alone = [vision_llm(qwen2_vl, enable_prefix_cache=False).chat(c, ASK)[0].outputs[0].token_ids for c in chats]
+    batched = vision_llm(qwen2_vl, max_num_batched_tokens=13).chat(chats, ASK)  # small chunks, all at once
+    assert [o.outputs[0].token_ids for o in batched] == alone
+    llm = vision_llm(qwen2_vl)
+    llm.chat(chats[0], ASK)
+    again = llm.chat(chats[0], ASK)[0]
+    assert again.num_cached_tokens > 20  # the image's blocks came from the prefix cache
+    assert again.outputs[0].token_ids == alone[0]
+    assert llm.engine.runner.encoder.stats.images_encoded == 1  # and the tower did not run again
+
+
+def test_the_prefix_cache_keys_images_by_their_pixels(qwen2_vl):
+    llm = vision_llm(qwen2_vl)
+    first = picture(150, 100, 7)
+    llm.chat(conversation(first), ASK)
+    prompt_ids, spans = llm._chat_prompt(conversation(first), {})
+    # Another picture of the same size: the same token ids, but a miss from its first placeholder on.
+    other = llm.chat(conversation(picture(150, 100, 8)), ASK)[0]
+    assert llm._chat_prompt(conversation(picture(150, 100, 8)), {})[0] == prompt_ids
+    assert other.num_cached_tokens <= spans[0].offset
+    # The same pixels sent as PNG and as lossless WebP: a hit, and the tower does not run for them.
+    runs = llm.engine.runner.encoder.stats.images_encoded
+    for fmt in ("PNG", "WEBP"):
+        hit = llm.chat(conversation(reencoded(first, fmt)), ASK)[0]
+        assert hit.num_cached_tokens >= spans[0].end - 4  # every full block of the image came from the cache
+    assert llm.engine.runner.encoder.stats.images_encoded == runs
+
+
+def test_a_second_turn_reuses_the_image_kv_and_does_not_encode_again(qwen2_vl):
+    llm = vision_llm(qwen2_vl)
+    turn1 = conversation(picture(150, 100, 11))
+    reply = llm.chat(turn1, ASK)[0].outputs[0].text
+    turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+    out = llm.chat(turn2, ASK)[0]
+    _, spans = llm._chat_prompt(turn2, {})
+    assert out.num_cached_tokens >= spans[0].end  # the whole image, and the text after it
+    assert llm.engine.runner.encoder.stats.images_encoded == 1
+
+
+def test_text_alone_on_a_vision_model_is_qwen2_exactly(family):
+    name, path, hf = family
+    llm = LLM(str(path), dtype="float32", attention="invariant", max_model_len=256, num_blocks=96, block_size=4)
+    prompt = [5, 17, 99, 23, 8, 200, 150, 3]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(6):  # transformers' forward over the whole text each time (its generate's cache is not tested here)
+            logits = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+            logits[list(llm.engine.eos_token_ids)] = float("-inf")  # ignore_eos bans them, as min_new_tokens does
+            ids.append(int(logits.argmax()))
+    assert out == ids[len(prompt) :]
+
+
+def test_placeholders_without_images_and_images_on_a_text_model_are_refused(qwen2_vl, tmp_path):
+    llm = vision_llm(qwen2_vl)
+    pad = llm.engine.vision.spec.image_token_id
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate([[5, pad, pad, 7]], ASK)
+    from tiny_models import make_tiny_model
+
+    text_only = LLM(str(make_tiny_model("qwen2", tmp_path / "q")), num_blocks=32)
+    with pytest.raises(ValueError, match="does not accept images"):
+        text_only.chat(conversation(picture(40, 40)), ASK)
