@@ -226,6 +226,7 @@ class GenerationRequest:
     priority: int = 0  # lower runs first; ties are FIFO
     prompt: str | None = None  # the rendered text, for logs and echo only
     arrival_time: float | None = None
+    images: tuple = ()  # multimodal.ImageSpan per image in the prompt, in order
 
 
 class Logprob(NamedTuple):
@@ -414,6 +415,9 @@ class ScheduledSeq:
     # grammar's mask of position i + 1 of those (empty: no grammar).
     draft: tuple[int, ...] = ()
     draft_masks: tuple[bytes | None, ...] = ()
+    # The sequence's images (multimodal.ImageSpan), where it has any: the runner takes the embeddings of the
+    # placeholders it computes from them, and a model with M-RoPE the positions of every token.
+    images: tuple = ()
 
 
 @dataclass(frozen=True)
