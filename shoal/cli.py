@@ -65,6 +65,8 @@ class Opt:
 
 ENGINE_OPTS = [
     Opt("--model", "smollm2", str, "'smollm2' (default), a .gguf file, or a Hugging Face model folder"),
+    Opt("--mmproj", None, str, "a GGUF model's vision tower, as llama.cpp ships it (an mmproj .gguf; Qwen2-VL and "
+        "Qwen2.5-VL). With several models it goes with the first; a `models:` entry may set its own"),
     Opt("--dtype", "auto", str, "weights and KV cache dtype (auto: bfloat16 where the device has native bf16 math, else float32)",
         choices=("auto", "float32", "bfloat16", "float16")),
     Opt("--quantization", "auto", str, "the projections' weight format: auto (default) serves a GGUF's own 4-bit or "
@@ -301,6 +303,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
     )
     return EngineConfig(
         model=str(v["model"]),
+        mmproj=v.get("mmproj"),
         dtype=v["dtype"],
         device=v["device"],
         max_model_len=v["max_model_len"],
@@ -398,7 +401,8 @@ def model_specs(v: dict) -> list:
         entries = [{"model": "smollm2"}]
     specs = []
     for i, entry in enumerate(entries):
-        config = engine_config({**v, **{k: x for k, x in entry.items() if k not in MODEL_ENTRY_KEYS}})
+        own = {k: x for k, x in entry.items() if k not in MODEL_ENTRY_KEYS}
+        config = engine_config({**v, **({} if i == 0 else {"mmproj": None}), **own})  # --mmproj: the first model's
         overrides = {k: entry[k] for k in MODEL_SERVER_FIELDS if k in entry}
         keep = entry.get("keep_alive")
         name = entry.get("alias") or (v.get("served_model_name") if i == 0 else None)

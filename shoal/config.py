@@ -191,6 +191,7 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
+    mmproj: str | None = None  # a GGUF model's vision tower, as llama.cpp ships it (an mmproj GGUF)
     # auto: bfloat16 where the device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX), else float32
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # cpu | cuda | auto

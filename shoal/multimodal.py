@@ -41,9 +41,10 @@ class ImageSpan:
 
 
 def expand_placeholders(ids: list[int], image_token_id: int, images) -> tuple[list[int], tuple[ImageSpan, ...]]:
-    """A rendered prompt's ids, where the template wrote the placeholder once per image, with each repeated
-    once per token of its image, and the images' spans. images: each with `length`, `digest`, `grid` and
-    `pixels` (model.vision.PreparedImage), in the order of the placeholders. ValueError if the counts differ."""
+    """A rendered prompt's ids, where the template wrote the placeholder once per image, with each replaced by
+    its image's tokens, and the spans the tower fills. images: model.vision.PreparedImage (`tokens`, and `tiles`
+    with offset, length, digest, grid and pixels), in the order of the placeholders. ValueError if the counts
+    differ."""
     found = [i for i, t in enumerate(ids) if t == image_token_id]
     if len(found) != len(images):
         raise ValueError(f"the chat template placed {len(found)} image(s) but the conversation has {len(images)}")
@@ -52,8 +53,8 @@ def expand_placeholders(ids: list[int], image_token_id: int, images) -> tuple[li
     prev = 0
     for at, image in zip(found, images):
         out.extend(ids[prev:at])
-        spans.append(ImageSpan(len(out), image.length, image.digest, image.grid, image.pixels))
-        out.extend([image_token_id] * image.length)
+        spans.extend(ImageSpan(len(out) + t.offset, t.length, t.digest, t.grid, t.pixels) for t in image.tiles)
+        out.extend(image.tokens)
         prev = at + 1
     out.extend(ids[prev:])
     return out, tuple(spans)

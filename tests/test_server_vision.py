@@ -251,3 +251,26 @@ def test_stats_and_metrics_count_images_and_encoder_work(srv):
     assert metrics["shoal:encoder_cache_hits_total"] == encoder.cache_hits
     assert metrics["shoal:encoder_cache_bytes"] == encoder.cached_bytes > 0
     assert metrics["shoal:encoder_seconds_total"] > 0
+
+
+def test_an_idefics3_model_takes_images_through_both_sdks(tmp_path):
+    """SmolVLM's architecture: a tile per run of image tokens between row and column markers, a template that takes
+    content as parts only. One picture by both SDKs: one answer, its tiles encoded once."""
+    path = make_tiny_vl_model("idefics3", tmp_path / "smol")
+    engine = tiny_engine(path, attention="invariant", max_model_len=256, num_blocks=128, block_size=4)
+    with LiveServer(engine, ServerSettings(log_requests=False, served_model_name="smol")) as s:
+        r = s.openai().chat.completions.create(model="smol", temperature=0, max_tokens=5, messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": data_uri(PNG)}}]}])
+        msg = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0).messages.create(
+            model="smol", max_tokens=5, system="Be brief.", extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": base64.b64encode(PNG).decode()}}]}])
+        assert msg.content[0].text == r.choices[0].message.content
+        assert msg.usage.input_tokens == r.usage.prompt_tokens
+        prepared = s.engine.vision.prepare(PICTURE, b"", None)
+        assert len(prepared.tiles) == 5 and s.engine.runner.encoder.stats.images_encoded == 5  # 2 x 2 tiles and the global view
+        with s.http() as h:
+            text_only = h.post("/tokenize", json={"messages": [{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": "What is this?"}]}).json()["count"]
+        assert r.usage.prompt_tokens == text_only + prepared.length

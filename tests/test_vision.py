@@ -84,20 +84,31 @@ def test_logits_match_transformers_with_images_split_across_chunks(family):
             got.append(logits[: len(seqs[0].token_ids)])
             if start == 7:
                 other_logits = logits[len(seqs[0].token_ids) :]
-        pixels = torch.cat([im.pixels["pixel_values"] for im in images])
-        grid = torch.cat([im.pixels["image_grid_thw"] for im in images])
-        mm = torch.tensor([[int(t == prep.spec.image_token_id) for t in ids]])
-        ref = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=mm).logits[0]
+        ref = hf(input_ids=torch.tensor([ids]), **hf_image_inputs(name, images, ids, prep.spec.image_token_id)).logits[0]
         ref_text = hf(input_ids=torch.tensor([text])).logits[0]
     torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(other_logits, ref_text, atol=1e-4, rtol=0)
-    # Each image went through the tower once, whatever the number of chunks that held it.
+    # Each image (each of an Idefics3 image's tiles) went through the tower once, whatever the chunks that held it.
     stats = runner.encoder.stats
-    assert stats.images_encoded == 2 and stats.cache_hits >= 1
+    assert stats.images_encoded == len(spans) and stats.cache_hits >= 1
+    assert len(spans) == (2 if name.startswith("qwen") else 10)  # Idefics3: 2 x 2 tiles and a global view an image
+
+
+def hf_image_inputs(name: str, images, ids, token: int) -> dict:
+    """What transformers' model takes for these images besides input_ids, as its processor would give it."""
+    tiles = [t for im in images for t in im.tiles]
+    if name.startswith("qwen"):
+        return {"pixel_values": torch.cat([t.pixels["pixel_values"] for t in tiles]),
+                "image_grid_thw": torch.cat([t.pixels["image_grid_thw"] for t in tiles]),
+                "mm_token_type_ids": torch.tensor([[int(t == token) for t in ids]])}
+    return {"pixel_values": torch.cat([t.pixels["pixel_values"] for t in tiles], dim=1),
+            "pixel_attention_mask": torch.cat([t.pixels["pixel_attention_mask"] for t in tiles], dim=1)}
 
 
 def test_mrope_positions_equal_transformers_rope_index_in_any_chunking(family):
     name, path, hf = family
+    if not name.startswith("qwen"):
+        return  # Idefics3's positions are the tokens' indices, as text's
     tower_grids = [(1, 8, 10), (1, 6, 4)]  # before the 2x2 merge
     images = [ImageSpan(3, 20, b"a", (1, 4, 5)), ImageSpan(30, 6, b"b", (1, 3, 2))]
     ids = [7] * 40
@@ -123,6 +134,8 @@ def test_prompt_and_pixels_equal_transformers_processor(family, detail, tmp_path
     ckpt = load_checkpoint(str(path), progress=False)
     prep = ckpt.image_preparer
     image = picture(700, 500, 3)  # over the tiny max_pixels: resized down
+    if name == "idefics3":
+        return check_idefics3_processor(ckpt, prep, image, detail)
     if detail == "low":  # low detail caps the pixels lower than the model's own maximum
         prep = type(prep)(prep.processor, prep.spec)
         prep.max_pixels = 28 * 28 * 1024  # so that low (448 x 448) is below it
@@ -132,8 +145,8 @@ def test_prompt_and_pixels_equal_transformers_processor(family, detail, tmp_path
     # Qwen2VLProcessor does it (on the text: the pad token repeated grid.prod() // merge**2 times).
     processor = transformers.AutoImageProcessor.from_pretrained(path)
     ref = processor(images=[image], return_tensors="pt", size=size)
-    assert torch.equal(ours.pixels["pixel_values"], ref["pixel_values"])
-    assert torch.equal(ours.pixels["image_grid_thw"], ref["image_grid_thw"])
+    assert torch.equal(ours.tiles[0].pixels["pixel_values"], ref["pixel_values"])
+    assert torch.equal(ours.tiles[0].pixels["image_grid_thw"], ref["image_grid_thw"])
     count = int(ref["image_grid_thw"].prod()) // processor.merge_size**2
     text = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": USER[:2]}], tokenize=False, add_generation_prompt=True)
     expected = ckpt.tokenizer.encode(text.replace("<|image_pad|>", "<|image_pad|>" * count), add_special_tokens=False)
@@ -142,6 +155,21 @@ def test_prompt_and_pixels_equal_transformers_processor(family, detail, tmp_path
     assert spans[0].length == ours.length == count
     if detail == "low":
         assert ours.length < prep.prepare(image, pixel_digest(image), "high").length
+
+
+def check_idefics3_processor(ckpt, prep, image, detail):
+    """Idefics3Processor itself (the image processor and the tokenizer, as transformers loads them) against ours:
+    the prompt's ids with each tile's markers and tokens, and every tile's pixels and mask."""
+    processor = transformers.Idefics3Processor(image_processor=prep.processor, tokenizer=ckpt.tokenizer, image_seq_len=prep.image_seq_len)
+    text = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": USER[:2]}], tokenize=False, add_generation_prompt=True)
+    ref = processor(text=[text], images=[[image]], return_tensors="pt", do_image_splitting=detail != "low")
+    ours = prep.prepare(image, pixel_digest(image), detail)
+    ids, spans = expand_placeholders(chat_ids(ckpt.tokenizer, USER[:2]), prep.spec.image_token_id, [ours])
+    assert ids == ref["input_ids"][0].tolist()
+    assert torch.equal(torch.cat([t.pixels["pixel_values"] for t in ours.tiles], dim=1), ref["pixel_values"])
+    assert torch.equal(torch.cat([t.pixels["pixel_attention_mask"] for t in ours.tiles], dim=1), ref["pixel_attention_mask"])
+    assert len(spans) == (1 if detail == "low" else 5) and all(ids[s.offset : s.end] == [prep.spec.image_token_id] * 4 for s in spans)
+    assert len({s.digest for s in spans}) == len(spans)  # each tile its own key
 
 
 def vision_llm(path, **kw) -> LLM:
@@ -156,26 +184,29 @@ def conversation(image, question: str = "what is it?") -> list[dict]:
     return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory):
-    return make_tiny_vl_model("qwen2_vl", tmp_path_factory.mktemp("qwen2_vl_engine"))
+@pytest.fixture(scope="module", params=["qwen2_vl", "idefics3"])
+def vl_model(request, tmp_path_factory):
+    """A tiny vision model of each kind of prompt layout: one run per image (Qwen2-VL, with M-RoPE), or a run per
+    tile between marker tokens (Idefics3, whose template takes content as parts only)."""
+    return make_tiny_vl_model(request.param, tmp_path_factory.mktemp(f"{request.param}_engine"))
 
 
-def test_greedy_tokens_are_the_same_alone_batched_chunked_and_after_a_cache_hit(qwen2_vl):
+def test_greedy_tokens_are_the_same_alone_batched_chunked_and_after_a_cache_hit(vl_model):
     chats = [conversation(picture(150, 100, i), f"question {i}") for i in range(3)]
-    alone = [vision_llm(qwen2_vl, enable_prefix_cache=False).chat(c, ASK)[0].outputs[0].token_ids for c in chats]
-    batched = vision_llm(qwen2_vl, max_num_batched_tokens=13).chat(chats, ASK)  # small chunks, all at once
+    alone = [vision_llm(vl_model, enable_prefix_cache=False).chat(c, ASK)[0].outputs[0].token_ids for c in chats]
+    batched = vision_llm(vl_model, max_num_batched_tokens=13).chat(chats, ASK)  # small chunks, all at once
     assert [o.outputs[0].token_ids for o in batched] == alone
-    llm = vision_llm(qwen2_vl)
+    llm = vision_llm(vl_model)
     llm.chat(chats[0], ASK)
     again = llm.chat(chats[0], ASK)[0]
-    assert again.num_cached_tokens > 20  # the image's blocks came from the prefix cache
+    _, spans = llm._chat_prompt(chats[0], {})
+    assert again.num_cached_tokens >= spans[-1].end - 4  # the image's blocks came from the prefix cache
     assert again.outputs[0].token_ids == alone[0]
-    assert llm.engine.runner.encoder.stats.images_encoded == 1  # and the tower did not run again
+    assert llm.engine.runner.encoder.stats.images_encoded == len(spans)  # and the tower did not run again
 
 
-def test_the_prefix_cache_keys_images_by_their_pixels(qwen2_vl):
-    llm = vision_llm(qwen2_vl)
+def test_the_prefix_cache_keys_images_by_their_pixels(vl_model):
+    llm = vision_llm(vl_model)
     first = picture(150, 100, 7)
     llm.chat(conversation(first), ASK)
     prompt_ids, spans = llm._chat_prompt(conversation(first), {})
@@ -187,22 +218,22 @@ def test_the_prefix_cache_keys_images_by_their_pixels(qwen2_vl):
     runs = llm.engine.runner.encoder.stats.images_encoded
     for fmt in ("PNG", "WEBP"):
         hit = llm.chat(conversation(reencoded(first, fmt)), ASK)[0]
-        assert hit.num_cached_tokens >= spans[0].end - 4  # every full block of the image came from the cache
+        assert hit.num_cached_tokens >= spans[-1].end - 4  # every full block of the image came from the cache
     assert llm.engine.runner.encoder.stats.images_encoded == runs
 
 
-def test_a_second_turn_reuses_the_image_kv_and_does_not_encode_again(qwen2_vl):
-    llm = vision_llm(qwen2_vl)
+def test_a_second_turn_reuses_the_image_kv_and_does_not_encode_again(vl_model):
+    llm = vision_llm(vl_model)
     turn1 = conversation(picture(150, 100, 11))
     reply = llm.chat(turn1, ASK)[0].outputs[0].text
     turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
     out = llm.chat(turn2, ASK)[0]
     _, spans = llm._chat_prompt(turn2, {})
-    assert out.num_cached_tokens >= spans[0].end  # the whole image, and the text after it
-    assert llm.engine.runner.encoder.stats.images_encoded == 1
+    assert out.num_cached_tokens >= spans[-1].end  # the whole image, and the text after it
+    assert llm.engine.runner.encoder.stats.images_encoded == len(spans)
 
 
-def test_text_alone_on_a_vision_model_is_qwen2_exactly(family):
+def test_text_alone_on_a_vision_model_is_its_decoder_exactly(family):
     name, path, hf = family
     llm = LLM(str(path), dtype="float32", attention="invariant", max_model_len=256, num_blocks=96, block_size=4)
     prompt = [5, 17, 99, 23, 8, 200, 150, 3]
@@ -216,8 +247,8 @@ def test_text_alone_on_a_vision_model_is_qwen2_exactly(family):
     assert out == ids[len(prompt) :]
 
 
-def test_placeholders_without_images_and_images_on_a_text_model_are_refused(qwen2_vl, tmp_path):
-    llm = vision_llm(qwen2_vl)
+def test_placeholders_without_images_and_images_on_a_text_model_are_refused(vl_model, tmp_path):
+    llm = vision_llm(vl_model)
     pad = llm.engine.vision.spec.image_token_id
     with pytest.raises(ValueError, match="placeholder"):
         llm.generate([[5, pad, pad, 7]], ASK)

@@ -52,11 +52,20 @@ class ArchSpec:
 # llama.cpp writes Llama *and* Mistral checkpoints as arch "llama" (convert_hf_to_gguf's
 # LlamaModel is registered for both, with undo_permute = True); Qwen2Model and
 # Qwen3Model are plain TextModels, which write q/k rows as they are.
+# The decoder of Qwen2-VL *and* Qwen2.5-VL is arch "qwen2vl" (Qwen2VLModel, a plain TextModel
+# registered for both, that leaves the visual.* tensors to the mmproj file): Qwen2's tensors plus
+# `qwen2vl.rope.dimension_sections`. Only the mmproj's projector type tells the two apart, so the
+# config names Qwen2-VL until the caller reads it (model/mmproj.py).
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("LlamaConfig", "LlamaForCausalLM", qk_permuted=True),
     "qwen2": ArchSpec("Qwen2Config", "Qwen2ForCausalLM", qk_permuted=False),
     "qwen3": ArchSpec("Qwen3Config", "Qwen3ForCausalLM", qk_permuted=False),
+    "qwen2vl": ArchSpec("Qwen2VLTextConfig", "Qwen2VLForConditionalGeneration", qk_permuted=False),
 }
+# Families whose q/k/v always carry biases: their configs have no attention_bias flag.
+FIXED_QKV_BIAS = {"Qwen2Config", "Qwen2VLTextConfig"}
+# Families with multimodal rotary positions (M-RoPE): their rope parameters carry `mrope_section`.
+MROPE = {"Qwen2VLTextConfig"}
 
 # `{arch}.<key>` metadata -> config attribute.
 HPARAMS: dict[str, str] = {
@@ -395,7 +404,9 @@ def build_config(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if spec.config_class != "Qwen2Config":  # Qwen2 always has q/k/v biases, no flag
+    if spec.config_class in MROPE:
+        kwargs["rope_parameters"]["mrope_section"] = mrope_section(meta, arch)
+    if spec.config_class not in FIXED_QKV_BIAS:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if spec.config_class == "LlamaConfig":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
@@ -429,6 +440,21 @@ def rope_parameters(
     if "rope_freqs.weight" in tensors:
         params = llama3_rope_parameters(dequantize(tensors["rope_freqs.weight"]), theta, head_dim) or params
     return params
+
+
+def mrope_section(meta: dict[str, Any], arch: str) -> list[int]:
+    """HF's `mrope_section` (time, height, width) from llama.cpp's `{arch}.rope.dimension_sections`.
+
+    Both count rotary frequency pairs ([16, 24, 24] of a 128-wide head); convert_hf_to_gguf pads HF's three
+    sections with zeros to the four llama.cpp keeps (TextModel.set_gguf_parameters).
+    """
+    key = f"{arch}.rope.dimension_sections"
+    if key not in meta:
+        raise ValueError(f"a {arch!r} GGUF needs {key} (its M-RoPE sections); this file has none")
+    sections = [int(n) for n in meta[key]]
+    if len(sections) != 4 or sections[3] != 0:
+        raise ValueError(f"{key} = {sections}: expected three sections and a zero, as llama.cpp writes Qwen2-VL's")
+    return sections[:3]
 
 
 def llama3_rope_parameters(freq_factors: torch.Tensor, theta: float, head_dim: int) -> dict[str, Any] | None:

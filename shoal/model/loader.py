@@ -20,9 +20,11 @@ import torch
 import transformers
 from safetensors import safe_open
 from tqdm.auto import tqdm
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from shoal.model.gguf_loader import GGUFFileReader, load_gguf, planned_weight_format
-from shoal.model.vision import load_preparer
+from shoal.model.mmproj import read_mmproj
+from shoal.model.vision import Qwen2VLPreparer, VisionSpec, load_preparer
 
 log = logging.getLogger("shoal.loader")
 
@@ -140,7 +142,7 @@ def read_config(name_or_path: str | Path, gguf_reader: GGUFFileReader | None = N
 
 def load_checkpoint(
     name_or_path: str | Path = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, progress: bool = True, quantization: str = "none",
-    select=None, gguf_reader: GGUFFileReader | None = None,
+    select=None, gguf_reader: GGUFFileReader | None = None, mmproj: str | Path | None = None,
 ) -> LoadedCheckpoint:
     """Load a model's weights, config, tokenizer and stop tokens.
 
@@ -153,6 +155,7 @@ def load_checkpoint(
     tensor-parallel rank's rows or columns (weights.shard_slice), or nothing of it (False: a tensor
     another pipeline stage holds, weights.stage_name). A rank plans it from `read_config` first.
     gguf_reader: the GGUF already parsed (open_gguf), not parsed again.
+    mmproj: a GGUF's vision tower as llama.cpp ships it (model/mmproj.py); a Hugging Face folder holds its own.
     """
     path = resolve_model_path(str(name_or_path))
     start = time.perf_counter()
@@ -163,7 +166,11 @@ def load_checkpoint(
         config, state_dict, tokenizer = gg.config, gg.state_dict, gg.tokenizer
         generation_eos, defaults, fmt = gg.generation_eos_ids, gg.generation_defaults, "gguf"
         names = (*gg.names, path.stem)
+        if mmproj is not None:
+            config, vision_state, preparer = gguf_vision(config, tokenizer, mmproj)
     else:
+        if mmproj is not None:
+            raise ValueError(f"--mmproj goes with a GGUF model; the Hugging Face folder {path.name} holds its own vision tower")
         config = transformers.AutoConfig.from_pretrained(path)
         weight_format = planned_weight_format(quantization, None)
         state_dict = load_safetensors(path, config, dtype, progress, select)
@@ -187,17 +194,45 @@ def load_checkpoint(
     return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt, weight_format, source, vision_state, preparer)
 
 
-VISION_PREFIXES = ("visual.", "model.visual.")  # a Qwen2-VL checkpoint's tower, as saved and as transformers 5 names it
+# A vision model's tower, as its checkpoints name it (with or without `model.`): Qwen2-VL's `visual.*`,
+# Idefics3's and SmolVLM's `vision_model.*` and `connector.*`.
+# Qwen2-VL's chat template writes this once per image; the processor (and shoal) repeat it per token.
+QWEN2_VL_IMAGE_TOKEN = "<|image_pad|>"
+
+
+def gguf_vision(text_config, tokenizer, mmproj: str | Path):
+    """A GGUF decoder and its mmproj file -> (the whole model's transformers config, the tower's tensors, the
+    image preparer), as a Hugging Face folder of the family gives them."""
+    mm = read_mmproj(mmproj)
+    if getattr(text_config, "model_type", "") != "qwen2_vl_text":
+        raise ValueError(f"{Path(mmproj).name} is a {mm.family} vision tower, but the model is not a Qwen2-VL decoder "
+                         f"({text_config.model_type})")
+    token_id = tokenizer.convert_tokens_to_ids(QWEN2_VL_IMAGE_TOKEN)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"the model's tokenizer has no {QWEN2_VL_IMAGE_TOKEN} token, which its images need")
+    cls = transformers.Qwen2_5_VLConfig if mm.family == "qwen2_5_vl" else transformers.Qwen2VLConfig
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    config = cls(text_config=text_config.to_dict(), vision_config=mm.vision_config, image_token_id=token_id, **ids,
+                 tie_word_embeddings=text_config.tie_word_embeddings)
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration" if mm.family == "qwen2_5_vl" else "Qwen2VLForConditionalGeneration"]
+    processor = Qwen2VLImageProcessorPil(**mm.processor)
+    spec = VisionSpec(token_id, QWEN2_VL_IMAGE_TOKEN, config.architectures[0])
+    log.info("vision tower from %s: %s, %d tensors", Path(mmproj).name, mm.family, len(mm.state_dict))
+    return config, mm.state_dict, Qwen2VLPreparer(processor, spec)
+
+
+VISION_PREFIXES = tuple(p + t for p in ("", "model.") for t in ("visual.", "vision_model.", "connector."))
 
 
 def split_vision(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Take the vision tower's tensors out of `state_dict` (normalize_names put them under `model.`), named
-    as under the tower."""
+    """Take the vision tower's tensors out of `state_dict` (normalize_names put them under `model.`), named as
+    under the tower (Qwen2-VL's `visual.` dropped; Idefics3's `vision_model.` and `connector.` kept: its tower
+    module holds both)."""
     vision = {}
-    for key in [k for k in state_dict if k.startswith("model.visual.")]:
-        vision[key.removeprefix("model.visual.")] = state_dict.pop(key)
+    for key in [k for k in state_dict if k.startswith("model.") and k[6:].startswith(VISION_PREFIXES[:3])]:
+        vision[key.removeprefix("model.").removeprefix("visual.")] = state_dict.pop(key)
     if not vision:
-        raise ValueError("the config describes a vision tower, but the checkpoint has no visual.* tensors")
+        raise ValueError("the config describes a vision tower, but the checkpoint has none of its tensors")
     return vision
 
 
@@ -261,7 +296,7 @@ def normalize_names(raw: dict[str, torch.Tensor], tied: bool, names: list[str] |
         if key.endswith("lm_head.weight"):
             out["lm_head.weight"] = tensor
         elif key.startswith(VISION_PREFIXES):  # a vision tower's: split_vision takes it
-            out["model.visual." + key.split("visual.", 1)[1]] = tensor
+            out["model." + key.removeprefix("model.")] = tensor
         elif key.startswith(prefix):
             out["model." + key[len(prefix) :]] = tensor
         else:

@@ -45,9 +45,9 @@ class MRotary(Rotary):
 
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     rotary = MRotary
-    vision_tower = "Qwen2VisionTransformerPretrainedModel"  # in transformers.models.qwen2_vl
+    vision = "qwen2_vl"  # its tower and image preparation (model/vision.py FAMILIES)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     rotary = MRotary
-    vision_tower = "Qwen2_5_VisionTransformerPretrainedModel"  # in transformers.models.qwen2_5_vl
+    vision = "qwen2_5_vl"

@@ -59,7 +59,8 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         whole = ModelConfig.from_hf(read_config(config.model, gguf_reader=gguf))
         split, layers = plan_part(whole, config, rank, group, planned_weight_format(quantization, gguf), device, dtype)
         select = part_selector(whole, split, layers)
-    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0, select=select, gguf_reader=gguf)
+    ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0, select=select, gguf_reader=gguf,
+                           mmproj=config.mmproj)
     hf = ckpt.hf_config
     positions = hf.get_text_config().max_position_embeddings
     max_model_len = config.max_model_len or positions

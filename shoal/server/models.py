@@ -149,6 +149,8 @@ def estimate_bytes(config: EngineConfig) -> int:
         weights = path.stat().st_size
     else:
         weights = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
+    if config.mmproj and Path(config.mmproj).is_file():
+        weights += Path(config.mmproj).stat().st_size
     return weights + config.cache.kv_cache_memory + WORKSPACE_BYTES
 
 
@@ -242,7 +244,7 @@ class ServedModel:
         """Whether the model has a vision tower: the loaded engine's answer, or before a load its config's."""
         if self.engine is not None:
             return self.engine.vision is not None
-        return has_vision_config(self.config.model)
+        return self.config.mmproj is not None or has_vision_config(self.config.model)
 
     def card(self) -> dict:
         """What GET /v1/models says of it."""

@@ -44,6 +44,12 @@ def _reserved_names(tokenizer) -> frozenset[str]:
 
 
 _RESERVED: dict[type, frozenset[str]] = {}
+_SENTINEL = "shoalProbe7Q"
+
+
+def _parts(content) -> list[dict]:
+    """A string content as template parts (None: none)."""
+    return [{"type": "text", "text": content}] if content else []
 
 
 class ChatRenderer:
@@ -89,6 +95,8 @@ class ChatRenderer:
                 f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the server passes "
                 f"{'it' if len(taken) == 1 else 'them'} to the template itself (messages and tools come from the request's own fields)"
             )
+        if self.wants_parts:
+            messages = [m if isinstance(m.get("content"), list) else {**m, "content": _parts(m.get("content"))} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages),
@@ -101,6 +109,26 @@ class ChatRenderer:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template ({self.source}) refused the messages: {e}") from e
         return text
+
+    @cached_property
+    def wants_parts(self) -> bool:
+        """Whether the template reads a message's content as a list of parts only (SmolVLM's: a string's text
+        would be dropped without an error). Then every string content goes to it as one text part."""
+        import jinja2
+
+        probe = [{"role": "user", "content": _SENTINEL}]
+        try:
+            as_string = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, chat_template=self.template)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError):
+            as_string = ""
+        if _SENTINEL in as_string:
+            return False
+        try:
+            as_parts = self.tokenizer.apply_chat_template([{"role": "user", "content": _parts(_SENTINEL)}], tokenize=False,
+                                                          add_generation_prompt=True, chat_template=self.template)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError):
+            return False
+        return _SENTINEL in as_parts
 
     @cached_property
     def tool_call_layout(self) -> tuple[str, str, str] | None:
