@@ -180,8 +180,12 @@ def vision_llm(path, **kw) -> LLM:
 ASK = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def conversation(image, question: str = "what is it?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+def conversation(image, question: str = "what is it?", system: str | None = None) -> list[dict]:
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+
+
+SYSTEM = "You look at pictures and say what is in them, in one short line."
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "idefics3"])
@@ -208,16 +212,18 @@ def test_greedy_tokens_are_the_same_alone_batched_chunked_and_after_a_cache_hit(
 def test_the_prefix_cache_keys_images_by_their_pixels(vl_model):
     llm = vision_llm(vl_model)
     first = picture(150, 100, 7)
-    llm.chat(conversation(first), ASK)
-    prompt_ids, spans = llm._chat_prompt(conversation(first), {})
-    # Another picture of the same size: the same token ids, but a miss from its first placeholder on.
-    other = llm.chat(conversation(picture(150, 100, 8)), ASK)[0]
-    assert llm._chat_prompt(conversation(picture(150, 100, 8)), {})[0] == prompt_ids
-    assert other.num_cached_tokens <= spans[0].offset
+    llm.chat(conversation(first, system=SYSTEM), ASK)
+    prompt_ids, spans = llm._chat_prompt(conversation(first, system=SYSTEM), {})
+    # Another picture of the same size: the same token ids, but a miss from its first placeholder on; the text
+    # before it (the system prompt's whole blocks) is shared as usual.
+    other = llm.chat(conversation(picture(150, 100, 8), system=SYSTEM), ASK)[0]
+    assert llm._chat_prompt(conversation(picture(150, 100, 8), system=SYSTEM), {})[0] == prompt_ids
+    assert spans[0].offset // 4 * 4 - 4 <= other.num_cached_tokens <= spans[0].offset
+    assert other.num_cached_tokens >= 8
     # The same pixels sent as PNG and as lossless WebP: a hit, and the tower does not run for them.
     runs = llm.engine.runner.encoder.stats.images_encoded
     for fmt in ("PNG", "WEBP"):
-        hit = llm.chat(conversation(reencoded(first, fmt)), ASK)[0]
+        hit = llm.chat(conversation(reencoded(first, fmt), system=SYSTEM), ASK)[0]
         assert hit.num_cached_tokens >= spans[-1].end - 4  # every full block of the image came from the cache
     assert llm.engine.runner.encoder.stats.images_encoded == runs
 

@@ -187,7 +187,8 @@ def _make_tiny_idefics3(path: Path, seed: int) -> Path:
     return path
 
 
-def make_tiny_vl_model(family: str, path: Path, *, seed: int = 0, max_pixels: int = 28 * 28 * 64) -> Path:
+def make_tiny_vl_model(family: str, path: Path, *, seed: int = 0, max_pixels: int = 28 * 28 * 64, text: dict | None = None,
+                       vision: dict | None = None) -> Path:
     """Write a random-weight vision-language model folder (config, safetensors, tokenizer, chat template and
     preprocessor config) of `family` (VL_ARCHS). Qwen2-VL's: a two-layer ViT over 14-pixel patches, merged 2x2,
     before a two-layer Qwen2 decoder with M-RoPE; max_pixels keeps images small (64 tokens at most)."""
@@ -202,16 +203,17 @@ def make_tiny_vl_model(family: str, path: Path, *, seed: int = 0, max_pixels: in
     tokenizer.chat_template = VL_TEMPLATE
     ids = dict(zip(VL_TOKENS, tokenizer.convert_tokens_to_ids(VL_TOKENS)))
     config_cls, model_cls, proc_module, proc_cls = VL_ARCHS[family]
-    text = dict(_BASE, num_hidden_layers=2, vocab_size=len(tokenizer),
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    vision = dict(depth=2, hidden_size=32 if family == "qwen2_5_vl" else 64, num_heads=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, in_channels=3)
+    text_kw = dict(_BASE, num_hidden_layers=2, vocab_size=len(tokenizer),
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, **(text or {}))
+    vision_kw = dict(depth=2, hidden_size=32 if family == "qwen2_5_vl" else 64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                     temporal_patch_size=2, in_channels=3)
     if family == "qwen2_vl":
-        vision.update(embed_dim=32, mlp_ratio=2)
+        vision_kw.update(embed_dim=32, mlp_ratio=2)
     else:  # window attention over 2x2 windows of merged tokens, full attention in the last block
-        vision.update(intermediate_size=64, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
+        vision_kw.update(intermediate_size=64, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
+    vision_kw.update(vision or {})  # a larger model for benchmarks (text and vision override the shapes)
     config = getattr(transformers, config_cls)(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        text_config=text_kw, vision_config=vision_kw, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
     )
     config.architectures = [model_cls]
