@@ -203,8 +203,8 @@ def make_tiny_vl_model(family: str, path: Path, *, seed: int = 0, max_pixels: in
     tokenizer.chat_template = VL_TEMPLATE
     ids = dict(zip(VL_TOKENS, tokenizer.convert_tokens_to_ids(VL_TOKENS)))
     config_cls, model_cls, proc_module, proc_cls = VL_ARCHS[family]
-    text_kw = dict(_BASE, num_hidden_layers=2, vocab_size=len(tokenizer),
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, **(text or {}))
+    text_kw = {**_BASE, "num_hidden_layers": 2, "vocab_size": len(tokenizer),
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, **(text or {})}
     vision_kw = dict(depth=2, hidden_size=32 if family == "qwen2_5_vl" else 64, num_heads=2, patch_size=14, spatial_merge_size=2,
                      temporal_patch_size=2, in_channels=3)
     if family == "qwen2_vl":
