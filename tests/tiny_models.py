@@ -144,6 +144,7 @@ VL_ARCHS = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
     "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", "idefics3.image_processing_pil_idefics3", "Idefics3ImageProcessorPil"),
+    "smolvlm": ("SmolVLMConfig", "SmolVLMForConditionalGeneration", "smolvlm.image_processing_pil_smolvlm", "SmolVLMImageProcessorPil"),
 }
 
 # SmolVLM's chat template: it takes a message's content as a list of parts only (a string's text is dropped).
@@ -158,23 +159,26 @@ IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end
                    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
 
 
-def _make_tiny_idefics3(path: Path, seed: int) -> Path:
-    """Idefics3 (SmolVLM's architecture): a two-layer SigLIP over 16-pixel patches of 64-pixel tiles, the pixel
-    shuffle (scale 2: 4 tokens a tile) and a two-layer Llama. Images are resized to at most 128 pixels a side, so
-    up to 2 x 2 tiles and the global view."""
+def _make_tiny_idefics3(family: str, path: Path, seed: int) -> Path:
+    """Idefics3, or SmolVLM (its architecture under its own classes): a two-layer SigLIP over 16-pixel patches of
+    64-pixel tiles, the pixel shuffle (scale 2: 4 tokens a tile) and a two-layer Llama. Images are resized to at
+    most 128 pixels a side, so up to 2 x 2 tiles and the global view."""
+    import importlib
+
     import transformers
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    config_cls, model_cls, proc_module, proc_cls = VL_ARCHS[family]
 
     tokenizer = make_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *IDEFICS3_TOKENS]})
     tokenizer.chat_template = IDEFICS3_TEMPLATE
     text = dict(_BASE, model_type="llama", num_hidden_layers=2, vocab_size=len(tokenizer), tie_word_embeddings=False)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64, patch_size=16)
-    config = transformers.Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
-                                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
-    config.architectures = ["Idefics3ForConditionalGeneration"]
+    config = getattr(transformers, config_cls)(text_config=text, vision_config=vision, scale_factor=2,
+                                               image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    config.architectures = [model_cls]
     torch.manual_seed(seed)
-    model = transformers.Idefics3ForConditionalGeneration(config).to(torch.float32).eval()
+    model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
@@ -182,7 +186,8 @@ def _make_tiny_idefics3(path: Path, seed: int) -> Path:
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    Idefics3ImageProcessorPil(size={"longest_edge": 128}, max_image_size={"longest_edge": 64}).save_pretrained(path)
+    processor = getattr(importlib.import_module(f"transformers.models.{proc_module}"), proc_cls)
+    processor(size={"longest_edge": 128}, max_image_size={"longest_edge": 64}).save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
     return path
 
@@ -196,8 +201,8 @@ def make_tiny_vl_model(family: str, path: Path, *, seed: int = 0, max_pixels: in
 
     import transformers
 
-    if family == "idefics3":
-        return _make_tiny_idefics3(path, seed)
+    if family in ("idefics3", "smolvlm"):
+        return _make_tiny_idefics3(family, path, seed)
     tokenizer = make_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *VL_TOKENS]})
     tokenizer.chat_template = VL_TEMPLATE
