@@ -588,7 +588,7 @@ def _answers(path, params: SamplingParams, **parallel) -> tuple[list, dict]:
              [e.logprob for e in o.prompt_logprobs[1:]]) for o in outs], cluster
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # an untied head (on stage 0 only) and a tied one
+@pytest.mark.parametrize("arch", ["qwen3"])  # a tied head (an untied one on stage 0 only: the tp2 x pp2 test's qwen2)
 def test_three_pipeline_stages_give_one_process_bits(arch, tmp_path):
     """Stages change where a layer runs, not its math: tokens, logprobs and prompt logprobs are bit for bit one
     process's, and each stage holds only its layers (the embedding and head only on stage 0). The stages take
@@ -604,7 +604,7 @@ def test_three_pipeline_stages_give_one_process_bits(arch, tmp_path):
     assert cluster["ranks"][0]["weights_bytes"] > cluster["ranks"][1]["weights_bytes"]  # the embedding (and head) on stage 0
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])  # an untied head; q/k/v biases split by rows
+@pytest.mark.parametrize("arch", ["qwen2"])  # an untied head; q/k/v biases split by rows (Llama: every_split's tp2xpp2)
 def test_two_stages_of_two_tensor_parallel_ranks_give_one_process_bits(arch, tmp_path):
     """Both at once, four processes: stage s is ranks 2s and 2s+1, each with half of its layers' heads and MLP
     columns. Tokens, logprobs and prompt logprobs are one process's and two tensor-parallel ranks', bit for bit,
