@@ -15,7 +15,6 @@ import io
 import threading
 
 import anthropic
-import httpx
 import pytest
 from PIL import Image
 
@@ -274,3 +273,27 @@ def test_an_idefics3_model_takes_images_through_both_sdks(tmp_path):
             text_only = h.post("/tokenize", json={"messages": [{"role": "system", "content": "Be brief."},
                                                              {"role": "user", "content": "What is this?"}]}).json()["count"]
         assert r.usage.prompt_tokens == text_only + prepared.length
+
+
+def test_the_tower_runs_on_the_media_threads_not_in_the_engine_step_and_not_for_a_count(srv):
+    """A request's images are encoded before it reaches the engine, beside the steps other sequences decode in;
+    counting tokens encodes nothing."""
+    import threading
+
+    encoder = srv.engine.runner.encoder
+    tower, threads = encoder.tower, []
+
+    def recording(pixels):
+        threads.append(threading.current_thread().name)
+        return tower(pixels)
+
+    encoder.tower = recording
+    try:
+        fresh = data_uri(png_bytes(picture(140, 84, 123)))
+        with srv.http(headers={"Authorization": f"Bearer {KEY}"}) as h:
+            h.post("/tokenize", json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": fresh}}]}]})
+        assert threads == []
+        ask_openai(srv, fresh)
+        assert len(threads) == 1 and threads[0].startswith("shoal-media")
+    finally:
+        encoder.tower = tower

@@ -264,3 +264,35 @@ def test_placeholders_without_images_and_images_on_a_text_model_are_refused(vl_m
     text_only = LLM(str(make_tiny_model("qwen2", tmp_path / "q")), num_blocks=32)
     with pytest.raises(ValueError, match="does not accept images"):
         text_only.chat(conversation(picture(40, 40)), ASK)
+
+
+def test_the_encoder_cache_encodes_a_digest_once_across_threads_and_evicts_least_recent_first():
+    import threading
+    import time as _time
+
+    from shoal.runner.encoder_cache import EncoderCache
+
+    calls = []
+
+    def tower(pixels):
+        calls.append(pixels["n"])
+        _time.sleep(0.05)
+        return torch.full((4, 8), float(pixels["n"]))  # 128 bytes
+
+    cache = EncoderCache(tower, capacity_bytes=256)  # two images' rows
+    span = lambda n: ImageSpan(0, 4, bytes([n]) * 32, (1, 2, 2), {"n": n})  # noqa: E731
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cache.embeddings(span(1)))) for _ in range(3)]
+    threads.append(threading.Thread(target=cache.warm, args=(span(1),)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [1] and len(got) == 3 and all(torch.equal(g, got[0]) for g in got)
+    cache.embeddings(span(2))
+    cache.embeddings(span(1))  # 1 is now the most recent
+    cache.embeddings(span(3))  # over the budget: 2, the least recent, goes
+    assert list(cache.entries) == [bytes([1]) * 32, bytes([3]) * 32] and calls == [1, 2, 3]
+    assert cache.stats.images_encoded == 3 and cache.stats.cached_bytes == 256
+    cache.embeddings(span(2))
+    assert calls == [1, 2, 3, 2]  # evicted, so encoded again

@@ -235,12 +235,12 @@ def thinking_budget(served, body: MessagesRequest) -> ThinkingBudget | None:
     return ThinkingBudget(n, tuple(encode(END, add_special_tokens=False)), start)
 
 
-async def render(served, body: CountTokensRequest, tools: ToolUse | None) -> tuple[str, list[int], tuple]:
-    """The prompt: text, token ids (images' tokens in place) and image spans."""
+async def render(served, body: CountTokensRequest, tools: ToolUse | None, encode: bool = True) -> tuple[str, list[int], tuple]:
+    """The prompt: text, token ids (images' tokens in place) and image spans (encode: as chat_prompt's)."""
     images: list[ImageRef] = []
     messages = conversation(body, served.settings.keep_billing_header, images)
     shown = [dict(t) for t in tools.tools] if tools is not None else None
-    return await render_conversation(served, messages, images, shown, template_kwargs(body))
+    return await render_conversation(served, messages, images, shown, template_kwargs(body), encode=encode)
 
 
 # ---------------------------------------------------------------- routes
@@ -249,7 +249,7 @@ async def render(served, body: CountTokensRequest, tools: ToolUse | None) -> tup
 async def count_tokens(body: CountTokensRequest, state) -> JSONResponse:
     served = await state.model(body.model, body.keep_alive)
     tools = tool_use(body)
-    _, ids, _ = await render(served, body, tools)  # every image counted as its tokens
+    _, ids, _ = await render(served, body, tools, encode=False)  # every image counted as its tokens
     return JSONResponse({"input_tokens": len(ids)})
 
 

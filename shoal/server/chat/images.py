@@ -3,10 +3,11 @@
 Each adapter turns a message with images into template parts, `{"type": "text", "text": ...}` and
 `{"type": "image"}` in order, and lists an `ImageRef` per image part. Then, for every protocol alike:
 
-1. `prepare_images` fetches and decodes each image (server/media.py, under the server's media policy) and
-   runs the model's processor on it (model/vision.py). That is blocking work, and a fetch can take seconds,
-   so it runs on its own small thread pool: a slow URL holds a media thread, never the event loop or the
-   threads that render other requests' prompts.
+1. `prepare_images` fetches and decodes each image (server/media.py, under the server's media policy), runs
+   the model's processor on it (model/vision.py) and warms the encoder cache with the tower's output. That is
+   blocking work, and a fetch can take seconds, so it runs on its own small thread pool: a slow URL holds a
+   media thread, never the event loop or the threads that render other requests' prompts, and the tower runs
+   beside the engine's steps, so the other sequences keep decoding.
 2. The template renders the conversation, writing the model's image placeholder once per image part.
 3. `place_images` repeats each placeholder once per token of its image and records where each image sits.
 """
@@ -48,18 +49,20 @@ IMAGE_PART = {"type": "image"}  # what the template sees where an image goes
 
 async def render_conversation(served, messages: list[dict], refs: list[ImageRef], tools: list[dict] | None = None,
                               template_kwargs: dict | None = None, add_generation_prompt: bool | None = None,
-                              ) -> tuple[str, list[int], tuple[ImageSpan, ...]]:
-    """The prompt's text, its token ids with every image's tokens in place, and where the images sit."""
+                              encode: bool = True) -> tuple[str, list[int], tuple[ImageSpan, ...]]:
+    """The prompt's text, its token ids with every image's tokens in place, and where the images sit. encode:
+    run the tower on the images now (a request to generate), not for a count of tokens."""
     if refs and served.engine.vision is None:
         raise bad_request(f"this model does not accept images ({refs[0].where} is an {refs[0].kind})", refs[0].where)
-    images = await prepare_images(served, refs)
+    images = await prepare_images(served, refs, encode)
     text, ids = await asyncio.to_thread(render_messages, served, messages, tools, template_kwargs, add_generation_prompt)
     ids, spans = place_images(served, ids, images)
     return text, ids, spans
 
 
-async def prepare_images(served, refs: list[ImageRef]) -> list[PreparedImage]:
-    """Every image fetched, decoded and prepared, in order; any problem is a 400 that names the image."""
+async def prepare_images(served, refs: list[ImageRef], encode: bool = True) -> list[PreparedImage]:
+    """Every image fetched, decoded and prepared (and with `encode`, its tower output cached), in order; any
+    problem is a 400 that names the image."""
     if not refs:
         return []
     policy = served.settings.media_policy
@@ -68,10 +71,10 @@ async def prepare_images(served, refs: list[ImageRef]) -> list[PreparedImage]:
     except MediaError as e:
         raise bad_request(str(e), "messages") from None
     loop = asyncio.get_running_loop()
-    return list(await asyncio.gather(*(loop.run_in_executor(_pool, _prepare, served, ref, policy) for ref in refs)))
+    return list(await asyncio.gather(*(loop.run_in_executor(_pool, _prepare, served, ref, policy, encode) for ref in refs)))
 
 
-def _prepare(served, ref: ImageRef, policy) -> PreparedImage:
+def _prepare(served, ref: ImageRef, policy, encode: bool) -> PreparedImage:
     if ref.detail is not None and ref.detail not in DETAILS:
         raise bad_request(f"{ref.where}.detail must be one of {', '.join(DETAILS)}", f"{ref.where}.detail")
     try:
@@ -81,7 +84,11 @@ def _prepare(served, ref: ImageRef, policy) -> PreparedImage:
             loaded = load_image(ref.url or "", policy, ref.where)
     except MediaError as e:
         raise bad_request(str(e), ref.where) from None
-    return served.engine.vision.prepare(loaded.image, pixel_digest(loaded.image), ref.detail)
+    prepared = served.engine.vision.prepare(loaded.image, pixel_digest(loaded.image), ref.detail)
+    encoder = served.engine.runner.encoder
+    for tile in prepared.tiles if encode else ():  # the tower runs here, beside the engine's steps (runner/encoder_cache.py)
+        encoder.warm(tile)
+    return prepared
 
 
 def place_images(served, ids: list[int], images: list[PreparedImage], param: str = "messages") -> tuple[list[int], tuple[ImageSpan, ...]]:

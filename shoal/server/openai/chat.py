@@ -93,11 +93,12 @@ def _image_ref(part: dict, kind: str, where: str) -> ImageRef:
     return ImageRef(where, f"{kind} part", url=url, detail=detail)
 
 
-async def chat_prompt(served, body, tools: list[dict] | None) -> tuple[str, list[int], tuple]:
-    """The chat request's prompt: text, token ids (images' tokens in place) and image spans."""
+async def chat_prompt(served, body, tools: list[dict] | None, encode: bool = True) -> tuple[str, list[int], tuple]:
+    """The chat request's prompt: text, token ids (images' tokens in place) and image spans (encode: run the
+    tower on the images now, for a request to generate)."""
     images: list[ImageRef] = []
     messages = message_dicts(body.messages, images)
-    return await render_conversation(served, messages, images, tools, body.chat_template_kwargs, body.add_generation_prompt)
+    return await render_conversation(served, messages, images, tools, body.chat_template_kwargs, body.add_generation_prompt, encode)
 
 
 def tool_use(tools: list[dict] | None, choice, parallel: bool | None) -> ToolUse | None:

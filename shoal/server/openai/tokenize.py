@@ -25,7 +25,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if body.messages is not None:
         tools = tool_use(body.tools, None, None)  # checked like chat's; rendered the same way
         shown = [dict(t) for t in tools.tools] if tools is not None else None
-        text, ids, _ = await chat_prompt(served, body, shown)  # every image counted as its tokens
+        text, ids, _ = await chat_prompt(served, body, shown, encode=False)  # every image counted as its tokens
     else:
         text = body.prompt
         check_prompt_chars(served, len(text), "prompt")
