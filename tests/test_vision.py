@@ -296,3 +296,11 @@ def test_the_encoder_cache_encodes_a_digest_once_across_threads_and_evicts_least
     assert cache.stats.images_encoded == 3 and cache.stats.cached_bytes == 256
     cache.embeddings(span(2))
     assert calls == [1, 2, 3, 2]  # evicted, so encoded again
+
+
+def test_the_tower_counts_in_the_model_memory(vl_model):
+    llm = vision_llm(vl_model)
+    runner = llm.engine.runner
+    decoder = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    tower = runner.encoder.tower.weight_bytes
+    assert tower > 0 and llm.engine.facts.weight_bytes >= decoder + tower

@@ -180,19 +180,19 @@ def _idefics3_encode(module, pixels):
     return module(pixels["pixel_values"], pixels["pixel_attention_mask"])
 
 
-# family -> (transformers' module holding its classes, how its tower is built, how it encodes, the checkpoint's
-# tower prefixes under `model.`)
+# family -> (transformers' module holding its tower's classes: one tower module, or Idefics3's vision transformer
+# and connector; how the tower encodes one run)
 FAMILIES = {
-    "qwen2_vl": ("qwen2_vl", ("Qwen2VisionTransformerPretrainedModel",), _qwen2_vl_encode, ("visual.",)),
-    "qwen2_5_vl": ("qwen2_5_vl", ("Qwen2_5_VisionTransformerPretrainedModel",), _qwen2_vl_encode, ("visual.",)),
-    "idefics3": ("idefics3", ("Idefics3VisionTransformer", "Idefics3Connector"), _idefics3_encode, ("vision_model.", "connector.")),
-    "smolvlm": ("smolvlm", ("SmolVLMVisionTransformer", "SmolVLMConnector"), _idefics3_encode, ("vision_model.", "connector.")),
+    "qwen2_vl": ("qwen2_vl", ("Qwen2VisionTransformerPretrainedModel",), _qwen2_vl_encode),
+    "qwen2_5_vl": ("qwen2_5_vl", ("Qwen2_5_VisionTransformerPretrainedModel",), _qwen2_vl_encode),
+    "idefics3": ("idefics3", ("Idefics3VisionTransformer", "Idefics3Connector"), _idefics3_encode),
+    "smolvlm": ("smolvlm", ("SmolVLMVisionTransformer", "SmolVLMConnector"), _idefics3_encode),
 }
 
 
 def build_tower(model_cls, hf_config, state_dict: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> VisionTower:
     """The family's tower (`model_cls.vision`, a FAMILIES key) with the checkpoint's tower tensors."""
-    module_name, classes, encode, _ = FAMILIES[model_cls.vision]
+    module_name, classes, encode = FAMILIES[model_cls.vision]
     found = [getattr(importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}"), c) for c in classes]
     start = time.perf_counter()
     if len(found) == 1:

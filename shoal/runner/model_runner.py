@@ -165,9 +165,9 @@ class ModelRunner:
         self.bytes_per_block = spec.bytes_per_block
         self.kv_dtype = spec.dtype
         self.eos_token_ids = eos_token_ids
-        # The model's tensors once each (tied embeddings share storage), for the server's memory budget.
+        # The model's tensors once each (tied embeddings share storage), and a vision tower's, for the server's memory budget.
         seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())}
-        self.weight_bytes = sum(seen.values())
+        self.weight_bytes = sum(seen.values()) + (vision_tower.weight_bytes if vision_tower is not None else 0)
         c = self.config
         # One tensor for all layers: [layers, 2 (k|v), Hkv, blocks + 1, block_size, D] (head-major, see
         # attention/common.py). The last block is the null block: the pool never hands it out, attention

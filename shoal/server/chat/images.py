@@ -9,13 +9,13 @@ Each adapter turns a message with images into template parts, `{"type": "text", 
    media thread, never the event loop or the threads that render other requests' prompts, and the tower runs
    beside the engine's steps, so the other sequences keep decoding.
 2. The template renders the conversation, writing the model's image placeholder once per image part.
-3. `place_images` repeats each placeholder once per token of its image and records where each image sits.
+3. `place_images` replaces each placeholder with its image's tokens (as the model's processor writes them) and
+   records where the tower's runs of them sit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,8 +24,6 @@ from shoal.multimodal import ImageSpan, expand_placeholders
 from shoal.server.chat.render import render_messages
 from shoal.server.errors import bad_request
 from shoal.server.media import MediaError, check_count, load_base64_image, load_image, pixel_digest
-
-log = logging.getLogger("shoal.server")
 
 MEDIA_THREADS = 4  # images fetched and prepared at once, over all requests
 _pool = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="shoal-media")
@@ -92,8 +90,8 @@ def _prepare(served, ref: ImageRef, policy, encode: bool) -> PreparedImage:
 
 
 def place_images(served, ids: list[int], images: list[PreparedImage], param: str = "messages") -> tuple[list[int], tuple[ImageSpan, ...]]:
-    """The rendered prompt's ids with each image placeholder repeated once per token of its image, and where
-    each image sits. The template must have written one placeholder per image part."""
+    """The rendered prompt's ids with each image placeholder replaced by its image's tokens, and the spans the
+    tower fills. The template must have written one placeholder per image part."""
     vision = served.engine.vision
     if vision is None:
         return ids, ()
