@@ -297,3 +297,14 @@ def test_the_tower_runs_on_the_media_threads_not_in_the_engine_step_and_not_for_
         assert len(threads) == 1 and threads[0].startswith("shoal-media")
     finally:
         encoder.tower = tower
+
+
+def test_the_responses_style_and_bare_url_image_parts_are_taken(srv):
+    with srv.http(headers={"Authorization": f"Bearer {KEY}"}) as h:
+        counts = [h.post("/tokenize", json={"messages": [{"role": "user", "content": [part]}]}).json()["count"] for part in (
+            {"type": "image_url", "image_url": {"url": data_uri(PNG)}},
+            {"type": "image_url", "image_url": data_uri(PNG)},
+            {"type": "input_image", "image_url": data_uri(PNG), "detail": "auto"})]
+        assert counts[0] == counts[1] == counts[2] > 20
+        r = h.post("/tokenize", json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 7}}]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].image_url.url"

@@ -194,8 +194,6 @@ def load_checkpoint(
     return LoadedCheckpoint(config, state_dict, tokenizer, eos, defaults, path, fmt, weight_format, source, vision_state, preparer)
 
 
-# A vision model's tower, as its checkpoints name it (with or without `model.`): Qwen2-VL's `visual.*`,
-# Idefics3's and SmolVLM's `vision_model.*` and `connector.*`.
 # Qwen2-VL's chat template writes this once per image; the processor (and shoal) repeat it per token.
 QWEN2_VL_IMAGE_TOKEN = "<|image_pad|>"
 
@@ -221,6 +219,8 @@ def gguf_vision(text_config, tokenizer, mmproj: str | Path):
     return config, mm.state_dict, Qwen2VLPreparer(processor, spec)
 
 
+# A vision model's tower, as its checkpoints name it (with or without `model.`): Qwen2-VL's `visual.*`,
+# Idefics3's and SmolVLM's `vision_model.*` and `connector.*`.
 VISION_PREFIXES = tuple(p + t for p in ("", "model.") for t in ("visual.", "vision_model.", "connector."))
 
 

@@ -84,10 +84,11 @@ def _content(content, i: int, images: list[ImageRef]) -> str | list[dict]:
 def _image_ref(part: dict, kind: str, where: str) -> ImageRef:
     """{"type": "image_url", "image_url": {"url", "detail"}} (or the url alone, as some clients send it), and the
     Responses API's {"type": "input_image", "image_url": "...", "detail"}."""
-    spec = part.get(kind) if kind == "image_url" else part
-    url = spec.get("url") if isinstance(spec, dict) and kind == "image_url" else part.get("image_url") if kind == "input_image" else spec
-    detail = spec.get("detail") if isinstance(spec, dict) else None
-    field = f"{where}.image_url.url" if kind == "image_url" and isinstance(spec, dict) else f"{where}.image_url"
+    inner = part.get("image_url")
+    if kind == "image_url" and isinstance(inner, dict):
+        url, detail, field = inner.get("url"), inner.get("detail"), f"{where}.image_url.url"
+    else:  # input_image, or image_url given as the url itself
+        url, detail, field = inner, part.get("detail"), f"{where}.image_url"
     if not isinstance(url, str) or not url:
         raise bad_request(f"{field} must be a URL string (data:, http(s) or file:)", field)
     return ImageRef(where, f"{kind} part", url=url, detail=detail)
