@@ -252,3 +252,21 @@ def test_mmproj_goes_with_the_first_served_model_only():
     a = build_parser().parse_args(["serve", "--model", "a.gguf", "--model", "b.gguf", "--mmproj", "mm.gguf"])
     specs = model_specs(serve_values(a))
     assert [s.config.mmproj for s in specs] == ["mm.gguf", None]
+
+
+def test_models_dir_takes_a_folder_of_a_gguf_and_its_mmproj_as_one_vision_model(pair, tmp_path):
+    """llama.cpp's router layout: a multimodal model in its own folder, with every part."""
+    import shutil
+
+    from shoal.config import EngineConfig
+    from shoal.server.models import specs_in_dir
+
+    family, _, text_gguf, mmproj = pair
+    (tmp_path / "eyes").mkdir()
+    shutil.copy(text_gguf, tmp_path / "eyes" / "model.gguf")
+    shutil.copy(mmproj, tmp_path / "eyes" / "mmproj-model-f32.gguf")
+    shutil.copy(text_gguf, tmp_path / "plain.gguf")
+    specs = {s.name: s.config for s in specs_in_dir(tmp_path, EngineConfig())}
+    assert sorted(specs) == ["eyes", "plain"]
+    assert specs["eyes"].model.endswith("eyes/model.gguf") and specs["eyes"].mmproj.endswith("mmproj-model-f32.gguf")
+    assert specs["plain"].mmproj is None

@@ -122,19 +122,30 @@ def spec_for(config: EngineConfig, name: str | None = None, **kw) -> ModelSpec:
 
 def specs_in_dir(root: str | Path, template: EngineConfig) -> list[ModelSpec]:
     """--models-dir: every .gguf (mmproj files aside) and Hugging Face folder (config.json) directly in `root`, named
-    by file stem or folder name, with `template`'s engine settings."""
+    by file stem or folder name, with `template`'s engine settings. A folder holding one .gguf and an mmproj .gguf
+    beside it is a vision model as llama.cpp's router lays one out, named by the folder."""
     root = Path(root).expanduser()
     if not root.is_dir():
         raise ValueError(f"--models-dir {root} is not a directory")
     found = []
     for p in sorted(root.iterdir()):
-        if p.is_file() and p.suffix == ".gguf" and "mmproj" not in p.name.lower():
+        if p.is_file() and p.suffix == ".gguf" and not _is_mmproj(p):
             found.append(ModelSpec(p.stem, dataclasses.replace(template, model=str(p)), aliases=(p.name,)))
         elif p.is_dir() and (p / "config.json").is_file():
             found.append(ModelSpec(p.name, dataclasses.replace(template, model=str(p))))
+        elif p.is_dir():
+            ggufs = sorted(p.glob("*.gguf"))
+            models, projs = [f for f in ggufs if not _is_mmproj(f)], [f for f in ggufs if _is_mmproj(f)]
+            if len(models) == 1 and len(projs) <= 1:
+                mmproj = str(projs[0]) if projs else None
+                found.append(ModelSpec(p.name, dataclasses.replace(template, model=str(models[0]), mmproj=mmproj)))
     if not found:
         raise ValueError(f"--models-dir {root} holds no .gguf file and no model folder (one with config.json)")
     return found
+
+
+def _is_mmproj(path: Path) -> bool:
+    return "mmproj" in path.name.lower()
 
 
 def estimate_bytes(config: EngineConfig) -> int:
