@@ -96,7 +96,7 @@ def test_logits_match_transformers_with_images_split_across_chunks(family):
 
 def hf_image_inputs(name: str, images, ids, token: int) -> dict:
     """What transformers' model takes for these images besides input_ids, as its processor would give it."""
-    tiles = [t for im in images for t in im.tiles]
+    tiles = [t for im in images for t in (im.tiles if hasattr(im, "tiles") else im)]  # PreparedImages, or spans
     if name.startswith("qwen"):
         return {"pixel_values": torch.cat([t.pixels["pixel_values"] for t in tiles]),
                 "image_grid_thw": torch.cat([t.pixels["image_grid_thw"] for t in tiles]),
@@ -304,3 +304,34 @@ def test_the_tower_counts_in_the_model_memory(vl_model):
     decoder = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     tower = runner.encoder.tower.weight_bytes
     assert tower > 0 and llm.engine.facts.weight_bytes >= decoder + tower
+
+
+def test_greedy_tokens_in_the_default_dtype_track_transformers(family):
+    """In the dtype users run (bfloat16 where the CPU has it; float32 elsewhere), with the default attention: the
+    greedy tokens of image chats are transformers' in the same dtype on the same weights and pixels, up to a first
+    difference that must be a near tie: each side's token in the other's top 5 (vLLM's check_logprobs_close rule),
+    and within 0.02 of transformers' best logit. A tiny random model's logits are flat (the largest is about 0.5
+    and bfloat16 moves them by about 0.003 on either side), so near ties are common and exact runs are luck;
+    a wrong image or position would move the logits by far more. transformers' choices are read teacher-forced
+    along ours, in one forward."""
+    name, path, hf = family
+    llm = LLM(str(path), max_model_len=256, num_blocks=128, block_size=4)
+    # loaded in the dtype, as transformers serves it (a cast model would round its rotary frequencies too)
+    hf_dtype = type(hf).from_pretrained(path, dtype=llm.engine.runner.dtype).eval()
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    for seed in range(4):
+        chat = conversation(picture(120 + 10 * seed, 90, 40 + seed), f"what is shown, {seed}?")
+        ids, spans = llm._chat_prompt(chat, {})
+        ours = llm.chat(chat, greedy)[0].outputs[0]
+        with torch.inference_mode():
+            inputs = hf_image_inputs(name, [spans], ids, llm.engine.vision.spec.image_token_id)
+            if "mm_token_type_ids" in inputs:  # generated tokens are text, whatever their ids
+                inputs["mm_token_type_ids"] = torch.cat((inputs["mm_token_type_ids"], torch.zeros(1, len(ours.token_ids), dtype=torch.long)), 1)
+            logits = hf_dtype(input_ids=torch.tensor([ids + ours.token_ids]), **inputs).logits[0, len(ids) - 1 : -1].float()
+            logits[:, list(llm.engine.eos_token_ids)] = float("-inf")  # ignore_eos bans them
+        ref, ref_top5 = logits.argmax(-1).tolist(), logits.topk(5).indices.tolist()
+        if ref == ours.token_ids:
+            continue
+        i = next(k for k, (a, b) in enumerate(zip(ours.token_ids, ref)) if a != b)
+        assert ours.token_ids[i] in ref_top5[i] and ref[i] in [t.token_id for t in ours.logprobs[i].top], (name, seed, i)
+        assert logits[i, ref[i]] - logits[i, ours.token_ids[i]] <= 0.02, (name, seed, i)
