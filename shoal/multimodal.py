@@ -17,7 +17,7 @@ the grid's larger side, so each image shifts the positions after it by max(h, w)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,8 +42,8 @@ class ImageSpan:
 
 def expand_placeholders(ids: list[int], image_token_id: int, images) -> tuple[list[int], tuple[ImageSpan, ...]]:
     """A rendered prompt's ids, where the template wrote the placeholder once per image, with each replaced by
-    its image's tokens, and the spans the tower fills. images: model.vision.PreparedImage (`tokens`, and `tiles`
-    with offset, length, digest, grid and pixels), in the order of the placeholders. ValueError if the counts
+    its image's tokens, and the spans the tower fills. images: model.vision.PreparedImage (`tokens`, and `tiles`:
+    spans counted from the image's first token), in the order of the placeholders. ValueError if the counts
     differ."""
     found = [i for i, t in enumerate(ids) if t == image_token_id]
     if len(found) != len(images):
@@ -53,7 +53,7 @@ def expand_placeholders(ids: list[int], image_token_id: int, images) -> tuple[li
     prev = 0
     for at, image in zip(found, images):
         out.extend(ids[prev:at])
-        spans.extend(ImageSpan(len(out) + t.offset, t.length, t.digest, t.grid, t.pixels) for t in image.tiles)
+        spans.extend(replace(t, offset=len(out) + t.offset) for t in image.tiles)
         out.extend(image.tokens)
         prev = at + 1
     out.extend(ids[prev:])

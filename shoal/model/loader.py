@@ -20,7 +20,6 @@ import torch
 import transformers
 from safetensors import safe_open
 from tqdm.auto import tqdm
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from shoal.model.gguf_loader import GGUFFileReader, load_gguf, planned_weight_format
 from shoal.model.mmproj import read_mmproj
@@ -201,6 +200,8 @@ QWEN2_VL_IMAGE_TOKEN = "<|image_pad|>"
 def gguf_vision(text_config, tokenizer, mmproj: str | Path):
     """A GGUF decoder and its mmproj file -> (the whole model's transformers config, the tower's tensors, the
     image preparer), as a Hugging Face folder of the family gives them."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: PLC0415 (a vision model's only: 2 s to import)
+
     mm = read_mmproj(mmproj)
     if getattr(text_config, "model_type", "") != "qwen2_vl_text":
         raise ValueError(f"{Path(mmproj).name} is a {mm.family} vision tower, but the model is not a Qwen2-VL decoder "

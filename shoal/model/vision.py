@@ -2,7 +2,7 @@
 
 - `VisionSpec`: what a prompt needs to hold images (the placeholder token). Plain data that the server reads.
 - `ImagePreparer`: a decoded image -> the tokens that replace its placeholder, and the runs of them the tower
-  fills (`Tile`: where, how many, the processor's tensors, a content digest). It runs on the server's side, in
+  fills (ImageSpans: where, how many, the processor's tensors, a content digest). It runs on the server's side, in
   a worker thread. The processor is transformers' own for the model (its Pillow backend), so the pixels equal
   what transformers feeds the model, by construction. One subclass per family: Qwen2-VL's image is one run;
   Idefics3's (SmolVLM's) is a tile per run, between row and column marker tokens, as its processor writes it.
@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from shoal.multimodal import ImageSpan
+
 log = logging.getLogger("shoal.loader")
 
 # OpenAI's `detail: "low"` asks for a cheap look. For Qwen2-VL that is at most 448 x 448 pixels: 256 tokens
@@ -43,20 +45,11 @@ class VisionSpec:
 
 
 @dataclass(frozen=True)
-class Tile:
-    """One run of placeholder tokens the tower fills: a whole Qwen2-VL image, or one of an Idefics3 image's tiles."""
-
-    offset: int  # where the run starts in PreparedImage.tokens
-    length: int
-    digest: bytes  # the encoder cache's key (and, at each of its tokens, the prefix cache's)
-    grid: tuple[int, int, int]  # (t, h, w) of its tokens (Qwen2-VL: after the tower's merge; M-RoPE reads it)
-    pixels: dict  # the processor's tensors for this run alone
-
-
-@dataclass(frozen=True)
 class PreparedImage:
     tokens: tuple[int, ...]  # what replaces the image's one placeholder in the rendered prompt
-    tiles: tuple[Tile, ...]
+    # The runs of those tokens the tower fills, each with its own digest and tensors: a whole Qwen2-VL image, or
+    # one of an Idefics3 image's tiles. Offsets count from the image's first token (expand_placeholders moves them).
+    tiles: tuple[ImageSpan, ...]
 
     @property
     def length(self) -> int:
@@ -100,7 +93,7 @@ class Qwen2VLPreparer(ImagePreparer):
         grid = (t, h // self.merge, w // self.merge)
         pixels = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
         n = grid[0] * grid[1] * grid[2]
-        tile = Tile(0, n, self.digest(pixel_digest, size=size), grid, pixels)
+        tile = ImageSpan(0, n, self.digest(pixel_digest, size=size), grid, pixels)
         return PreparedImage((self.spec.image_token_id,) * n, (tile,))
 
     def _size(self, detail: str | None) -> dict:
@@ -132,7 +125,7 @@ class Idefics3Preparer(ImagePreparer):
         for k in range(out["pixel_values"].shape[1]):  # tiles in prompt order: row by row, then the global view
             i = tokens.index(self.spec.image_token_id, i)
             pixels = {"pixel_values": out["pixel_values"][:, k : k + 1], "pixel_attention_mask": out["pixel_attention_mask"][:, k : k + 1]}
-            tiles.append(Tile(i, self.image_seq_len, hashlib.sha256(digest + k.to_bytes(2, "little")).digest(), (1, side, side), pixels))
+            tiles.append(ImageSpan(i, self.image_seq_len, hashlib.sha256(digest + k.to_bytes(2, "little")).digest(), (1, side, side), pixels))
             i += self.image_seq_len
         return PreparedImage(tokens, tuple(tiles))
 

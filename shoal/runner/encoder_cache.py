@@ -14,16 +14,12 @@ time. The step's own ask then finds the rows; it runs the tower itself only for 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger("shoal.runner")
-
 
 @dataclass
 class EncoderStats:
@@ -50,9 +46,6 @@ class EncoderCache:
 
     def warm(self, span) -> None:
         """Encode the image now unless the cache holds it (the server's media threads, before the request is sent)."""
-        with self._lock:
-            if span.digest in self.entries:
-                return
         self.embeddings(span, count_hit=False)
 
     def embeddings(self, span, count_hit: bool = True) -> torch.Tensor:

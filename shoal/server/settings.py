@@ -16,6 +16,7 @@ bottom would silently hide every level below it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 
 from shoal.server.media import MediaPolicy
@@ -132,10 +133,8 @@ class ServerSettings:
             errors.append(f"invalid server sampling default: {e}")
         if self.chat_template is not None and not self.chat_template.is_file():
             errors.append(f"chat_template file {self.chat_template} does not exist")
-        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.is_dir():
-            errors.append(f"allowed_local_media_path {self.allowed_local_media_path} is not a folder")
         try:
-            self.media_policy
+            self.media_policy  # built once, and checked (the local media folder must exist)
         except ValueError as e:
             errors.append(str(e))
         if errors:
@@ -156,7 +155,7 @@ class ServerSettings:
         text = max(AUTO_REQUEST_BYTES_FLOOR, AUTO_REQUEST_BYTES_PER_TOKEN * (max_model_len or 0) + AUTO_REQUEST_BYTES_SLACK)
         return text + (AUTO_REQUEST_BYTES_IMAGES if images else 0)
 
-    @property
+    @cached_property  # frozen: computed once, as every field it reads never changes
     def media_policy(self) -> MediaPolicy:
         """What image inputs may be fetched or read, and how large they may be."""
         return MediaPolicy(

@@ -29,7 +29,7 @@ from shoal.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from shoal.server.chat.params import clipped_headers, constraint, engine_requests, resolve_params
 from shoal.server.chat.pipeline import DeltaPipeline
 from shoal.server.chat.reasoning import END, START
-from shoal.server.chat.images import IMAGE_PART, ImageRef, render_conversation
+from shoal.server.chat.images import IMAGE_PART, ImageRef, render_conversation, template_content
 from shoal.server.chat.render import ToolUse
 from shoal.server.chat.tools import ToolCall
 from shoal.server.errors import APIError, bad_request
@@ -82,9 +82,7 @@ def _text_of(content, where: str, allowed=("text",), images: list[ImageRef] | No
             raise bad_request(f"{at} is an image block, which this field does not take", at)
         elif kind not in allowed:
             raise bad_request(f"{at}.type {kind!r} is not supported here", f"{at}.type")
-    if IMAGE_PART not in parts:
-        return "\n".join(p["text"] for p in parts)
-    return parts
+    return template_content(parts)
 
 
 def _image_ref(block: dict, at: str) -> ImageRef:
@@ -161,8 +159,7 @@ def conversation(body: CountTokensRequest, keep_billing_header: bool, images: li
                 raise bad_request(f"{at}.type {kind!r} is not supported in a{'n' if role == 'assistant' else ''} {role} turn", f"{at}.type")
         out.extend(results)  # tool results first: they answer the previous turn's calls
         if texts or calls or thinking or not results:
-            content = texts if IMAGE_PART in texts else "\n".join(p["text"] for p in texts)
-            msg: dict[str, Any] = {"role": role, "content": content}
+            msg: dict[str, Any] = {"role": role, "content": template_content(texts)}
             if calls:
                 msg["tool_calls"] = calls
             if thinking:

@@ -45,6 +45,12 @@ class ImageRef:
 IMAGE_PART = {"type": "image"}  # what the template sees where an image goes
 
 
+def template_content(parts: list[dict]) -> str | list[dict]:
+    """A message's content as the template takes it: its text parts joined (as before images), or where it has
+    an image, the text and image parts in order."""
+    return parts if IMAGE_PART in parts else "\n".join(p["text"] for p in parts)
+
+
 async def render_conversation(served, messages: list[dict], refs: list[ImageRef], tools: list[dict] | None = None,
                               template_kwargs: dict | None = None, add_generation_prompt: bool | None = None,
                               encode: bool = True) -> tuple[str, list[int], tuple[ImageSpan, ...]]:

@@ -28,7 +28,7 @@ from shoal.server.openai.common import (
 )
 from shoal.server.openai.protocol import ChatCompletionRequest, ChatMessage
 from shoal.server.chat.pipeline import DeltaPipeline
-from shoal.server.chat.images import IMAGE_PART, ImageRef, render_conversation
+from shoal.server.chat.images import IMAGE_PART, ImageRef, render_conversation, template_content
 from shoal.server.chat.render import ToolUse
 from shoal.server.chat.tools import ToolCall
 from shoal.server.sse import DONE, DeltaEncoder, encode_event
@@ -76,9 +76,7 @@ def _content(content, i: int, images: list[ImageRef]) -> str | list[dict]:
             raise bad_request(f"this model does not accept audio ({where} is an {kind} part)", where)
         else:
             raise bad_request(f"{where}.type {kind!r} is not supported (use 'text' or 'image_url')", f"{where}.type")
-    if IMAGE_PART not in parts:
-        return "\n".join(p["text"] for p in parts)
-    return parts
+    return template_content(parts)
 
 
 def _image_ref(part: dict, kind: str, where: str) -> ImageRef:
