@@ -13,6 +13,16 @@ import pytest
 
 from shoal.config import STRICT_MKL  # shoal.config imports no torch
 
+# Under pytest-xdist (`make test` runs one worker per core), each worker is held to its own share of the cores
+# before anything starts a thread pool: torch's and OpenMP's pools, shoal's engines (which size theirs from the
+# affinity) and the processes the tests start all take that share, so two workers never fight over one core
+# (spinning OpenMP threads on an oversubscribed core made a parallel run no faster than a serial one).
+_worker, _workers = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _worker and _workers > 1 and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    if len(_cores) >= _workers:
+        os.sched_setaffinity(0, _cores[int(_worker.removeprefix("gw")) % _workers :: _workers])
+
 # float32 batch invariance needs MKL's strict reproducible mode, read at MKL's first call: set before any
 # test computes anything (what `shoal serve --deterministic` does at start-up; docs/guides/determinism.md)
 os.environ.setdefault("MKL_CBWR", STRICT_MKL)

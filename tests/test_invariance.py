@@ -177,12 +177,27 @@ def attention_world(request):
     return AttentionWorld(h, d, w, native, kv_dtype=kv)
 
 
+def _checked(decodes: list[tuple[int, int]], chunks: list[tuple[int, int, int]]) -> set[tuple[int, int]]:
+    """The rows of a step held to their lone decode: every decode; of a chunk, its first and last two rows, the
+    rows on each side of a block's edge (16 keys; the kernels' tiles and cuts are multiples of it) and every 5th
+    row besides. A lone decode costs about a millisecond, and checking every row of the worlds' 1,700 took
+    most of this file's time, while a row's arithmetic depends only on its position against those edges."""
+    rows = set(decodes)
+    for s, a, n in chunks:
+        for p in range(a, a + n):
+            if p - a < 2 or a + n - p <= 2 or p % BS in (0, 1, BS - 1) or (p - a) % 5 == 0:
+                rows.add((s, p))
+    return rows
+
+
 @pytest.mark.parametrize("step", sorted(ATTENTION_STEPS))
 def test_attention_of_a_query_is_its_lone_decode_whatever_the_step(attention_world, step):
     world = attention_world
     out = world.step(*ATTENTION_STEPS[step])
-    for (s, p), row in out.items():
-        assert torch.equal(row, world.alone(s, p)), f"sequence {s} position {p}"
+    rows = _checked(*ATTENTION_STEPS[step])
+    assert rows <= out.keys()
+    for s, p in sorted(rows):
+        assert torch.equal(out[s, p], world.alone(s, p)), f"sequence {s} position {p}"
 
 
 def test_lone_decode_attention_matches_float32_reference(attention_world):
