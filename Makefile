@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(VPY) -m shoal.cli serve
 
+# One pytest-xdist worker per core this process may use, each held to its own core (tests/conftest.py); a
+# file's tests stay on one worker, so its module fixtures (models, servers) are built once.
 test: setup
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n $$(nproc) --dist loadfile
 
 # The docs site (docs/, mkdocs.yml) into site/; `.venv/bin/mkdocs serve` rebuilds it live while writing.
 docs: setup
