@@ -56,7 +56,7 @@ def probe(tmp_path_factory):
         mp.setenv("PYTHONPATH", str(folder))
         mp.setattr(zygote, "PRELOAD", False)  # a probe needs none of a rank's imports (the parallel tests fork ranks)
         yield run
-        for z in [z for z in zygote._zygotes if z.key == zygote._key(os.environ, os.getcwd())]:
+        for z in [z for z in zygote._zygotes if ("PYTHONPATH", str(folder)) in z.key[0]]:  # every probe's zygote
             zygote._zygotes.remove(z)
             z.close()
 

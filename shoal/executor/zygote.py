@@ -7,8 +7,8 @@ it once per process that starts ranks: that process starts it the first time it 
 is then a fork of it (a few milliseconds), given the starter's environment and working directory of the moment,
 its standard input on /dev/null as before. The ranks share the zygote's pages of the imported code.
 
-Nothing runs in the zygote but its imports: no thread pool, no tensor, no thread of its own, so a fork starts
-from a clean state. What a rank reads from the environment when torch or shoal is imported (SHOAL_CPU_ISA and
+Nothing runs in the zygote but its imports: no thread pool, no tensor, no Python thread, so a fork starts from
+a clean state. What a rank reads from the environment when torch or shoal is imported (SHOAL_CPU_ISA and
 the instruction caps it sets, thread counts) was read in the zygote, so a zygote serves one environment and
 working directory: a starter whose environment changed gets a new zygote (`spawn`).
 
@@ -35,8 +35,6 @@ import threading
 import time
 import traceback
 
-log = logging.getLogger("shoal.executor")
-
 
 class ForkedProcess:
     """A worker forked by a zygote: what subprocess.Popen offers the launcher (pid, poll, wait, kill)."""
@@ -59,7 +57,8 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:  # not yet reaped by the zygote, so the pid is still this worker's
+        if self.returncode is None:  # its exit not yet reported: the pid is still this worker's (or, for the moment
+            # between the zygote's reaping and its report, nobody's: pids are not reused that fast)
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
@@ -256,7 +255,10 @@ def main(argv: list[str]) -> None:
     buf = b""
 
     def reply(msg: dict) -> None:
-        os.write(rep, (json.dumps(msg) + "\n").encode())
+        try:
+            os.write(rep, (json.dumps(msg) + "\n").encode())
+        except BrokenPipeError:  # the starter is gone: the end of its input follows, and the ranks are killed then
+            pass
 
     def reap() -> None:
         nonlocal idle_since
@@ -298,9 +300,9 @@ def main(argv: list[str]) -> None:
             for pid in list(children):
                 try:
                     _, status = os.waitpid(pid, 0)
-                    reply({"exit": pid, "code": _code(status)})
-                except (ChildProcessError, BrokenPipeError):
-                    pass
+                except ChildProcessError:
+                    continue
+                reply({"exit": pid, "code": _code(status)})
             return
         buf += data
         while b"\n" in buf:
