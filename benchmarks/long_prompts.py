@@ -21,7 +21,7 @@ issue's long-prompt target), and llama-server's TTFT over shoal's. The 4k and
 8k requests then decode 64 more tokens (streamed, exact): the decode rate of one
 stream at those contexts, against llama-server's.
 
-Then whether a long prompt starves the others (shoal alone): 8 streams decode
+Then whether a long prompt starves the others (each shoal, not llama-server): 8 streams decode
 (unique 64-token prompts, 320 tokens each, exact), once by themselves and once
 with one 8k-token prompt sent beside them once they are under way. Reported: the
 8 streams' output tokens/s in the window the long prompt prefills (from its
@@ -187,6 +187,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="FLAGS",
                     help="also measure shoal with these flags (quoted; may be given again), e.g. '--kv-cache-dtype int8'; "
                          "the results then go to long_prompts-variants-KIND, beside the default pair's page")
+    ap.add_argument("--page", default=None, help="the results page's name (default: long_prompts[-variants]-KIND)")
     a = ap.parse_args()
     llama = OneSlotLlamaServer(a.isa)
     variants = [LongShoal(name=f"shoal {v}", flags=tuple(v.split()), isa=a.isa) for v in a.variant]
@@ -197,9 +198,9 @@ def main() -> None:
     rng = random.Random(a.seed)
     times: dict[str, dict[int, list[float]]] = {p.name: {n: [] for n in LENGTHS} for p in peers}
     tpots: dict[str, dict[int, list[float]]] = {p.name: {n: [] for n in DECODE_AT} for p in peers}
-    beside: dict[str, list[dict]] = {"alone": [], "with the long prompt": []}
+    beside = {p.name: {"alone": [], "with the long prompt": []} for p in peers if p is not llama}
     logs = Path(tempfile.mkdtemp(prefix="shoal-long-prompts-"))
-    steps = a.rounds * (len(peers) * len(LENGTHS) + 2)
+    steps = a.rounds * (len(peers) * len(LENGTHS) + 2 * len(beside))
     with tqdm(total=steps, desc="long prompts", unit="step", file=sys.stderr) as bar:
         for _ in range(a.rounds):
             prompts = None
@@ -217,16 +218,16 @@ def main() -> None:
                         if n in DECODE_AT:
                             tpots[peer.name][n].append(per_token)
                         bar.update()
-                    if peer is peers[0]:  # shoal's neighbours, with a fresh long prompt (no prefix-cache hit)
-                        beside["alone"].append(neighbours(server, rng, None))
+                    if peer.name in beside:  # each shoal's neighbours, with a fresh long prompt (no prefix-cache hit)
+                        beside[peer.name]["alone"].append(neighbours(server, rng, None))
                         bar.update()
                         long_ids = make_prompts(server, rng)[LENGTHS[-1]][:LONG]
-                        beside["with the long prompt"].append(neighbours(server, rng, long_ids))
+                        beside[peer.name]["with the long prompt"].append(neighbours(server, rng, long_ids))
                         bar.update()
                 finally:
                     server.stop()
     bf16 = f"forced onto the {a.isa} path" if a.isa else ("native bf16 (avx512_bf16)" if cpu_flags().get("avx512_bf16") else "no native bf16")
-    result = {"machine": {**machine(), "bf16": bf16}, "rounds": a.rounds, "lengths": LENGTHS, "isa": a.isa, "variants": a.variant,
+    result = {"machine": {**machine(), "bf16": bf16}, "page": a.page, "rounds": a.rounds, "lengths": LENGTHS, "isa": a.isa, "variants": a.variant,
               "peers": {p.name: {"label": p.label, "settings": p.settings} for p in peers},
               "ttft_s": {name: {str(n): v for n, v in per.items()} for name, per in times.items()},
               "tpot_s": {name: {str(n): v for n, v in per.items()} for name, per in tpots.items()},
@@ -262,18 +263,19 @@ def write(result: dict) -> None:
                   *table(["context", "llama-server", *(result["peers"][name]["label"] for name in shoals)], rows)]
     near = result.get("neighbours")
     if near:
-        alone = statistics.median(r["tokens_per_s"] for r in near["alone"])
         rows = []
-        for r in near["with the long prompt"]:
-            rows.append([f"{r['tokens_per_s']:.1f}", f"{alone:.1f}", f"{r['tokens_per_s'] / alone:.0%}", f"{r['max_gap_ms']:.0f} ms",
-                         f"{r['long_ttft_s']:.1f} s"])
+        for name, runs in near.items():
+            alone = statistics.median(r["tokens_per_s"] for r in runs["alone"])
+            for r in runs["with the long prompt"]:
+                rows.append([result["peers"][name]["label"], f"{r['tokens_per_s']:.1f}", f"{alone:.1f}",
+                             f"{r['tokens_per_s'] / alone:.0%}", f"{r['max_gap_ms']:.0f} ms", f"{r['long_ttft_s']:.1f} s"])
         lines += ["", f"## {NEIGHBOURS} streams decoding while one {LONG}-token prompt prefills (shoal)", "",
                   f"Each round: {NEIGHBOURS} streams of {NEIGHBOUR_TOKENS} tokens, and one {LONG}-token prompt sent once they are under way. "
                   "Their output tokens/s while it prefills, against the same streams without it (median of the rounds), "
                   "the longest gap between two tokens of one stream in that window, and the long prompt's TTFT.", "",
-                  *table(["tok/s beside the prefill", "tok/s without it", "kept", "longest gap", "long prompt's TTFT"], rows)]
+                  *table(["shoal", "tok/s beside the prefill", "tok/s without it", "kept", "longest gap", "long prompt's TTFT"], rows)]
     variants = "variants-" if result.get("variants") else ""
-    publish(f"long_prompts-{variants}{result.get('isa') or cpu_kind(result['machine']['cpu_flags'])}", result, lines)
+    publish(result.get("page") or f"long_prompts-{variants}{result.get('isa') or cpu_kind(result['machine']['cpu_flags'])}", result, lines)
 
 
 if __name__ == "__main__":

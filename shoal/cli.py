@@ -82,6 +82,10 @@ ENGINE_OPTS = [
     Opt("--block-size", 16, int, "tokens per KV block"),
     Opt("--max-num-seqs", 64, int, "most sequences in one step"),
     Opt("--max-num-batched-tokens", 512, int, "most tokens in one step (prefill chunk size)"),
+    Opt("--max-prefill-beside-decodes", None, int, "in a step that also decodes, prefill chunks together cost at most "
+        "what this many tokens at the start of a prompt cost (late chunks are shorter; default: "
+        "--max-num-batched-tokens); lower keeps streams smoother while a long prompt prefills, and makes that "
+        "prompt's first token later"),
     Opt("--follow-up-window-ms", 20.0, float, "after a step that finished several requests and left the engine idle, "
         "hold the next arrival up to this long for as many (clients in lockstep share one prefill step); 0: off"),
     Opt("--threads", None, int, "torch threads (default: torch's choice)"),
@@ -311,6 +315,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
         quantization=v.get("quantization"),
         attention="invariant" if v.get("deterministic") else v.get("attention", "auto"),
         scheduler=SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"],
+                                  max_prefill_beside_decodes=v["max_prefill_beside_decodes"],
                                   follow_up_window=v["follow_up_window_ms"] / 1000),
         cache=CacheConfig(**cache),
         parallel=ParallelConfig(**{o.key: v.get(o.key, o.default) for o in PARALLEL_OPTS}),

@@ -41,6 +41,10 @@ class SchedulerConfig:
     # (seconds) after the next arrival for as many requests, so that clients coming back together
     # share one prefill step (AsyncEngine). 0 turns it off.
     follow_up_window: float = 0.02
+    # A step that also decodes (or starts a prompt that arrived) holds its prefill chunks to what this many tokens
+    # cost at the start of a prompt (scheduler.chunk_cost); None: max_num_batched_tokens. Lower keeps streams
+    # smoother while a long prompt prefills, and makes that prompt's first token later.
+    max_prefill_beside_decodes: int | None = None
 
     def __post_init__(self) -> None:
         if self.follow_up_window < 0:
@@ -51,6 +55,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_prefill_beside_decodes is not None and self.max_prefill_beside_decodes < 1:
+            raise ValueError(f"max_prefill_beside_decodes must be at least 1, got {self.max_prefill_beside_decodes}")
 
 
 # What the KV cache may hold: the activations' dtype (auto), a float dtype, or int8 codes with a float32 scale

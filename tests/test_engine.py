@@ -39,6 +39,16 @@ def test_batch_with_chunked_prefill_gives_the_same_greedy_tokens_as_alone(model_
     assert llm.engine.pool.num_free == 256
 
 
+def test_the_scheduler_gets_every_scheduling_setting_and_the_models_context(model_path):
+    """The engine once rebuilt the scheduler's settings from three of them, and --max-prefill-beside-decodes never
+    reached the scheduler (a benchmark of it measured the default twice)."""
+    llm = LLM(model_path, dtype="float32", num_blocks=64, max_num_seqs=5, max_num_batched_tokens=24,
+              max_prefill_beside_decodes=7, follow_up_window=0.5, max_model_len=100)
+    got = llm.engine.scheduler.config
+    assert (got.max_num_seqs, got.max_num_batched_tokens, got.max_prefill_beside_decodes, got.follow_up_window,
+            got.max_model_len) == (5, 24, 7, 0.5, 100)
+
+
 def test_preemption_under_a_tiny_pool_gives_uncontended_outputs_and_frees_everything(model_path):
     big = LLM(model_path, dtype="float32", num_blocks=512, block_size=4)
     small = LLM(model_path, dtype="float32", num_blocks=24, block_size=4, max_model_len=64, max_num_batched_tokens=64, check_integrity=True)

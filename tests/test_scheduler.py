@@ -266,6 +266,28 @@ def test_beside_decodes_a_late_chunk_of_a_long_prompt_shrinks_to_the_cost_of_a_w
     assert len(out.plan.seqs[1].token_ids) == chunk_within(cap, start) < 100  # about 80 tokens at 7k of context
 
 
+def test_max_prefill_beside_decodes_holds_a_shared_step_to_that_many_tokens_cost_and_a_lone_prompt_to_none():
+    pool = KVBlockPool(700, 16)
+    s = Scheduler(SchedulerConfig(8, 512, 9000, max_prefill_beside_decodes=128), KVCacheManager(pool))
+    a, b = seq(3, "a"), seq(8192, "b")
+    s.add(a)
+    run_step(s)
+    s.add(b)
+    sizes = []
+    while b.num_computed_tokens < 2000:
+        start = b.num_computed_tokens
+        out = run_step(s)
+        assert [x.seq_id for x in out.plan.seqs] == [a.seq_id, b.seq_id]  # a decodes in every step
+        sizes.append(len(out.plan.seqs[1].token_ids))
+        assert sizes[-1] == max(16, min(511, chunk_within(chunk_cost(128, 0), start)))
+    assert sizes[0] == 128 and 16 <= sizes[-1] < 50  # a quarter of the default's chunks, shrinking with the context
+    s.finish(a, FinishReason.ABORT)
+    out = run_step(s)  # alone, the prompt takes whole budgets, as without the setting
+    assert [len(x.token_ids) for x in out.plan.seqs] == [512]
+    with pytest.raises(ValueError, match="max_prefill_beside_decodes"):
+        SchedulerConfig(max_prefill_beside_decodes=0)
+
+
 def test_without_decodes_a_long_prompt_takes_whole_budgets_at_any_context():
     s, pool = make(num_blocks=700, block_size=16, budget=512, max_model_len=9000)
     b = seq(8192, "b")

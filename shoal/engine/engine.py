@@ -13,7 +13,7 @@ import time
 from collections import deque
 
 from shoal import multimodal
-from shoal.config import EngineConfig, SchedulerConfig
+from shoal.config import EngineConfig
 from shoal.engine.beam import BeamSearch
 from shoal.engine.block_pool import KVBlockPool
 from shoal.engine.kv_manager import KVCacheManager
@@ -71,7 +71,7 @@ class Engine:
         self.kv = KVCacheManager(pool, prefix_cache, tier)
         self.tier = self.kv.tier
         sched = config.scheduler
-        self.scheduler = Scheduler(SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_model_len), self.kv)
+        self.scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_model_len), self.kv)
         # Structured output: constraints compiled once and cached; the server compiles in a
         # worker thread (`validate`), so add_request finds them ready.
         self.grammars = GrammarCompiler(tokenizer, tuple(sorted(self.eos_token_ids)), self.vocab_size)

@@ -20,8 +20,8 @@ chunk late in a long prompt costs far more than its token count says (an
 8k-token prompt's last 512-token chunk took ~2 s of attention on AVX2, and
 every decode beside it waited that long for its token). When sequences decode
 in a step, its prefill chunks together are held to the `chunk_cost` of a whole
-token budget at the start of a prompt: late chunks shrink, and each such step
-costs about the same. A chunk still takes at least a block's worth, so the
+token budget at the start of a prompt (or of `max_prefill_beside_decodes`
+tokens, where set): late chunks shrink, and each such step costs about the same. A chunk still takes at least a block's worth, so the
 prompt moves on. A prompt with no decode beside it takes whole budgets.
 
 Arrivals: a prompt that arrives while another prefills would otherwise wait
@@ -154,7 +154,9 @@ class Scheduler:
         # a prompt that arrived while others prefill gets half of what the decodes leave (see the module's docstring)
         reserve = (budget - decodes_left) // 2 if self._arrival_waits(seats) else 0
         # with decodes or an arrival in the step, its prefill chunks share the cost of a whole budget at no context
-        cost = chunk_cost(self.config.max_num_batched_tokens, 0) if decodes_left or reserve else math.inf
+        # (or of --max-prefill-beside-decodes tokens)
+        shared = self.config.max_prefill_beside_decodes or self.config.max_num_batched_tokens
+        cost = chunk_cost(shared, 0) if decodes_left or reserve else math.inf
         decoded = decodes_left > 0
         reserve_cost = chunk_cost(reserve, 0)
         i = 0
