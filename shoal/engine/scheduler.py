@@ -21,8 +21,9 @@ chunk late in a long prompt costs far more than its token count says (an
 every decode beside it waited that long for its token). When sequences decode
 in a step, its prefill chunks together are held to the `chunk_cost` of a whole
 token budget at the start of a prompt (or of `max_prefill_beside_decodes`
-tokens, where set): late chunks shrink, and each such step costs about the same. A chunk still takes at least a block's worth, so the
-prompt moves on. A prompt with no decode beside it takes whole budgets.
+tokens, where set): late chunks shrink, and each such step costs about the
+same. A chunk still takes at least a block's worth, so the prompt moves on.
+A prompt with no decode beside it takes whole budgets.
 
 Arrivals: a prompt that arrives while another prefills would otherwise wait
 for the whole of it (an 8k-token prompt is tens of seconds on a 2-core AVX2

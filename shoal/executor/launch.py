@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from shoal.config import EngineConfig
 from shoal.executor import zygote
-from shoal.executor.zygote import ForkedProcess
 
 log = logging.getLogger("shoal.executor")
 FORK_WORKERS = sys.platform == "linux"  # from a zygote (fork is safe there before torch runs anything); else exec
@@ -26,7 +25,7 @@ class Worker:
     """A started rank's process."""
 
     rank: int
-    proc: subprocess.Popen | ForkedProcess
+    proc: subprocess.Popen | zygote.ForkedProcess
     stopping: bool = False  # its exit is our doing (stop_workers): not worth an error line
 
     @property

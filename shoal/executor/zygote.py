@@ -83,7 +83,7 @@ class Zygote:
         os.close(req_r)
         os.close(rep_w)
         self._replies: queue.Queue = queue.Queue()
-        self._children: dict[int, ForkedProcess] = {}
+        self._children: dict[int, ForkedProcess] = {}  # the forked processes whose exit has not come back
         self._lock = threading.Lock()  # one spawn at a time: the pid replies come in request order
         self._pending: list[list[str]] = []  # argv of the spawns waiting for their pid, oldest first
         self.closed = False
@@ -113,7 +113,7 @@ class Zygote:
         return got
 
     def live_children(self) -> int:
-        return sum(1 for c in list(self._children.values()) if c.returncode is None)
+        return len(self._children)
 
     def close(self) -> None:
         """End the zygote; the workers it forked are killed (the caller has stopped them)."""
@@ -144,6 +144,7 @@ class Zygote:
         for child in list(self._children.values()):
             child.kill()
             child._exited(-signal.SIGKILL)
+        self._children.clear()
         while self._pending:
             self._pending.pop(0)
             self._replies.put(RuntimeError("the worker launcher (zygote) exited before it started the worker"))
