@@ -61,6 +61,11 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kTile = 64;          // keys per softmax tile: a multiple of kLanes
 constexpr int64_t kTileVecs = kTile / kLanes;
 constexpr int64_t kPositionsPerTask = 32;  // a chunk's positions per task (times the group's query heads)
+// How far ahead of its reads a task prefetches the cache, in keys. The hardware's stream prefetchers stop at
+// each 4 KB page, and one head's keys (or values) of a float32 block of 16 tokens at D = 64 fill one page: so
+// without this every block began with a wait on memory, and a decode read its cache at 8 GB/s where the core
+// streams 22. Prefetches change no arithmetic.
+constexpr int64_t kAhead = 2 * kTile;
 
 // Register blocking per instruction set (W bytes a register, vec.h). The score pass keeps kScoreRows rows
 // times kScoreVecs 16-key vectors of a tile in registers, and shares each load of keys among those rows;
@@ -181,7 +186,7 @@ INL float cache_float(const Ctx& c, const char* block, int64_t i, int64_t token)
 
 // What the value pass of one tile reads and writes.
 struct Span {
-  float* Acc; const float* S; const float* Vs; const int64_t* lo; const int64_t* hi;
+  float* Acc; const float* S; const float* const* V; const int64_t* lo; const int64_t* hi;  // V: each key's value row
   int64_t D16, R, ts, te, dc;
 };
 
@@ -194,7 +199,7 @@ INL void row_values(const Span& s, int64_t r, int64_t j0, int64_t j1) {
   for (int v = 0; v < NV; ++v) acc[v] = F::load(a + v * kLanes);
   for (int64_t j = j0; j <= j1; ++j) {
     const F p = F::set(s.S[r * kTile + j]);
-    const float* val = s.Vs + j * s.D16 + s.dc;
+    const float* val = s.V[j] + s.dc;
     for (int v = 0; v < NV; ++v) acc[v] = fmadd(p, F::load(val + v * kLanes), acc[v]);
   }
   for (int v = 0; v < NV; ++v) acc[v].store(a + v * kLanes);
@@ -229,11 +234,14 @@ INL void values_tile(const Span& s) {
     for (int64_t r = 0; r < RB; ++r)
       for (int v = 0; v < NV; ++v) acc[r][v] = F::load(s.Acc + (r0 + r) * s.D16 + s.dc + v * kLanes);
     for (int64_t j = common_a; j <= common_b; ++j) {
-      F val[NV];
-      for (int v = 0; v < NV; ++v) val[v] = F::load(s.Vs + j * s.D16 + s.dc + v * kLanes);
+      // Each row loads v_j again, from L1, as the FMA's memory operand. Held in registers beside AVX2's 12
+      // accumulators, v_j made GCC spill one (prefill 30% slower); the empty asm keeps it from sharing the loads.
+      const float* val = s.V[j] + s.dc;
       for (int64_t r = 0; r < RB; ++r) {
         const F p = F::set(s.S[(r0 + r) * kTile + j]);
-        for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(p, val[v], acc[r][v]);
+        const float* vr = val;
+        asm volatile("" : "+r"(vr));
+        for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(p, F::load(vr + v * kLanes), acc[r][v]);
       }
     }
     for (int64_t r = 0; r < RB; ++r)
@@ -253,17 +261,24 @@ INL void values_tile_upto(const Span& s, int64_t nv) {
 }
 
 // Scores for rows [r0, r0 + RB) and the tile's key vectors [v0, v0 + VB): S = q . k, summed over the
-// head dimension in order, one FMA per element (a lane's value depends on its row and key only)
+// head dimension in order, one FMA per element (a lane's value depends on its row and key only). Key
+// vector v's dimension d is the 16 floats at K[v] + d * ks[v]: in the cache itself, or in the tile's copy.
 template <int W, int RB, int VB>
-INL void scores_block(const float* Qs, const float* Kt, float* S, int64_t D, int64_t r0, int64_t rb, int64_t v0) {
+INL void scores_block(const float* Qs, const float* const* K, const int64_t* ks, float* S, int64_t D, int64_t r0,
+                      int64_t rb, int64_t v0) {
   typedef vf<W> F;
   F a[RB][VB];
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < VB; ++v) a[r][v] = F::zero();
   if (rb == RB) {
+    const float* kp[VB];
+    for (int v = 0; v < VB; ++v) kp[v] = K[v0 + v];
     for (int64_t d = 0; d < D; ++d) {
       F k[VB];
-      for (int v = 0; v < VB; ++v) k[v] = F::load(&Kt[d * kTile + (v0 + v) * kLanes]);
+      for (int v = 0; v < VB; ++v) {
+        k[v] = F::load(kp[v]);
+        kp[v] += ks[v0 + v];
+      }
       for (int r = 0; r < RB; ++r) {
         const F qd = F::set(Qs[(r0 + r) * D + d]);
         for (int v = 0; v < VB; ++v) a[r][v] = fmadd(qd, k[v], a[r][v]);
@@ -273,11 +288,32 @@ INL void scores_block(const float* Qs, const float* Kt, float* S, int64_t D, int
     for (int64_t r = 0; r < rb; ++r)
       for (int64_t d = 0; d < D; ++d) {
         const F qd = F::set(Qs[(r0 + r) * D + d]);
-        for (int v = 0; v < VB; ++v) a[r][v] = fmadd(qd, F::load(&Kt[d * kTile + (v0 + v) * kLanes]), a[r][v]);
+        for (int v = 0; v < VB; ++v) a[r][v] = fmadd(qd, F::load(K[v0 + v] + d * ks[v0 + v]), a[r][v]);
       }
   }
   for (int64_t r = 0; r < rb; ++r)
     for (int v = 0; v < VB; ++v) a[r][v].store(&S[(r0 + r) * kTile + (v0 + v) * kLanes]);
+}
+
+// Prefetch (into L2) one head's keys of positions [from, to) of a sequence (nothing when empty)
+INL void prefetch_keys(const Ctx& c, int64_t head, const int32_t* table, int64_t from, int64_t to) {
+  const int64_t key_dim = c.bs * c.kv_esize;  // bytes between a key's dimensions ([D, bs] blocks)
+  for (int64_t j0 = from; j0 < to; j0 += kLanes) {
+    const char* kb = key_block(c, head, table[j0 / c.bs]);
+    const int64_t off = j0 % c.bs;
+    for (int64_t d = 0; d < c.D; ++d) __builtin_prefetch(kb + d * key_dim + off * c.kv_esize, 0, 2);
+    if (c.kvdt == kI8) __builtin_prefetch(block_scales(c, kb) + off, 0, 2);
+  }
+}
+
+// The same for bytes [b0, b1) of their value rows
+INL void prefetch_values(const Ctx& c, int64_t head, const int32_t* table, int64_t from, int64_t to, int64_t b0, int64_t b1) {
+  for (int64_t j = from; j < to; ++j) {
+    const char* vb = value_block(c, head, table[j / c.bs]);
+    const char* row = vb + (j % c.bs) * c.D * c.kv_esize;
+    for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(row + b, 0, 2);
+    if (c.kvdt == kI8 && j % c.bs % kLanes == 0) __builtin_prefetch(block_scales(c, vb) + j % c.bs, 0, 2);
+  }
 }
 
 // A thread's working buffers, kept between tasks: a decode task is small, and allocating and
@@ -295,11 +331,138 @@ INL float* grown(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
+// A decode reads a float32 cache where it lies: whole 16-key vectors of keys, and value rows when D is a
+// multiple of 16. Everything else (other dtypes, a tile's last partial vector, and the rows of a prefill
+// chunk, which read each tile once per few rows and ran 20% slower on AVX2 reading it in place) is first
+// copied into the tile's float32 keys Kt ([D, kTile]) and values Vs ([kTile, D16]).
+INL bool in_place(const Ctx& c, const Task& task) { return c.kvdt == kF32 && task.rows == 1; }
+
+// The n keys of the tile from ts, as kTileVecs vectors: vector v's dimension d is the 16 floats at
+// K[v] + d * ks[v]. Vectors past n point at Kt, whose floats are all finite (see Scratch).
+template <int W>
+INL void tile_keys(const Ctx& c, const Task& task, const int32_t* table, int64_t ts, int64_t n, float* Kt, const float** K,
+                   int64_t* ks) {
+  const int64_t head = task.head;
+  typedef vf<W> F;
+  const int64_t D = c.D;
+  for (int64_t v = 0; v < kTileVecs; ++v) { K[v] = &Kt[v * kLanes]; ks[v] = kTile; }
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const int64_t key = ts + j0, off = key % c.bs;
+    const char* kb = key_block(c, head, table[key / c.bs]);
+    if (c.bs % kLanes == 0 && j0 + kLanes <= n) {
+      if (in_place(c, task)) {
+        K[j0 / kLanes] = reinterpret_cast<const float*>(kb) + off;
+        ks[j0 / kLanes] = c.bs;
+      } else if (c.kvdt == kI8) {
+        const F sc = F::load(block_scales(c, kb) + off);
+        for (int64_t d = 0; d < D; ++d) load16_i8<W>(kb + d * c.bs + off, sc, &Kt[d * kTile + j0]);
+      } else {
+        for (int64_t d = 0; d < D; ++d) load16<W>(kb, d * c.bs + off, c.kvdt, &Kt[d * kTile + j0]);
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) std::fill(&Kt[d * kTile + j0], &Kt[d * kTile + j0] + kLanes, 0.0f);  // a partial vector: no stale keys
+      for (int64_t j = j0; j < std::min(n, j0 + kLanes); ++j) {
+        const int64_t kk = ts + j;
+        const char* b = key_block(c, head, table[kk / c.bs]);
+        for (int64_t d = 0; d < D; ++d) Kt[d * kTile + j] = cache_float(c, b, d * c.bs + kk % c.bs, kk % c.bs);
+      }
+    }
+  }
+}
+
+// The n value rows of the tile from ts: key j's row is the D16 floats at V[j]
+template <int W>
+INL void tile_values(const Ctx& c, const Task& task, const int32_t* table, int64_t ts, int64_t n, float* Vs, const float** V) {
+  const int64_t head = task.head;
+  typedef vf<W> F;
+  const int64_t D = c.D;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t kk = ts + j, off = kk % c.bs;
+    const char* block = value_block(c, head, table[kk / c.bs]);
+    const char* vb = block + off * D * c.kv_esize;
+    float* vrow = &Vs[j * c.D16];
+    V[j] = vrow;
+    if (in_place(c, task) && D % kLanes == 0) {
+      V[j] = reinterpret_cast<const float*>(vb);
+    } else if (c.kvdt == kI8) {
+      const float sc = block_scales(c, block)[off];
+      if (D % kLanes == 0) {
+        for (int64_t d = 0; d < D; d += kLanes) load16_i8<W>(vb + d, F::set(sc), vrow + d);
+      } else {
+        for (int64_t d = 0; d < D; ++d) vrow[d] = static_cast<float>(reinterpret_cast<const int8_t*>(vb)[d]) * sc;
+      }
+    } else if (D % kLanes == 0) {
+      for (int64_t d = 0; d < D; d += kLanes) load16<W>(vb, d, c.kvdt, vrow + d);
+    } else {
+      for (int64_t d = 0; d < D; ++d) vrow[d] = to_float(vb, d, c.kvdt);
+    }
+  }
+}
+
+// The scaled query rows of a task (or of one decode) and each row's visible keys [lo, hi]
+INL void task_rows(const Ctx& c, const Task& task, float* Qs, int64_t* lo, int64_t* hi) {
+  const int64_t D = c.D, G = c.G;
+  for (int64_t i = 0; i < task.rows; ++i) {
+    const int64_t t = task.row0 + i, p = c.row_pos[t];
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const char* qrow = c.q + (t * c.q_row + (task.head * G + g) * c.q_head) * c.esize;
+      for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = to_float(qrow, d, c.dt) * c.scale;
+      hi[r] = p;
+      lo[r] = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0;
+    }
+  }
+}
+
+// One row's online softmax step over its visible keys [a, b] (offsets) of a tile: s (the row's kTile
+// scores) becomes p, the running maximum m and sum l move on, and the factor alpha for the row's
+// accumulator is returned. Both ways of running a task (task_body, split_values) call this.
+template <int W>
+INL float tile_softmax(float* s, int64_t a, int64_t b, float& m, float& l) {
+  typedef vf<W> F;
+  F mt = F::set(-INFINITY);
+  for (int64_t v = a / kLanes; v <= b / kLanes; ++v)
+    mt = vmax(mt, visible(F::load(s + v * kLanes), a - v * kLanes, b - v * kLanes, F::set(-INFINITY)));
+  const float m_new = std::max(m, lane_max(mt));
+  const float alpha = vexp(F::set(m - m_new)).first();
+  const F mv = F::set(m_new);
+  F ls = F::zero();
+  for (int64_t v = a / kLanes; v <= b / kLanes; ++v) {
+    const F p = visible(vexp(F::load(s + v * kLanes) - mv), a - v * kLanes, b - v * kLanes, F::zero());
+    p.store(s + v * kLanes);
+    ls = ls + p;
+  }
+  l = l * alpha + lane_sum(ls);
+  m = m_new;
+  return alpha;
+}
+
+// out = acc / l for lanes [d0, d1) of a task's rows, rounded once to the model's dtype
+INL void task_out(const Ctx& c, const Task& task, const float* Acc, const float* Lsum, int64_t d0, int64_t d1) {
+  const int64_t G = c.G, D = c.D, Hq = c.Hkv * G;
+  for (int64_t i = 0; i < task.rows; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const int64_t base = ((task.row0 + i) * Hq + task.head * G + g) * D;
+      const float* acc = &Acc[r * c.D16];
+      const float l = Lsum[r];
+      for (int64_t d = d0; d < d1; ++d) {
+        const float o = acc[d] / l;
+        switch (c.dt) {
+          case kBF16: reinterpret_cast<c10::BFloat16*>(c.out)[base + d] = c10::BFloat16(o); break;
+          case kF16: reinterpret_cast<c10::Half*>(c.out)[base + d] = c10::Half(o); break;
+          default: reinterpret_cast<float*>(c.out)[base + d] = o;
+        }
+      }
+    }
+  }
+}
+
 template <int W>
 INL void task_body(const Ctx& c, const Task& task) {
   typedef vf<W> F;
   typedef Blocking<W> B;
-  const int64_t D = c.D, D16 = c.D16, G = c.G, R = task.rows * G;
+  const int64_t D = c.D, D16 = c.D16, R = task.rows * c.G;
   const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[task.row0]) * c.max_blocks;
   float* Qs = grown(t_scratch.f, R * D + R * kTile + 2 * R + R * D16 + D * kTile + kTile * D16);
   float* S = Qs + R * D;
@@ -314,115 +477,135 @@ INL void task_body(const Ctx& c, const Task& task) {
   if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
   int64_t* lo = t_scratch.i.data();
   int64_t* hi = lo + R;
-  for (int64_t i = 0; i < task.rows; ++i) {
-    const int64_t t = task.row0 + i, p = c.row_pos[t];
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      const char* qrow = c.q + (t * c.q_row + (task.head * G + g) * c.q_head) * c.esize;
-      for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = to_float(qrow, d, c.dt) * c.scale;
-      hi[r] = p;
-      lo[r] = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0;
-    }
-  }
+  task_rows(c, task, Qs, lo, hi);
   const int64_t klo = *std::min_element(lo, lo + R), khi = *std::max_element(hi, hi + R);
-  const bool direct = c.bs % kLanes == 0;
+  const float* K[kTileVecs];
+  int64_t ks[kTileVecs];
+  const float* V[kTile];
   for (int64_t ts = klo / kTile * kTile; ts <= khi; ts += kTile) {
     const int64_t te = std::min(ts + kTile, khi + 1), n = te - ts;
-    // the tile's keys (transposed, [D, kTile]) and values ([kTile, D16]) as float32
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-      const int64_t key = ts + j0, block = table[key / c.bs], off = key % c.bs;
-      const char* kb = key_block(c, task.head, block);
-      if (direct && j0 + kLanes <= n) {
-        if (c.kvdt == kI8) {
-          const F sc = F::load(block_scales(c, kb) + off);
-          for (int64_t d = 0; d < D; ++d) load16_i8<W>(kb + d * c.bs + off, sc, &Kt[d * kTile + j0]);
-        } else {
-          for (int64_t d = 0; d < D; ++d) load16<W>(kb, d * c.bs + off, c.kvdt, &Kt[d * kTile + j0]);
-        }
-      } else {
-        for (int64_t d = 0; d < D; ++d) std::fill(&Kt[d * kTile + j0], &Kt[d * kTile + j0] + kLanes, 0.0f);  // a partial vector: no stale keys
-        for (int64_t j = j0; j < std::min(n, j0 + kLanes); ++j) {
-          const int64_t kk = ts + j;
-          const char* b = key_block(c, task.head, table[kk / c.bs]);
-          for (int64_t d = 0; d < D; ++d) Kt[d * kTile + j] = cache_float(c, b, d * c.bs + kk % c.bs, kk % c.bs);
-        }
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t kk = ts + j;
-      const char* block = value_block(c, task.head, table[kk / c.bs]);
-      const int64_t off = kk % c.bs;
-      const char* vb = block + off * D * c.kv_esize;
-      float* vrow = &Vs[j * D16];
-      if (c.kvdt == kI8) {
-        const float sc = block_scales(c, block)[off];
-        if (D % kLanes == 0) {
-          for (int64_t d = 0; d < D; d += kLanes) load16_i8<W>(vb + d, F::set(sc), vrow + d);
-        } else {
-          for (int64_t d = 0; d < D; ++d) vrow[d] = static_cast<float>(reinterpret_cast<const int8_t*>(vb)[d]) * sc;
-        }
-      } else if (D % kLanes == 0) {
-        for (int64_t d = 0; d < D; d += kLanes) load16<W>(vb, d, c.kvdt, vrow + d);
-      } else {
-        for (int64_t d = 0; d < D; ++d) vrow[d] = to_float(vb, d, c.kvdt);
-      }
-    }
+    prefetch_keys(c, task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1));
+    prefetch_values(c, task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1), 0, D * c.kv_esize);
+    tile_keys<W>(c, task, table, ts, n, Kt, K, ks);
+    tile_values<W>(c, task, table, ts, n, Vs, V);
     // scores for every row and every key of the tile
     for (int64_t v0 = 0; v0 < kTileVecs; v0 += B::kScoreVecs)
       for (int64_t r0 = 0; r0 < R; r0 += B::kScoreRows)
-        scores_block<W, B::kScoreRows, B::kScoreVecs>(Qs, Kt, S, D, r0, std::min(B::kScoreRows, R - r0), v0);
+        scores_block<W, B::kScoreRows, B::kScoreVecs>(Qs, K, ks, S, D, r0, std::min(B::kScoreRows, R - r0), v0);
     // online softmax per row over its visible keys in this tile; S becomes p
     for (int64_t r = 0; r < R; ++r) {
       if (hi[r] < ts || lo[r] >= te) continue;  // the row sees nothing here: its state is untouched
       const int64_t a = std::max(lo[r], ts) - ts, b = std::min(hi[r], te - 1) - ts;  // visible keys, tile offsets
-      float* s = &S[r * kTile];
-      F mt = F::set(-INFINITY);
-      for (int64_t v = a / kLanes; v <= b / kLanes; ++v)
-        mt = vmax(mt, visible(F::load(s + v * kLanes), a - v * kLanes, b - v * kLanes, F::set(-INFINITY)));
-      const float m_new = std::max(M[r], lane_max(mt));
-      const float alpha = vexp(F::set(M[r] - m_new)).first();
-      const F mv = F::set(m_new);
-      F ls = F::zero();
-      for (int64_t v = a / kLanes; v <= b / kLanes; ++v) {
-        const F p = visible(vexp(F::load(s + v * kLanes) - mv), a - v * kLanes, b - v * kLanes, F::zero());
-        p.store(s + v * kLanes);
-        ls = ls + p;
-      }
-      Lsum[r] = Lsum[r] * alpha + lane_sum(ls);
-      M[r] = m_new;
+      const F av = F::set(tile_softmax<W>(&S[r * kTile], a, b, M[r], Lsum[r]));
       float* acc = &Acc[r * D16];
-      const F av = F::set(alpha);
       for (int64_t d = 0; d < D16; d += kLanes) (F::load(acc + d) * av).store(acc + d);
     }
     // acc += p_j v_j, keys in order; rows that share a key range share the value loads
     for (int64_t dc = 0; dc < D16; dc += B::kValueVecs * kLanes) {
-      const Span sp{Acc, S, Vs, lo, hi, D16, R, ts, te, dc};
+      const Span sp{Acc, S, V, lo, hi, D16, R, ts, te, dc};
       values_tile_upto<W, B::kValueVecs>(sp, std::min(B::kValueVecs * kLanes, D16 - dc) / kLanes);
     }
   }
-  const int64_t Hq = c.Hkv * G;
-  for (int64_t i = 0; i < task.rows; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      const int64_t base = ((task.row0 + i) * Hq + task.head * G + g) * D;
-      const float* acc = &Acc[r * D16];
-      const float l = Lsum[r];
-      for (int64_t d = 0; d < D; ++d) {
-        const float o = acc[d] / l;
-        switch (c.dt) {
-          case kBF16: reinterpret_cast<c10::BFloat16*>(c.out)[base + d] = c10::BFloat16(o); break;
-          case kF16: reinterpret_cast<c10::Half*>(c.out)[base + d] = c10::Half(o); break;
-          default: reinterpret_cast<float*>(c.out)[base + d] = o;
-        }
-      }
-    }
+  task_out(c, task, Acc, Lsum, 0, D);
+}
+
+// ---- a few long decodes, split across threads
+//
+// A step of one decode at 8k of context is 3 tasks (one per KV head) on 2 threads: one thread reads two
+// heads' cache while the other waits, and a core alone streams only about two thirds of what two do. Splitting a
+// row's keys among threads would change its sums, so a split decode runs in two passes that keep every
+// operation of task_body in the same order:
+//   - scores: q . k for every key, any key range on any thread (a score depends on its own key only),
+//     kept whole in a buffer;
+//   - values: per slice of the head dimension (lanes never mix), the row's tiles in key order, each with
+//     tile_softmax on its scores and the value pass of task_body over that slice. Each slice recomputes the
+//     same softmax; the exponentials are cheap beside the cache reads.
+// So a split decode gives task_body's bits, on every path.
+
+struct Split {
+  Task task;        // one decode row on one KV head
+  float* S;         // its raw scores: [tiles, G, kTile]
+  int64_t t0, tiles;  // its first tile (in tiles from position 0) and how many
+};
+constexpr int64_t kSplitTiles = 8;    // tiles of scores per work item of the first pass
+constexpr int64_t kSplitLanes = 32;   // head-dimension lanes per work item of the second pass
+
+template <int W>
+INL void split_scores(const Ctx& c, const Split& sp, int64_t first, int64_t last) {  // tiles [first, last) of sp
+  typedef Blocking<W> B;
+  const int64_t D = c.D, R = c.G;
+  const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[sp.task.row0]) * c.max_blocks;
+  float* Qs = grown(t_scratch.f, R * D + D * kTile);
+  float* Kt = Qs + R * D;
+  if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
+  int64_t* lo = t_scratch.i.data();
+  int64_t* hi = lo + R;
+  task_rows(c, sp.task, Qs, lo, hi);
+  const int64_t khi = hi[0];
+  const float* K[kTileVecs];
+  int64_t ks[kTileVecs];
+  for (int64_t t = first; t < last; ++t) {
+    const int64_t ts = (sp.t0 + t) * kTile, n = std::min(ts + kTile, khi + 1) - ts;
+    if (t + 2 < last) prefetch_keys(c, sp.task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1));
+    tile_keys<W>(c, sp.task, table, ts, n, Kt, K, ks);
+    float* S = sp.S + t * R * kTile;
+    for (int64_t v0 = 0; v0 < kTileVecs; v0 += B::kScoreVecs)
+      for (int64_t r0 = 0; r0 < R; r0 += B::kScoreRows)
+        scores_block<W, B::kScoreRows, B::kScoreVecs>(Qs, K, ks, S, D, r0, std::min(B::kScoreRows, R - r0), v0);
   }
 }
 
-// The same body compiled three times; `isa()` picks one per process, so a host always runs the same code.
+template <int W>
+INL void split_values(const Ctx& c, const Split& sp, int64_t dc, int64_t nv) {  // lanes [dc, dc + 16 nv)
+  typedef vf<W> F;
+  const int64_t D = c.D, D16 = c.D16, R = c.G;
+  const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[sp.task.row0]) * c.max_blocks;
+  float* S = grown(t_scratch.f, R * kTile + 2 * R + R * D16 + kTile * D16);
+  float* M = S + R * kTile;
+  float* Lsum = M + R;
+  float* Acc = Lsum + R;
+  float* Vs = Acc + R * D16;
+  std::fill(M, M + R, -FLT_MAX);
+  std::fill(Lsum, Lsum + R, 0.0f);
+  std::fill(Acc, Acc + R * D16, 0.0f);
+  if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
+  int64_t* lo = t_scratch.i.data();
+  int64_t* hi = lo + R;
+  const int64_t p = c.row_pos[sp.task.row0];
+  for (int64_t r = 0; r < R; ++r) { hi[r] = p; lo[r] = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0; }
+  const int64_t khi = p, b0 = dc * c.kv_esize, b1 = std::min(dc + nv * kLanes, D) * c.kv_esize;
+  const float* V[kTile];
+  for (int64_t t = 0; t < sp.tiles; ++t) {
+    const int64_t ts = (sp.t0 + t) * kTile, te = std::min(ts + kTile, khi + 1), n = te - ts;
+    prefetch_values(c, sp.task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1), b0, b1);
+    tile_values<W>(c, sp.task, table, ts, n, Vs, V);
+    std::memcpy(S, sp.S + t * R * kTile, R * kTile * sizeof(float));
+    for (int64_t r = 0; r < R; ++r) {
+      if (hi[r] < ts || lo[r] >= te) continue;
+      const int64_t a = std::max(lo[r], ts) - ts, b = std::min(hi[r], te - 1) - ts;
+      const F av = F::set(tile_softmax<W>(&S[r * kTile], a, b, M[r], Lsum[r]));
+      float* acc = &Acc[r * D16];
+      for (int64_t d = dc; d < dc + nv * kLanes; d += kLanes) (F::load(acc + d) * av).store(acc + d);
+    }
+    constexpr int64_t NV = Blocking<W>::kValueVecs;
+    for (int64_t d = dc; d < dc + nv * kLanes; d += NV * kLanes) {
+      const Span s{Acc, S, V, lo, hi, D16, R, ts, te, d};
+      values_tile_upto<W, NV>(s, std::min(NV * kLanes, dc + nv * kLanes - d) / kLanes);
+    }
+  }
+  task_out(c, sp.task, Acc, Lsum, dc, std::min(dc + nv * kLanes, D));
+}
+
+// The same bodies compiled three times; `isa()` picks one per process, so a host always runs the same code.
 SHOAL_ENTRY_AVX512 void task_avx512(const Ctx& c, const Task& t) { task_body<64>(c, t); }
 SHOAL_ENTRY_AVX2 void task_avx2(const Ctx& c, const Task& t) { task_body<32>(c, t); }
 SHOAL_ENTRY_BASELINE void task_baseline(const Ctx& c, const Task& t) { task_body<16>(c, t); }
+SHOAL_ENTRY_AVX512 void scores_avx512(const Ctx& c, const Split& s, int64_t a, int64_t b) { split_scores<64>(c, s, a, b); }
+SHOAL_ENTRY_AVX2 void scores_avx2(const Ctx& c, const Split& s, int64_t a, int64_t b) { split_scores<32>(c, s, a, b); }
+SHOAL_ENTRY_BASELINE void scores_baseline(const Ctx& c, const Split& s, int64_t a, int64_t b) { split_scores<16>(c, s, a, b); }
+SHOAL_ENTRY_AVX512 void values_avx512(const Ctx& c, const Split& s, int64_t dc, int64_t nv) { split_values<64>(c, s, dc, nv); }
+SHOAL_ENTRY_AVX2 void values_avx2(const Ctx& c, const Split& s, int64_t dc, int64_t nv) { split_values<32>(c, s, dc, nv); }
+SHOAL_ENTRY_BASELINE void values_baseline(const Ctx& c, const Split& s, int64_t dc, int64_t nv) { split_values<16>(c, s, dc, nv); }
 
 // ------------------------------------------------------------------ row-wise ops of a decoder layer
 // Each fuses what torch runs as several ops (RMSNorm alone is about 15 on the CPU), and each row is
@@ -610,6 +793,49 @@ INL void write_row(const char* src, int dt, char* dst, int64_t stride, int kvdt,
   *scale = s;
 }
 
+// A step of only decodes (runs of one row), fewer than kSplitBelowTasks tasks a thread, one of them at least
+// kSplitFromKeys long: each decode and head is a Split, run in the two passes above, each pass's work items
+// taken by the threads as they free up.
+constexpr int64_t kSplitBelowTasks = 4, kSplitFromKeys = 1024;
+
+void split_decodes(const Ctx& c, const std::vector<Task>& runs, int64_t level) {
+  thread_local std::vector<float> t_scores;  // the caller's: every split's scores
+  std::vector<Split> splits;
+  int64_t total = 0;
+  for (const Task& run : runs) {
+    const int64_t p = c.row_pos[run.row0], lo = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0;
+    for (int64_t h = 0; h < c.Hkv; ++h) {
+      splits.push_back({{run.row0, 1, h}, nullptr, lo / kTile, p / kTile - lo / kTile + 1});
+      total += splits.back().tiles * c.G * kTile;
+    }
+  }
+  float* scores = grown(t_scores, total);
+  std::vector<std::pair<int64_t, int64_t>> first, second;  // (split, first tile) and (split, first lane)
+  for (int64_t i = 0, at = 0; i < static_cast<int64_t>(splits.size()); ++i) {
+    splits[i].S = scores + at;
+    at += splits[i].tiles * c.G * kTile;
+    for (int64_t t = 0; t < splits[i].tiles; t += kSplitTiles) first.push_back({i, t});
+    for (int64_t d = 0; d < c.D16; d += kSplitLanes) second.push_back({i, d});
+  }
+  // the longest first in the second pass, whose items are whole rows
+  std::stable_sort(second.begin(), second.end(), [&](const auto& x, const auto& y) { return splits[x.first].tiles > splits[y.first].tiles; });
+  auto scores_of = level == 3 ? scores_avx512 : level == 2 ? scores_avx2 : scores_baseline;
+  auto values_of = level == 3 ? values_avx512 : level == 2 ? values_avx2 : values_baseline;
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(first.size(), threads), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(first.size()); i = next.fetch_add(1)) {
+      const Split& sp = splits[first[i].first];
+      scores_of(c, sp, first[i].second, std::min(first[i].second + kSplitTiles, sp.tiles));
+    }
+  });
+  next = 0;
+  at::parallel_for(0, std::min<int64_t>(second.size(), threads), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(second.size()); i = next.fetch_add(1))
+      values_of(c, splits[second[i].first], second[i].second, std::min(kSplitLanes, c.D16 - second[i].second) / kLanes);
+  });
+}
+
 // q [T, Hq, D], k/v [T, Hkv, D] or [0, ...] (rows and heads may be strided, D contiguous); kv [2, Hkv, NB, bs, D]
 // contiguous (int8: [2, Hkv, NB, bs, D + 4], see the top of this file); slots [T] int64; tables [S, max_blocks]
 // int32; row_seq, row_pos [T] int32.
@@ -695,6 +921,13 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
   auto cost = [&](int64_t r) { return runs[r].rows * (c.row_pos[runs[r].row0 + runs[r].rows - 1] + 1); };
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost(x) > cost(y); });
   const int64_t level = isa();
+  const int64_t threads = at::get_num_threads();
+  int64_t longest = 0;
+  for (const Task& r : runs) longest = std::max<int64_t>(longest, c.row_pos[r.row0] + 1);
+  if (threads > 1 && static_cast<int64_t>(runs.size()) == T && n < kSplitBelowTasks * threads && longest >= kSplitFromKeys) {
+    split_decodes(c, runs, level);
+    return out;
+  }
   void (*run_task)(const Ctx&, const Task&) = level == 3 ? task_avx512 : level == 2 ? task_avx2 : task_baseline;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
