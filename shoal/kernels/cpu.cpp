@@ -544,9 +544,11 @@ INL void split_scores(const Ctx& c, const Split& sp, int64_t first, int64_t last
   const int64_t khi = hi[0];
   const float* K[kTileVecs];
   int64_t ks[kTileVecs];
+  const int64_t ahead = kAhead / kTile;
+  prefetch_keys(c, sp.task.head, table, (sp.t0 + first) * kTile, std::min((sp.t0 + std::min(first + ahead, last)) * kTile, khi + 1));
   for (int64_t t = first; t < last; ++t) {
     const int64_t ts = (sp.t0 + t) * kTile, n = std::min(ts + kTile, khi + 1) - ts;
-    if (t + 2 < last) prefetch_keys(c, sp.task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1));
+    if (t + ahead < last) prefetch_keys(c, sp.task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1));
     tile_keys<W>(c, sp.task, table, ts, n, Kt, K, ks);
     float* S = sp.S + t * R * kTile;
     for (int64_t v0 = 0; v0 < kTileVecs; v0 += B::kScoreVecs)
