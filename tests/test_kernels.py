@@ -150,20 +150,24 @@ def _check_rows(isa, seqs: Sequences) -> None:
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None), *KV_DTYPES],
                          ids=["fp32", "bf16", "fp32-int8", "bf16-int8", "fp16-int8", "fp32-bf16"])
 def test_a_few_long_decodes_split_across_threads_give_the_bits_of_one_task_each(isa, dtype, kv_dtype):
-    """A step of a few decodes, one of them 1,024 keys or longer, on more than one thread, splits each decode's keys
-    (scores) and then its head dimension (values) among the threads. Every row must keep the bits it has when one
-    task computes it whole: in the prefill that wrote it, alone on one thread, or beside a prefill chunk."""
+    """A step of a few short runs (decodes, or a decode with its drafted tokens: up to 16 rows), one of them seeing
+    1,024 keys or more, on more than one thread, splits each run's keys (scores) and then its head dimension
+    (values) among the threads. Every row must keep the bits it has when one task computes it whole: in the
+    prefill that wrote it, alone on one thread, or beside a prefill chunk."""
     threads = torch.get_num_threads()
     try:
         for shape in SHAPES[:5] + SHAPES[6:]:
             seqs = Sequences(shape, dtype, [1500, 1100, 40], kv_dtype=kv_dtype)
             whole = seqs.fill()  # whole chunks: never split
-            steps = [[(0, 1499)], [(0, 1200), (1, 1099)], [(1, 1023), (2, 39)], [(0, 1499), (1, 700), (2, 20)]]
-            for decodes in steps:
+            steps = [([(0, 1499)], []), ([(0, 1200), (1, 1099)], []), ([(1, 1023), (2, 39)], []),
+                     ([(0, 1499), (1, 700), (2, 20)], []), ([], [(0, 1490, 9)]), ([(1, 1099)], [(0, 1480, 16)]),
+                     ([(2, 30)], [(1, 1020, 5)])]
+            for decodes, chunks in steps:
+                rows = decodes + [(s, p) for s, a, n in chunks for p in range(a, a + n)]
                 for n in (2, 3):
                     torch.set_num_threads(n)
-                    got = seqs.step(decodes, [])
-                    assert all(torch.equal(got[key], whole[key]) for key in decodes), f"{isa} {shape} {decodes} on {n} threads"
+                    got = seqs.step(decodes, chunks)
+                    assert all(torch.equal(got[key], whole[key]) for key in rows), f"{isa} {shape} {decodes} {chunks} on {n} threads"
             torch.set_num_threads(1)
             alone = seqs.step([(0, 1499)], [])
             assert torch.equal(alone[0, 1499], whole[0, 1499]), f"{isa} {shape}: one thread"

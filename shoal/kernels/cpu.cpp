@@ -184,22 +184,43 @@ INL float cache_float(const Ctx& c, const char* block, int64_t i, int64_t token)
   return to_float(block, i, c.kvdt);
 }
 
+// Where a tile's keys and values are: copied into the tile's float32 scratch (keys Kt [D, kTile], values
+// Vs [kTile, D16]), or read where they lie in the cache. Both give the same floats; the kernels below are
+// compiled for each, so that the copy's fixed strides stay plain address arithmetic.
+struct CopiedKeys {  // key vector v's dimension d
+  const float* Kt;
+  MINL const float* at(int64_t v, int64_t d) const { return Kt + d * kTile + v * kLanes; }
+};
+struct CacheKeys {
+  const float* const* K; const int64_t* ks;
+  MINL const float* at(int64_t v, int64_t d) const { return K[v] + d * ks[v]; }
+};
+struct CopiedValues {  // key j's value row
+  const float* Vs; int64_t D16;
+  MINL const float* row(int64_t j) const { return Vs + j * D16; }
+};
+struct CacheValues {
+  const float* const* V;
+  MINL const float* row(int64_t j) const { return V[j]; }
+};
+
 // What the value pass of one tile reads and writes.
+template <typename Values>
 struct Span {
-  float* Acc; const float* S; const float* const* V; const int64_t* lo; const int64_t* hi;  // V: each key's value row
+  float* Acc; const float* S; Values V; const int64_t* lo; const int64_t* hi;
   int64_t D16, R, ts, te, dc;
 };
 
 // acc(row r) += p_j v_j for keys j0..j1 (tile offsets), NV vectors of head-dimension lanes from dc
-template <int W, int NV>
-INL void row_values(const Span& s, int64_t r, int64_t j0, int64_t j1) {
+template <int W, int NV, typename Values>
+INL void row_values(const Span<Values>& s, int64_t r, int64_t j0, int64_t j1) {
   typedef vf<W> F;
   F acc[NV];
   float* a = s.Acc + r * s.D16 + s.dc;
   for (int v = 0; v < NV; ++v) acc[v] = F::load(a + v * kLanes);
   for (int64_t j = j0; j <= j1; ++j) {
     const F p = F::set(s.S[r * kTile + j]);
-    const float* val = s.V[j] + s.dc;
+    const float* val = s.V.row(j) + s.dc;
     for (int v = 0; v < NV; ++v) acc[v] = fmadd(p, F::load(val + v * kLanes), acc[v]);
   }
   for (int v = 0; v < NV; ++v) acc[v].store(a + v * kLanes);
@@ -207,8 +228,8 @@ INL void row_values(const Span& s, int64_t r, int64_t j0, int64_t j1) {
 
 // The tile's value pass for every row: each row over its own visible keys, in key order. Rows
 // whose spans overlap take the shared keys together (one load of v_j for kValueRows rows).
-template <int W, int NV>
-INL void values_tile(const Span& s) {
+template <int W, int NV, typename Values>
+INL void values_tile(const Span<Values>& s) {
   typedef vf<W> F;
   constexpr int64_t RB = Blocking<W>::kValueRows;
   for (int64_t r0 = 0; r0 < s.R; r0 += RB) {
@@ -234,14 +255,11 @@ INL void values_tile(const Span& s) {
     for (int64_t r = 0; r < RB; ++r)
       for (int v = 0; v < NV; ++v) acc[r][v] = F::load(s.Acc + (r0 + r) * s.D16 + s.dc + v * kLanes);
     for (int64_t j = common_a; j <= common_b; ++j) {
-      // Each row loads v_j again, from L1, as the FMA's memory operand. Held in registers beside AVX2's 12
-      // accumulators, v_j made GCC spill one (prefill 30% slower); the empty asm keeps it from sharing the loads.
-      const float* val = s.V[j] + s.dc;
+      F val[NV];
+      for (int v = 0; v < NV; ++v) val[v] = F::load(s.V.row(j) + s.dc + v * kLanes);
       for (int64_t r = 0; r < RB; ++r) {
         const F p = F::set(s.S[(r0 + r) * kTile + j]);
-        const float* vr = val;
-        asm volatile("" : "+r"(vr));
-        for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(p, F::load(vr + v * kLanes), acc[r][v]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(p, val[v], acc[r][v]);
       }
     }
     for (int64_t r = 0; r < RB; ++r)
@@ -252,33 +270,33 @@ INL void values_tile(const Span& s) {
 }
 
 // The value pass over nv (1..NV) vectors of head-dimension lanes, each count its own unrolled loop
-template <int W, int NV>
-INL void values_tile_upto(const Span& s, int64_t nv) {
+template <int W, int NV, typename Values>
+INL void values_tile_upto(const Span<Values>& s, int64_t nv) {
   if constexpr (NV > 1) {
     if (nv < NV) return values_tile_upto<W, NV - 1>(s, nv);
   }
   values_tile<W, NV>(s);
 }
 
+// The value pass of a tile over head-dimension lanes [d0, d1), kValueVecs vectors at a time
+template <int W, typename Values>
+INL void values_lanes(Span<Values> s, int64_t d0, int64_t d1) {
+  constexpr int64_t NV = Blocking<W>::kValueVecs;
+  for (s.dc = d0; s.dc < d1; s.dc += NV * kLanes) values_tile_upto<W, NV>(s, std::min(NV * kLanes, d1 - s.dc) / kLanes);
+}
+
 // Scores for rows [r0, r0 + RB) and the tile's key vectors [v0, v0 + VB): S = q . k, summed over the
-// head dimension in order, one FMA per element (a lane's value depends on its row and key only). Key
-// vector v's dimension d is the 16 floats at K[v] + d * ks[v]: in the cache itself, or in the tile's copy.
-template <int W, int RB, int VB>
-INL void scores_block(const float* Qs, const float* const* K, const int64_t* ks, float* S, int64_t D, int64_t r0,
-                      int64_t rb, int64_t v0) {
+// head dimension in order, one FMA per element (a lane's value depends on its row and key only)
+template <int W, int RB, int VB, typename Keys>
+INL void scores_block(const float* Qs, const Keys& keys, float* S, int64_t D, int64_t r0, int64_t rb, int64_t v0) {
   typedef vf<W> F;
   F a[RB][VB];
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < VB; ++v) a[r][v] = F::zero();
   if (rb == RB) {
-    const float* kp[VB];
-    for (int v = 0; v < VB; ++v) kp[v] = K[v0 + v];
     for (int64_t d = 0; d < D; ++d) {
       F k[VB];
-      for (int v = 0; v < VB; ++v) {
-        k[v] = F::load(kp[v]);
-        kp[v] += ks[v0 + v];
-      }
+      for (int v = 0; v < VB; ++v) k[v] = F::load(keys.at(v0 + v, d));
       for (int r = 0; r < RB; ++r) {
         const F qd = F::set(Qs[(r0 + r) * D + d]);
         for (int v = 0; v < VB; ++v) a[r][v] = fmadd(qd, k[v], a[r][v]);
@@ -288,11 +306,20 @@ INL void scores_block(const float* Qs, const float* const* K, const int64_t* ks,
     for (int64_t r = 0; r < rb; ++r)
       for (int64_t d = 0; d < D; ++d) {
         const F qd = F::set(Qs[(r0 + r) * D + d]);
-        for (int v = 0; v < VB; ++v) a[r][v] = fmadd(qd, F::load(K[v0 + v] + d * ks[v0 + v]), a[r][v]);
+        for (int v = 0; v < VB; ++v) a[r][v] = fmadd(qd, F::load(keys.at(v0 + v, d)), a[r][v]);
       }
   }
   for (int64_t r = 0; r < rb; ++r)
     for (int v = 0; v < VB; ++v) a[r][v].store(&S[(r0 + r) * kTile + (v0 + v) * kLanes]);
+}
+
+// Scores for R rows and every key of a tile
+template <int W, typename Keys>
+INL void tile_scores(const float* Qs, const Keys& keys, float* S, int64_t D, int64_t R) {
+  typedef Blocking<W> B;
+  for (int64_t v0 = 0; v0 < kTileVecs; v0 += B::kScoreVecs)
+    for (int64_t r0 = 0; r0 < R; r0 += B::kScoreRows)
+      scores_block<W, B::kScoreRows, B::kScoreVecs>(Qs, keys, S, D, r0, std::min(B::kScoreRows, R - r0), v0);
 }
 
 // Prefetch (into L2) one head's keys of positions [from, to) of a sequence (nothing when empty)
@@ -331,11 +358,13 @@ INL float* grown(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-// A decode reads a float32 cache where it lies: whole 16-key vectors of keys, and value rows when D is a
-// multiple of 16. Everything else (other dtypes, a tile's last partial vector, and the rows of a prefill
-// chunk, which read each tile once per few rows and ran 20% slower on AVX2 reading it in place) is first
-// copied into the tile's float32 keys Kt ([D, kTile]) and values Vs ([kTile, D16]).
-INL bool in_place(const Ctx& c, const Task& task) { return c.kvdt == kF32 && task.rows == 1; }
+// A task of a few rows (a decode) reads a float32 cache where it lies: whole 16-key vectors of keys, and
+// value rows when D is a multiple of 16; for it, copying a tile cost more than its arithmetic. Everything
+// else is first copied into the tile's float32 keys Kt ([D, kTile]) and values Vs ([kTile, D16]): other
+// dtypes, a tile's last partial vector, and the tasks of many rows, which read a tile many times. In place,
+// 16 keys of a float32 block at D = 64 are one 4 KB page, so a tile's keys and values all fall in the same
+// L1 sets, and a 512-row chunk ran 7-10% slower.
+INL bool in_place(const Ctx& c, const Task& task) { return c.kvdt == kF32 && task.rows * c.G <= 8; }
 
 // The n keys of the tile from ts, as kTileVecs vectors: vector v's dimension d is the 16 floats at
 // K[v] + d * ks[v]. Vectors past n point at Kt, whose floats are all finite (see Scratch).
@@ -399,7 +428,7 @@ INL void tile_values(const Ctx& c, const Task& task, const int32_t* table, int64
   }
 }
 
-// The scaled query rows of a task (or of one decode) and each row's visible keys [lo, hi]
+// The scaled query rows of a task (none where Qs is null) and each row's visible keys [lo, hi]
 INL void task_rows(const Ctx& c, const Task& task, float* Qs, int64_t* lo, int64_t* hi) {
   const int64_t D = c.D, G = c.G;
   for (int64_t i = 0; i < task.rows; ++i) {
@@ -407,7 +436,7 @@ INL void task_rows(const Ctx& c, const Task& task, float* Qs, int64_t* lo, int64
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
       const char* qrow = c.q + (t * c.q_row + (task.head * G + g) * c.q_head) * c.esize;
-      for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = to_float(qrow, d, c.dt) * c.scale;
+      if (Qs) for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = to_float(qrow, d, c.dt) * c.scale;
       hi[r] = p;
       lo[r] = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0;
     }
@@ -484,14 +513,16 @@ INL void task_body(const Ctx& c, const Task& task) {
   const float* V[kTile];
   for (int64_t ts = klo / kTile * kTile; ts <= khi; ts += kTile) {
     const int64_t te = std::min(ts + kTile, khi + 1), n = te - ts;
-    prefetch_keys(c, task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1));
-    prefetch_values(c, task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1), 0, D * c.kv_esize);
+    if (task.rows == 1) {  // a prefill chunk's tile takes long enough for the hardware's prefetchers
+      prefetch_keys(c, task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1));
+      prefetch_values(c, task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1), 0, D * c.kv_esize);
+    }
     tile_keys<W>(c, task, table, ts, n, Kt, K, ks);
     tile_values<W>(c, task, table, ts, n, Vs, V);
+    const bool place = in_place(c, task);
     // scores for every row and every key of the tile
-    for (int64_t v0 = 0; v0 < kTileVecs; v0 += B::kScoreVecs)
-      for (int64_t r0 = 0; r0 < R; r0 += B::kScoreRows)
-        scores_block<W, B::kScoreRows, B::kScoreVecs>(Qs, K, ks, S, D, r0, std::min(B::kScoreRows, R - r0), v0);
+    if (place) tile_scores<W>(Qs, CacheKeys{K, ks}, S, D, R);
+    else tile_scores<W>(Qs, CopiedKeys{Kt}, S, D, R);
     // online softmax per row over its visible keys in this tile; S becomes p
     for (int64_t r = 0; r < R; ++r) {
       if (hi[r] < ts || lo[r] >= te) continue;  // the row sees nothing here: its state is untouched
@@ -501,10 +532,8 @@ INL void task_body(const Ctx& c, const Task& task) {
       for (int64_t d = 0; d < D16; d += kLanes) (F::load(acc + d) * av).store(acc + d);
     }
     // acc += p_j v_j, keys in order; rows that share a key range share the value loads
-    for (int64_t dc = 0; dc < D16; dc += B::kValueVecs * kLanes) {
-      const Span sp{Acc, S, V, lo, hi, D16, R, ts, te, dc};
-      values_tile_upto<W, B::kValueVecs>(sp, std::min(B::kValueVecs * kLanes, D16 - dc) / kLanes);
-    }
+    if (place) values_lanes<W>(Span<CacheValues>{Acc, S, {V}, lo, hi, D16, R, ts, te, 0}, 0, D16);
+    else values_lanes<W>(Span<CopiedValues>{Acc, S, {Vs, D16}, lo, hi, D16, R, ts, te, 0}, 0, D16);
   }
   task_out(c, task, Acc, Lsum, 0, D);
 }
@@ -523,8 +552,8 @@ INL void task_body(const Ctx& c, const Task& task) {
 // So a split decode gives task_body's bits, on every path.
 
 struct Split {
-  Task task;        // one decode row on one KV head
-  float* S;         // its raw scores: [tiles, G, kTile]
+  Task task;        // a run of a few rows (a decode, or one with its drafted tokens) on one KV head
+  float* S;         // its raw scores: [tiles, rows * G, kTile]
   int64_t t0, tiles;  // its first tile (in tiles from position 0) and how many
 };
 constexpr int64_t kSplitTiles = 8;    // tiles of scores per work item of the first pass
@@ -533,7 +562,7 @@ constexpr int64_t kSplitLanes = 32;   // head-dimension lanes per work item of t
 template <int W>
 INL void split_scores(const Ctx& c, const Split& sp, int64_t first, int64_t last) {  // tiles [first, last) of sp
   typedef Blocking<W> B;
-  const int64_t D = c.D, R = c.G;
+  const int64_t D = c.D, R = sp.task.rows * c.G;
   const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[sp.task.row0]) * c.max_blocks;
   float* Qs = grown(t_scratch.f, R * D + D * kTile);
   float* Kt = Qs + R * D;
@@ -541,7 +570,7 @@ INL void split_scores(const Ctx& c, const Split& sp, int64_t first, int64_t last
   int64_t* lo = t_scratch.i.data();
   int64_t* hi = lo + R;
   task_rows(c, sp.task, Qs, lo, hi);
-  const int64_t khi = hi[0];
+  const int64_t khi = *std::max_element(hi, hi + R);
   const float* K[kTileVecs];
   int64_t ks[kTileVecs];
   const int64_t ahead = kAhead / kTile;
@@ -551,16 +580,15 @@ INL void split_scores(const Ctx& c, const Split& sp, int64_t first, int64_t last
     if (t + ahead < last) prefetch_keys(c, sp.task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1));
     tile_keys<W>(c, sp.task, table, ts, n, Kt, K, ks);
     float* S = sp.S + t * R * kTile;
-    for (int64_t v0 = 0; v0 < kTileVecs; v0 += B::kScoreVecs)
-      for (int64_t r0 = 0; r0 < R; r0 += B::kScoreRows)
-        scores_block<W, B::kScoreRows, B::kScoreVecs>(Qs, K, ks, S, D, r0, std::min(B::kScoreRows, R - r0), v0);
+    if (in_place(c, sp.task)) tile_scores<W>(Qs, CacheKeys{K, ks}, S, D, R);
+    else tile_scores<W>(Qs, CopiedKeys{Kt}, S, D, R);
   }
 }
 
 template <int W>
 INL void split_values(const Ctx& c, const Split& sp, int64_t dc, int64_t nv) {  // lanes [dc, dc + 16 nv)
   typedef vf<W> F;
-  const int64_t D = c.D, D16 = c.D16, R = c.G;
+  const int64_t D = c.D, D16 = c.D16, R = sp.task.rows * c.G;
   const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[sp.task.row0]) * c.max_blocks;
   float* S = grown(t_scratch.f, R * kTile + 2 * R + R * D16 + kTile * D16);
   float* M = S + R * kTile;
@@ -573,9 +601,8 @@ INL void split_values(const Ctx& c, const Split& sp, int64_t dc, int64_t nv) {  
   if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
   int64_t* lo = t_scratch.i.data();
   int64_t* hi = lo + R;
-  const int64_t p = c.row_pos[sp.task.row0];
-  for (int64_t r = 0; r < R; ++r) { hi[r] = p; lo[r] = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0; }
-  const int64_t khi = p, b0 = dc * c.kv_esize, b1 = std::min(dc + nv * kLanes, D) * c.kv_esize;
+  task_rows(c, sp.task, nullptr, lo, hi);
+  const int64_t khi = *std::max_element(hi, hi + R), b0 = dc * c.kv_esize, b1 = std::min(dc + nv * kLanes, D) * c.kv_esize;
   const float* V[kTile];
   for (int64_t t = 0; t < sp.tiles; ++t) {
     const int64_t ts = (sp.t0 + t) * kTile, te = std::min(ts + kTile, khi + 1), n = te - ts;
@@ -589,11 +616,8 @@ INL void split_values(const Ctx& c, const Split& sp, int64_t dc, int64_t nv) {  
       float* acc = &Acc[r * D16];
       for (int64_t d = dc; d < dc + nv * kLanes; d += kLanes) (F::load(acc + d) * av).store(acc + d);
     }
-    constexpr int64_t NV = Blocking<W>::kValueVecs;
-    for (int64_t d = dc; d < dc + nv * kLanes; d += NV * kLanes) {
-      const Span s{Acc, S, V, lo, hi, D16, R, ts, te, d};
-      values_tile_upto<W, NV>(s, std::min(NV * kLanes, dc + nv * kLanes - d) / kLanes);
-    }
+    if (in_place(c, sp.task)) values_lanes<W>(Span<CacheValues>{Acc, S, {V}, lo, hi, D16, R, ts, te, 0}, dc, dc + nv * kLanes);
+    else values_lanes<W>(Span<CopiedValues>{Acc, S, {Vs, D16}, lo, hi, D16, R, ts, te, 0}, dc, dc + nv * kLanes);
   }
   task_out(c, sp.task, Acc, Lsum, dc, std::min(dc + nv * kLanes, D));
 }
@@ -795,27 +819,28 @@ INL void write_row(const char* src, int dt, char* dst, int64_t stride, int kvdt,
   *scale = s;
 }
 
-// A step of only decodes (runs of one row), fewer than kSplitBelowTasks tasks a thread, one of them at least
-// kSplitFromKeys long: each decode and head is a Split, run in the two passes above, each pass's work items
-// taken by the threads as they free up.
-constexpr int64_t kSplitBelowTasks = 4, kSplitFromKeys = 1024;
+// A step of only short runs (decodes, and decodes verifying drafted tokens: at most kSplitRows rows each),
+// fewer than kSplitBelowTasks tasks a thread, one of them seeing at least kSplitFromKeys keys: each run and
+// head is a Split, run in the two passes above, each pass's work items taken by the threads as they free up.
+constexpr int64_t kSplitRows = 16, kSplitBelowTasks = 4, kSplitFromKeys = 1024;
 
 void split_decodes(const Ctx& c, const std::vector<Task>& runs, int64_t level) {
   thread_local std::vector<float> t_scores;  // the caller's: every split's scores
   std::vector<Split> splits;
   int64_t total = 0;
   for (const Task& run : runs) {
-    const int64_t p = c.row_pos[run.row0], lo = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0;
+    const int64_t p0 = c.row_pos[run.row0], p1 = c.row_pos[run.row0 + run.rows - 1];
+    const int64_t lo = c.window > 0 ? std::max<int64_t>(0, p0 - c.window + 1) : 0;
     for (int64_t h = 0; h < c.Hkv; ++h) {
-      splits.push_back({{run.row0, 1, h}, nullptr, lo / kTile, p / kTile - lo / kTile + 1});
-      total += splits.back().tiles * c.G * kTile;
+      splits.push_back({{run.row0, run.rows, h}, nullptr, lo / kTile, p1 / kTile - lo / kTile + 1});
+      total += splits.back().tiles * run.rows * c.G * kTile;
     }
   }
   float* scores = grown(t_scores, total);
   std::vector<std::pair<int64_t, int64_t>> first, second;  // (split, first tile) and (split, first lane)
   for (int64_t i = 0, at = 0; i < static_cast<int64_t>(splits.size()); ++i) {
     splits[i].S = scores + at;
-    at += splits[i].tiles * c.G * kTile;
+    at += splits[i].tiles * splits[i].task.rows * c.G * kTile;
     for (int64_t t = 0; t < splits[i].tiles; t += kSplitTiles) first.push_back({i, t});
     for (int64_t d = 0; d < c.D16; d += kSplitLanes) second.push_back({i, d});
   }
@@ -924,9 +949,12 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost(x) > cost(y); });
   const int64_t level = isa();
   const int64_t threads = at::get_num_threads();
-  int64_t longest = 0;
-  for (const Task& r : runs) longest = std::max<int64_t>(longest, c.row_pos[r.row0] + 1);
-  if (threads > 1 && static_cast<int64_t>(runs.size()) == T && n < kSplitBelowTasks * threads && longest >= kSplitFromKeys) {
+  int64_t longest = 0, widest = 0;
+  for (const Task& r : runs) {
+    longest = std::max<int64_t>(longest, c.row_pos[r.row0 + r.rows - 1] + 1);
+    widest = std::max(widest, r.rows);
+  }
+  if (threads > 1 && widest <= kSplitRows && n < kSplitBelowTasks * threads && longest >= kSplitFromKeys) {
     split_decodes(c, runs, level);
     return out;
   }
