@@ -106,16 +106,22 @@ def ttft(server: Server, ids: list[int]) -> float:
 
 
 def request(server: Server, ids: list[int], max_tokens: int) -> tuple[float, float | None]:
-    """A streamed request of exactly max_tokens: (time to first token, time per output token after it, or None)."""
+    """A streamed request of exactly max_tokens: (time to first token, time per output token after it, or None).
+
+    llama-server streams one token a chunk. shoal streams what a step made, which with speculative decoding (on by
+    default) can be several tokens: its usage chunk gives the count, and the first chunk holds the first token
+    alone (a prefill step makes one). Counting chunks instead made shoal's decode rate its rate of steps."""
     root = server.base_url.removesuffix("/v1")
     if isinstance(server.peer, OneSlotLlamaServer):
         url = f"{root}/completion"
         body = {"prompt": ids, "n_predict": max_tokens, "cache_prompt": False, "temperature": 0, "ignore_eos": True, "stream": True}
     else:
         url = f"{root}/v1/completions"
-        body = {"model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {"model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps = []
+    tokens = None
     with httpx.stream("POST", url, json=body, timeout=1800) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{server.peer.name} answered {r.status_code}: {r.read()[:300]!r}")
@@ -125,9 +131,12 @@ def request(server: Server, ids: list[int], max_tokens: int) -> tuple[float, flo
             chunk = json.loads(line[6:])
             if chunk.get("content") or (chunk.get("choices") and chunk["choices"][0].get("text")):
                 stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
     if not stamps:
         raise RuntimeError(f"{server.peer.name} streamed no token")
-    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    tokens = tokens if tokens is not None else len(stamps)
+    tpot = (stamps[-1] - stamps[0]) / (tokens - 1) if len(stamps) > 1 else None
     return stamps[0] - t0, tpot
 
 
@@ -137,14 +146,20 @@ LONG = 8000  # the long prompt beside them
 
 
 def stream_tokens(server: Server, ids: list[int], max_tokens: int, stamps: list[float]) -> None:
-    """One streamed completion of exactly max_tokens; the arrival time of each token's chunk goes into stamps."""
-    body = {"model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    """One streamed completion of exactly max_tokens; each token's arrival time goes into stamps (a chunk's time once
+    per token in it: `logprobs: 0` lists them, as speculative decoding can send several at once)."""
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "logprobs": 0}
     with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=1800) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{server.peer.name} answered {r.status_code}")
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
-                stamps.append(time.perf_counter())
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:])["choices"]
+            if choices and choices[0].get("logprobs"):
+                now = time.perf_counter()
+                stamps.extend([now] * len(choices[0]["logprobs"]["tokens"]))
 
 
 def neighbours(server: Server, rng: random.Random, long_prompt: list[int] | None) -> dict:
@@ -259,7 +274,8 @@ def write(result: dict) -> None:
                 for n in DECODE_AT]
         lines += ["", f"## One stream decoding at long contexts", "",
                   f"The {', '.join(map(str, DECODE_AT))}-token prompts' requests go on for {DECODE_TOKENS - 1} more tokens: "
-                  "decode tokens/s after the first token (median), and shoal's rate over llama-server's.", "",
+                  "decode tokens/s after the first token (median; shoal's tokens counted from its usage chunk, as with "
+                  "speculative decoding a chunk can hold several), and shoal's rate over llama-server's.", "",
                   *table(["context", "llama-server", *(result["peers"][name]["label"] for name in shoals)], rows)]
     near = result.get("neighbours")
     if near:
