@@ -18,7 +18,9 @@
 //   - acc += p_j * v_j over the row's visible keys in key order (head dimension in lanes);
 //   - out = acc / l, rounded once to the model's dtype.
 // Other rows in the same vectors only occupy other lanes. So a decode, any row of a prefill
-// chunk of any length or start, and a row next to longer contexts give the same bits.
+// chunk of any length or start, and a row next to longer contexts give the same bits. A few long
+// decodes are spread over the threads in two passes (split_decodes) that keep each row's
+// operations and their order, so they give those bits too.
 //
 // The cache: kv [2, Hkv, blocks, block_size, D]. Values are stored as torch's other
 // backends store them ([block_size, D] per block); keys are stored transposed within their
@@ -371,9 +373,8 @@ INL bool in_place(const Ctx& c, const Task& task) { return c.kvdt == kF32 && tas
 template <int W>
 INL void tile_keys(const Ctx& c, const Task& task, const int32_t* table, int64_t ts, int64_t n, float* Kt, const float** K,
                    int64_t* ks) {
-  const int64_t head = task.head;
   typedef vf<W> F;
-  const int64_t D = c.D;
+  const int64_t D = c.D, head = task.head;
   for (int64_t v = 0; v < kTileVecs; ++v) { K[v] = &Kt[v * kLanes]; ks[v] = kTile; }
   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
     const int64_t key = ts + j0, off = key % c.bs;
@@ -402,9 +403,8 @@ INL void tile_keys(const Ctx& c, const Task& task, const int32_t* table, int64_t
 // The n value rows of the tile from ts: key j's row is the D16 floats at V[j]
 template <int W>
 INL void tile_values(const Ctx& c, const Task& task, const int32_t* table, int64_t ts, int64_t n, float* Vs, const float** V) {
-  const int64_t head = task.head;
   typedef vf<W> F;
-  const int64_t D = c.D;
+  const int64_t D = c.D, head = task.head;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t kk = ts + j, off = kk % c.bs;
     const char* block = value_block(c, head, table[kk / c.bs]);
