@@ -487,6 +487,23 @@ INL void task_out(const Ctx& c, const Task& task, const float* Acc, const float*
   }
 }
 
+// A task's online-softmax state per row (running maximum, sum and accumulator, from `at` in the thread's
+// scratch) and each row's visible keys [lo, hi]
+struct Rows {
+  float* M; float* Lsum; float* Acc; int64_t* lo; int64_t* hi;
+  float* end;  // the first float after Acc
+};
+INL Rows fresh_rows(float* at, int64_t R, int64_t D16) {
+  Rows s{at, at + R, at + 2 * R, nullptr, nullptr, at + 2 * R + R * D16};
+  std::fill(s.M, s.M + R, -FLT_MAX);
+  std::fill(s.Lsum, s.Lsum + R, 0.0f);
+  std::fill(s.Acc, s.Acc + R * D16, 0.0f);
+  if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
+  s.lo = t_scratch.i.data();
+  s.hi = s.lo + R;
+  return s;
+}
+
 template <int W>
 INL void task_body(const Ctx& c, const Task& task) {
   typedef vf<W> F;
@@ -495,17 +512,9 @@ INL void task_body(const Ctx& c, const Task& task) {
   const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[task.row0]) * c.max_blocks;
   float* Qs = grown(t_scratch.f, R * D + R * kTile + 2 * R + R * D16 + D * kTile + kTile * D16);
   float* S = Qs + R * D;
-  float* M = S + R * kTile;
-  float* Lsum = M + R;
-  float* Acc = Lsum + R;
-  float* Kt = Acc + R * D16;
-  float* Vs = Kt + D * kTile;
-  std::fill(M, M + R, -FLT_MAX);
-  std::fill(Lsum, Lsum + R, 0.0f);
-  std::fill(Acc, Acc + R * D16, 0.0f);
-  if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
-  int64_t* lo = t_scratch.i.data();
-  int64_t* hi = lo + R;
+  const Rows rs = fresh_rows(S + R * kTile, R, D16);
+  float *M = rs.M, *Lsum = rs.Lsum, *Acc = rs.Acc, *Kt = rs.end, *Vs = Kt + D * kTile;
+  int64_t *lo = rs.lo, *hi = rs.hi;
   task_rows(c, task, Qs, lo, hi);
   const int64_t klo = *std::min_element(lo, lo + R), khi = *std::max_element(hi, hi + R);
   const float* K[kTileVecs];
@@ -591,16 +600,9 @@ INL void split_values(const Ctx& c, const Split& sp, int64_t dc, int64_t nv) {  
   const int64_t D = c.D, D16 = c.D16, R = sp.task.rows * c.G;
   const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[sp.task.row0]) * c.max_blocks;
   float* S = grown(t_scratch.f, R * kTile + 2 * R + R * D16 + kTile * D16);
-  float* M = S + R * kTile;
-  float* Lsum = M + R;
-  float* Acc = Lsum + R;
-  float* Vs = Acc + R * D16;
-  std::fill(M, M + R, -FLT_MAX);
-  std::fill(Lsum, Lsum + R, 0.0f);
-  std::fill(Acc, Acc + R * D16, 0.0f);
-  if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
-  int64_t* lo = t_scratch.i.data();
-  int64_t* hi = lo + R;
+  const Rows rs = fresh_rows(S + R * kTile, R, D16);
+  float *M = rs.M, *Lsum = rs.Lsum, *Acc = rs.Acc, *Vs = rs.end;
+  int64_t *lo = rs.lo, *hi = rs.hi;
   task_rows(c, sp.task, nullptr, lo, hi);
   const int64_t khi = *std::max_element(hi, hi + R), b0 = dc * c.kv_esize, b1 = std::min(dc + nv * kLanes, D) * c.kv_esize;
   const float* V[kTile];
