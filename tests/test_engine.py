@@ -187,6 +187,35 @@ def test_kv_budget_too_small_for_one_sequence_refuses_to_start(model_path):
         LLM(model_path, dtype="float32", num_blocks=8, block_size=16, max_model_len=512)
 
 
+def test_a_client_whose_event_loop_closes_mid_stream_is_aborted_and_the_engine_serves_on(model_path):
+    """A client that runs its own loop (asyncio.run) and leaves without closing its stream: the engine's next output
+    for it finds that loop closed. The request is aborted as a disconnect and its blocks come back; the engine's
+    thread lives on and serves the next client. (Before, the closed loop's RuntimeError ended the engine's thread.)"""
+    llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
+    engine = AsyncEngine(llm.engine)
+    try:
+        loop = asyncio.new_event_loop()
+        stream = engine.generate(GenerationRequest("gone", (5, 6, 7), SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)))
+        first = loop.run_until_complete(stream.__anext__())
+        assert first.request_id == "gone" and not first.finished
+        loop.close()  # the stream is never closed, so no abort is sent
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (llm.engine.has_unfinished() or llm.engine.pool.num_free != 64):
+            time.sleep(0.02)
+        assert llm.engine.pool.num_free == 64 and not llm.engine.has_unfinished()
+        assert llm.engine.stats.requests_aborted == 1
+
+        async def one():
+            async for out in engine.generate(GenerationRequest("next", (8, 9), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))):
+                last = out
+            return last
+
+        last = asyncio.run(one())
+        assert last.finished and len(last.outputs[0].token_ids) == 5
+    finally:
+        engine.shutdown()
+
+
 def test_async_engine_streams_and_abort_frees_blocks(model_path):
     llm = LLM(model_path, dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
     engine = AsyncEngine(llm.engine)

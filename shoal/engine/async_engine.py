@@ -87,8 +87,13 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item) -> bool:
+        """Hand item to its consumer's event loop; False when that loop is closed (nobody will read it)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # a client that ran its own loop (asyncio.run) and left without closing its stream
+            return False
+        return True
 
 
 class AsyncEngine:
@@ -209,10 +214,7 @@ class AsyncEngine:
             if kind == "add":
                 sinks.append(sink)
         for sink in sinks:
-            try:
-                sink.put(err)
-            except RuntimeError:  # its event loop is closed: nobody is listening
-                pass
+            sink.put(err)
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
@@ -235,7 +237,11 @@ class AsyncEngine:
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
-                    sink.put(out)
+                    if not sink.put(out):  # its client's loop is closed: stop the request, free its blocks
+                        del self._sinks[out.request_id]
+                        if not out.finished:
+                            self.engine.abort(out.request_id, client_disconnected=True)
+                        continue
                     if out.finished:
                         del self._sinks[out.request_id]
                         finished += 1
