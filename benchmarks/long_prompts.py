@@ -272,7 +272,7 @@ def write(result: dict) -> None:
         rows = [[n, f"{1 / tmed['llama-server'][n]:.1f} tok/s",
                  *(f"{1 / tmed[name][n]:.1f} tok/s, {tmed['llama-server'][n] / tmed[name][n]:.2f}x" for name in shoals)]
                 for n in DECODE_AT]
-        lines += ["", f"## One stream decoding at long contexts", "",
+        lines += ["", "## One stream decoding at long contexts", "",
                   f"The {', '.join(map(str, DECODE_AT))}-token prompts' requests go on for {DECODE_TOKENS - 1} more tokens: "
                   "decode tokens/s after the first token (median; shoal's tokens counted from its usage chunk, as with "
                   "speculative decoding a chunk can hold several), and shoal's rate over llama-server's.", "",
