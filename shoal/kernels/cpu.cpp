@@ -428,6 +428,9 @@ INL void tile_values(const Ctx& c, const Task& task, const int32_t* table, int64
   }
 }
 
+// The first key a row at position p sees (its window's start, or 0)
+INL int64_t first_key(const Ctx& c, int64_t p) { return c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0; }
+
 // The scaled query rows of a task (none where Qs is null) and each row's visible keys [lo, hi]
 INL void task_rows(const Ctx& c, const Task& task, float* Qs, int64_t* lo, int64_t* hi) {
   const int64_t D = c.D, G = c.G;
@@ -438,7 +441,7 @@ INL void task_rows(const Ctx& c, const Task& task, float* Qs, int64_t* lo, int64
       const char* qrow = c.q + (t * c.q_row + (task.head * G + g) * c.q_head) * c.esize;
       if (Qs) for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = to_float(qrow, d, c.dt) * c.scale;
       hi[r] = p;
-      lo[r] = c.window > 0 ? std::max<int64_t>(0, p - c.window + 1) : 0;
+      lo[r] = first_key(c, p);
     }
   }
 }
@@ -821,6 +824,15 @@ INL void write_row(const char* src, int dt, char* dst, int64_t stride, int kvdt,
   *scale = s;
 }
 
+// f(i) for i in [0, n), the threads taking the next i as they free up (items in order of the caller's choosing)
+template <typename F>
+void take_in_turn(int64_t n, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) f(i);
+  });
+}
+
 // A step of only short runs (decodes, and decodes verifying drafted tokens: at most kSplitRows rows each),
 // fewer than kSplitBelowTasks tasks a thread, one of them seeing at least kSplitFromKeys keys: each run and
 // head is a Split, run in the two passes above, each pass's work items taken by the threads as they free up.
@@ -831,8 +843,7 @@ void split_decodes(const Ctx& c, const std::vector<Task>& runs, int64_t level) {
   std::vector<Split> splits;
   int64_t total = 0;
   for (const Task& run : runs) {
-    const int64_t p0 = c.row_pos[run.row0], p1 = c.row_pos[run.row0 + run.rows - 1];
-    const int64_t lo = c.window > 0 ? std::max<int64_t>(0, p0 - c.window + 1) : 0;
+    const int64_t lo = first_key(c, c.row_pos[run.row0]), p1 = c.row_pos[run.row0 + run.rows - 1];
     for (int64_t h = 0; h < c.Hkv; ++h) {
       splits.push_back({{run.row0, run.rows, h}, nullptr, lo / kTile, p1 / kTile - lo / kTile + 1});
       total += splits.back().tiles * run.rows * c.G * kTile;
@@ -850,18 +861,12 @@ void split_decodes(const Ctx& c, const std::vector<Task>& runs, int64_t level) {
   std::stable_sort(second.begin(), second.end(), [&](const auto& x, const auto& y) { return splits[x.first].tiles > splits[y.first].tiles; });
   auto scores_of = level == 3 ? scores_avx512 : level == 2 ? scores_avx2 : scores_baseline;
   auto values_of = level == 3 ? values_avx512 : level == 2 ? values_avx2 : values_baseline;
-  const int64_t threads = at::get_num_threads();
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(first.size(), threads), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(first.size()); i = next.fetch_add(1)) {
-      const Split& sp = splits[first[i].first];
-      scores_of(c, sp, first[i].second, std::min(first[i].second + kSplitTiles, sp.tiles));
-    }
+  take_in_turn(first.size(), [&](int64_t i) {
+    const Split& sp = splits[first[i].first];
+    scores_of(c, sp, first[i].second, std::min(first[i].second + kSplitTiles, sp.tiles));
   });
-  next = 0;
-  at::parallel_for(0, std::min<int64_t>(second.size(), threads), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(second.size()); i = next.fetch_add(1))
-      values_of(c, splits[second[i].first], second[i].second, std::min(kSplitLanes, c.D16 - second[i].second) / kLanes);
+  take_in_turn(second.size(), [&](int64_t i) {
+    values_of(c, splits[second[i].first], second[i].second, std::min(kSplitLanes, c.D16 - second[i].second) / kLanes);
   });
 }
 
@@ -940,17 +945,7 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
     runs.push_back({t, e - t, 0});
     t = e;
   }
-  // The threads take runs as they free up, costliest first (rows times the keys they see). at::parallel_for's
-  // contiguous halves put every task of a prefill chunk on one thread when decodes came first in the step: an
-  // 80-row chunk at 7k of context beside 8 decodes took 2.2x the time per row of a 512-row one alone. Each
-  // row is computed whole inside one task, so which thread takes it changes nothing in the bits.
-  const int64_t n = static_cast<int64_t>(runs.size()) * Hkv;
-  std::vector<int64_t> order(runs.size());
-  std::iota(order.begin(), order.end(), 0);
-  auto cost = [&](int64_t r) { return runs[r].rows * (c.row_pos[runs[r].row0 + runs[r].rows - 1] + 1); };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost(x) > cost(y); });
-  const int64_t level = isa();
-  const int64_t threads = at::get_num_threads();
+  const int64_t n = static_cast<int64_t>(runs.size()) * Hkv, level = isa(), threads = at::get_num_threads();
   int64_t longest = 0, widest = 0;
   for (const Task& r : runs) {
     longest = std::max<int64_t>(longest, c.row_pos[r.row0 + r.rows - 1] + 1);
@@ -960,14 +955,19 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
     split_decodes(c, runs, level);
     return out;
   }
+  // The threads take runs as they free up, costliest first (rows times the keys they see). at::parallel_for's
+  // contiguous halves put every task of a prefill chunk on one thread when decodes came first in the step: an
+  // 80-row chunk at 7k of context beside 8 decodes took 2.2x the time per row of a 512-row one alone. Each
+  // row is computed whole inside one task, so which thread takes it changes nothing in the bits.
+  std::vector<int64_t> order(runs.size());
+  std::iota(order.begin(), order.end(), 0);
+  auto cost = [&](int64_t r) { return runs[r].rows * (c.row_pos[runs[r].row0 + runs[r].rows - 1] + 1); };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost(x) > cost(y); });
   void (*run_task)(const Ctx&, const Task&) = level == 3 ? task_avx512 : level == 2 ? task_avx2 : task_baseline;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      Task task = runs[order[i / Hkv]];
-      task.head = i % Hkv;
-      run_task(c, task);
-    }
+  take_in_turn(n, [&](int64_t i) {
+    Task task = runs[order[i / Hkv]];
+    task.head = i % Hkv;
+    run_task(c, task);
   });
   return out;
 }
