@@ -118,6 +118,31 @@ def test_kernels_compute_the_described_arithmetic_on_every_path_with_the_same_bi
         assert ((got.double() - want).abs() <= tol * want.abs().amax()).all()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_integer_sums_at_their_bounds_stay_exact_on_every_path(rows):
+    """Codes at the ends of their ranges and activations that round to +-127 everywhere. A Q4 block's int16 sums
+    reach 8 * 2 * 15 * 127 = 30,480, and a Q8 pair sum 2 * 128 * 127 = 32,512: the bounds the AVX2 and SSE2 paths
+    sum in int16 under, whatever order the compiler adds in. 1 to 5 rows take each row blocking (1 to 4)."""
+    n, k = 40, 128
+    g = torch.Generator().manual_seed(9)
+    x = torch.where(torch.rand(rows, k, generator=g) < 0.3, -1.0, 1.0)  # |x| equal in a block: every code is +-127
+    x[:, :32] = 1.0  # a block of one sign, against all-15 and all-(-128) codes: the largest sums
+    codes4 = torch.full((n, k), 15, dtype=torch.uint8)
+    codes4[1::2, 32:] = torch.randint(0, 16, (n // 2, k - 32), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half().float()
+    w4 = Q4Codes(codes4, scale, (-torch.rand(n, k // 32, generator=g) * 0.15).half().float())
+    c8 = torch.full((n, k), 127, dtype=torch.int8)
+    c8[1::2] = -128  # ggml's Q8_0 stores an int8, so -128 can occur in a file
+    c8[2::4, 32:] = torch.randint(-128, 128, (n // 4, k - 32), generator=g, dtype=torch.int8)
+    p4, p8 = pack_q4(w4), pack_q8(c8, scale)
+    outs = every_path(lambda: (torch.ops.shoal_kernels.q4_linear(x, p4, n), torch.ops.shoal_kernels.q8_linear(x, p8, n)))
+    first = next(iter(outs.values()))
+    for path, (y4, y8) in outs.items():
+        assert torch.equal(y4, first[0]) and torch.equal(y8, first[1]), f"path {path} differs"
+    for got, want in ((first[0], model_q4(x, w4)), (first[1], model_q8(x, c8, scale))):
+        assert ((got.double() - want).abs() <= 2e-6 * want.abs().amax()).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_is_the_same_bits_alone_and_in_any_batch(dtype):
     n, k = 100, 192
