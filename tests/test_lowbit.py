@@ -81,6 +81,20 @@ def every_path(fn):
     return out
 
 
+def assert_every_path_computes_the_model(x, w4: Q4Codes, c8, s8, tol: float) -> None:
+    """q4_linear and q8_linear of x give the same bits on every path, in x's dtype, and are within tol (of the
+    largest output) of the float64 model of their arithmetic."""
+    n = w4.codes.shape[0]
+    p4, p8 = pack_q4(w4), pack_q8(c8, s8)
+    outs = every_path(lambda: (torch.ops.shoal_kernels.q4_linear(x, p4, n), torch.ops.shoal_kernels.q8_linear(x, p8, n)))
+    first = next(iter(outs.values()))
+    for path, (y4, y8) in outs.items():
+        assert y4.dtype == x.dtype and y4.shape == (x.shape[0], n)
+        assert torch.equal(y4, first[0]) and torch.equal(y8, first[1]), f"path {path} differs"
+    for got, want in ((first[0], model_q4(x, w4)), (first[1], model_q8(x, c8, s8))):
+        assert ((got.double() - want).abs() <= tol * want.abs().amax()).all()
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_packing_keeps_codes_and_float16_scales_exactly(n, k):
     w = q4_weights(n, k, 0)
@@ -105,24 +119,18 @@ def test_q8_rounding_gives_a_q8_0_tensor_its_own_codes_back():
 def test_kernels_compute_the_described_arithmetic_on_every_path_with_the_same_bits(n, k, dtype):
     w4 = q4_weights(n, k, 3)
     c8, s8 = q8_weights(n, k, 4)
-    p4, p8 = pack_q4(w4), pack_q8(c8, s8)
     x = (torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
     x[3, :32] = 0  # an all-zero block: scale 0, no division by it
-    outs = every_path(lambda: (torch.ops.shoal_kernels.q4_linear(x, p4, n), torch.ops.shoal_kernels.q8_linear(x, p8, n)))
-    first = next(iter(outs.values()))
-    for path, (y4, y8) in outs.items():
-        assert y4.dtype == dtype and y4.shape == (x.shape[0], n)
-        assert torch.equal(y4, first[0]) and torch.equal(y8, first[1]), f"path {path} differs"
     tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]  # float32 sums; the output's rounding
-    for got, want in ((first[0], model_q4(x, w4)), (first[1], model_q8(x, c8, s8))):
-        assert ((got.double() - want).abs() <= tol * want.abs().amax()).all()
+    assert_every_path_computes_the_model(x, w4, c8, s8, tol)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_integer_sums_at_their_bounds_stay_exact_on_every_path(rows):
     """Codes at the ends of their ranges and activations that round to +-127 everywhere. A Q4 block's int16 sums
-    reach 8 * 2 * 15 * 127 = 30,480, and a Q8 pair sum 2 * 128 * 127 = 32,512: the bounds the AVX2 and SSE2 paths
-    sum in int16 under, whatever order the compiler adds in. 1 to 5 rows take each row blocking (1 to 4)."""
+    reach 8 * 2 * 15 * 127 = 30,480, and a Q8 pair sum 2 * 128 * 127 = 32,512: the int16 bounds of AVX2's
+    vpmaddubsw pair sums and Q4 block sums, whatever order the compiler adds in. 1 to 5 rows take each row
+    blocking (1 to 4)."""
     n, k = 40, 128
     g = torch.Generator().manual_seed(9)
     x = torch.where(torch.rand(rows, k, generator=g) < 0.3, -1.0, 1.0)  # |x| equal in a block: every code is +-127
@@ -134,13 +142,7 @@ def test_integer_sums_at_their_bounds_stay_exact_on_every_path(rows):
     c8 = torch.full((n, k), 127, dtype=torch.int8)
     c8[1::2] = -128  # ggml's Q8_0 stores an int8, so -128 can occur in a file
     c8[2::4, 32:] = torch.randint(-128, 128, (n // 4, k - 32), generator=g, dtype=torch.int8)
-    p4, p8 = pack_q4(w4), pack_q8(c8, scale)
-    outs = every_path(lambda: (torch.ops.shoal_kernels.q4_linear(x, p4, n), torch.ops.shoal_kernels.q8_linear(x, p8, n)))
-    first = next(iter(outs.values()))
-    for path, (y4, y8) in outs.items():
-        assert torch.equal(y4, first[0]) and torch.equal(y8, first[1]), f"path {path} differs"
-    for got, want in ((first[0], model_q4(x, w4)), (first[1], model_q8(x, c8, scale))):
-        assert ((got.double() - want).abs() <= 2e-6 * want.abs().amax()).all()
+    assert_every_path_computes_the_model(x, w4, c8, scale, 2e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
