@@ -100,13 +100,9 @@ INL vf<W> visible(vf<W> x, int64_t lo, int64_t hi, vf<W> fill) {
 template <int W>
 INL vf<W> vexp(vf<W> x) {
   typedef vf<W> F;
-  x = vmax(x, F::set(-87.3365447505531f));
-  x = select(x < F::set(88.0f), x, F::set(88.0f));
-  F fx = fmadd(x, F::set(1.44269504088896341f), F::set(0.5f));
-  vi<W> n = to_int(fx);
-  F t = to_float(n);
-  n = n + (t > fx);  // floor: -1 where truncation went up
-  fx = to_float(n);
+  x = vmin(vmax(x, F::set(-87.3365447505531f)), F::set(88.0f));
+  F fx;
+  vi<W> n = floor_int(fmadd(x, F::set(1.44269504088896341f), F::set(0.5f)), &fx);
   x = x - fx * F::set(0.693359375f);
   x = x - fx * F::set(-2.12194440e-4f);
   F z = x * x;
@@ -133,7 +129,7 @@ INL float to_float(const void* p, int64_t i, int dt) {
 template <int W>
 INL void load16(const void* p, int64_t i, int dt, float* buf) {
   if (dt == kF32) {
-    std::memcpy(buf, static_cast<const float*>(p) + i, 64);
+    vf<W>::load(static_cast<const float*>(p) + i).store(buf);  // a register at a time (a memcpy went 16 bytes at a time)
   } else if (dt == kBF16) {
     const uint16_t* src = static_cast<const uint16_t*>(p) + i;
     for (int k = 0; k < 64 / W; ++k) {
@@ -355,10 +351,20 @@ struct Scratch {
 };
 thread_local Scratch t_scratch;
 
+// n floats of v from a 64-byte boundary, so that the kernels' 32- and 64-byte loads and stores of tiles, queries,
+// scores and accumulators never straddle two cache lines. A vector's data is only 16-byte aligned (a large one
+// sits 16 bytes past a page's start), and where it fell so, one 32-byte load in two, and every 64-byte one, was
+// split: a 512-row chunk at 6,000 keys took 11% longer on one thread (benchmarks/NOTES.md, twenty-fifth round).
+// The alignment varied from process to process and thread to thread, which made timings of the op drift.
 INL float* grown(std::vector<float>& v, size_t n) {
-  if (v.size() < n) v.resize(n, 0.0f);
-  return v.data();
+  constexpr size_t kAlign = 64 / sizeof(float);
+  if (v.size() < n + kAlign) v.resize(n + kAlign, 0.0f);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<float*>((at + 63) & ~uintptr_t{63});
 }
+
+// n rounded up to whole 16-float (64-byte) vectors: scratch arrays laid one after another each start on a boundary
+INL int64_t whole(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 // A task of a few rows (a decode) reads a float32 cache where it lies: whole 16-key vectors of keys, and
 // value rows when D is a multiple of 16; for it, copying a tile cost more than its arithmetic. Everything
@@ -446,17 +452,48 @@ INL void task_rows(const Ctx& c, const Task& task, float* Qs, int64_t* lo, int64
   }
 }
 
-// One row's online softmax step over its visible keys [a, b] (offsets) of a tile: s (the row's kTile
-// scores) becomes p, the running maximum m and sum l move on, and the factor alpha for the row's
-// accumulator is returned. Both ways of running a task (task_body, split_values) call this.
+// A task's online-softmax state per row (running maximum, sum and accumulator, from `at` in the thread's
+// scratch) and each row's visible keys [lo, hi]
+struct Rows {
+  float* M; float* Lsum; float* Mt; float* Acc; int64_t* lo; int64_t* hi;  // Mt: the tile's maxima (tile_softmax)
+  float* end;  // the first float after Acc
+};
+INL int64_t rows_floats(int64_t R, int64_t D16) { return whole(3 * R) + R * D16; }  // what fresh_rows lays out
+INL Rows fresh_rows(float* at, int64_t R, int64_t D16) {
+  float* acc = at + whole(3 * R);
+  Rows s{at, at + R, at + 2 * R, acc, nullptr, nullptr, acc + R * D16};
+  std::fill(s.M, s.M + R, -FLT_MAX);
+  std::fill(s.Lsum, s.Lsum + R, 0.0f);
+  std::fill(s.Acc, s.Acc + R * D16, 0.0f);
+  if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
+  s.lo = t_scratch.i.data();
+  s.hi = s.lo + R;
+  return s;
+}
+
+// a * b + c as the path computes it: one FMA with AVX2 and AVX-512, a multiply and an add on the baseline. Spelled
+// out, because whether GCC contracts a * b + c depends on the code around it: in tile_softmax's two passes it left
+// the running sum's update uncontracted on AVX2 and AVX-512, which moved the last bit of some rows' outputs.
 template <int W>
-INL float tile_softmax(float* s, int64_t a, int64_t b, float& m, float& l) {
+INL float mul_add(float a, float b, float c) {
+  if constexpr (W > 16) return __builtin_fmaf(a, b, c);
+  else return a * b + c;
+}
+
+// A row's maximum over its visible keys [a, b] (offsets) of a tile's scores s, and its running maximum m
+template <int W>
+INL float tile_max(const float* s, int64_t a, int64_t b, float m) {
   typedef vf<W> F;
   F mt = F::set(-INFINITY);
   for (int64_t v = a / kLanes; v <= b / kLanes; ++v)
     mt = vmax(mt, visible(F::load(s + v * kLanes), a - v * kLanes, b - v * kLanes, F::set(-INFINITY)));
-  const float m_new = std::max(m, lane_max(mt));
-  const float alpha = vexp(F::set(m - m_new)).first();
+  return std::max(m, lane_max(mt));
+}
+
+// The row's p = exp(s - m_new) over [a, b], written over s, and their sum
+template <int W>
+INL float tile_exp(float* s, int64_t a, int64_t b, float m_new) {
+  typedef vf<W> F;
   const F mv = F::set(m_new);
   F ls = F::zero();
   for (int64_t v = a / kLanes; v <= b / kLanes; ++v) {
@@ -464,9 +501,32 @@ INL float tile_softmax(float* s, int64_t a, int64_t b, float& m, float& l) {
     p.store(s + v * kLanes);
     ls = ls + p;
   }
-  l = l * alpha + lane_sum(ls);
-  m = m_new;
-  return alpha;
+  return lane_sum(ls);
+}
+
+// The online softmax step of a tile [ts, te) for every row that sees some of it: S (kTile scores a row) becomes
+// p, each row's running maximum M and sum Lsum move on, and its accumulator's lanes [d0, d1) are rescaled by
+// alpha = exp(m_old - m_new). Where the maximum did not move (most tiles after the first few), alpha is 1 (vexp(0)
+// is 1 exactly, on every path) and the rescale would give the same floats, so both are skipped. In two passes over
+// the rows, all the maxima (into Mt) and then the exponentials, so that rows' reductions overlap where one row at a
+// time waited on its own; each row's operations and their order are the same. Both ways of running a task
+// (task_body, split_values) call this.
+template <int W>
+INL void tile_softmax(const Rows& rs, float* S, int64_t R, int64_t ts, int64_t te, int64_t D16, int64_t d0, int64_t d1) {
+  typedef vf<W> F;
+  const int64_t *lo = rs.lo, *hi = rs.hi;
+  for (int64_t r = 0; r < R; ++r)
+    if (hi[r] >= ts && lo[r] < te) rs.Mt[r] = tile_max<W>(&S[r * kTile], std::max(lo[r], ts) - ts, std::min(hi[r], te - 1) - ts, rs.M[r]);
+  for (int64_t r = 0; r < R; ++r) {
+    if (hi[r] < ts || lo[r] >= te) continue;  // the row sees nothing here: its state is untouched
+    const float m = rs.M[r], m_new = rs.Mt[r];
+    const float alpha = m_new == m ? 1.0f : vexp(F::set(m - m_new)).first();
+    rs.Lsum[r] = mul_add<W>(rs.Lsum[r], alpha, tile_exp<W>(&S[r * kTile], std::max(lo[r], ts) - ts, std::min(hi[r], te - 1) - ts, m_new));
+    rs.M[r] = m_new;
+    if (alpha == 1.0f) continue;
+    const F av = F::set(alpha);
+    for (float* acc = &rs.Acc[r * D16] + d0; acc < &rs.Acc[r * D16] + d1; acc += kLanes) (F::load(acc) * av).store(acc);
+  }
 }
 
 // out = acc / l for lanes [d0, d1) of a task's rows, rounded once to the model's dtype
@@ -490,33 +550,14 @@ INL void task_out(const Ctx& c, const Task& task, const float* Acc, const float*
   }
 }
 
-// A task's online-softmax state per row (running maximum, sum and accumulator, from `at` in the thread's
-// scratch) and each row's visible keys [lo, hi]
-struct Rows {
-  float* M; float* Lsum; float* Acc; int64_t* lo; int64_t* hi;
-  float* end;  // the first float after Acc
-};
-INL Rows fresh_rows(float* at, int64_t R, int64_t D16) {
-  Rows s{at, at + R, at + 2 * R, nullptr, nullptr, at + 2 * R + R * D16};
-  std::fill(s.M, s.M + R, -FLT_MAX);
-  std::fill(s.Lsum, s.Lsum + R, 0.0f);
-  std::fill(s.Acc, s.Acc + R * D16, 0.0f);
-  if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
-  s.lo = t_scratch.i.data();
-  s.hi = s.lo + R;
-  return s;
-}
-
 template <int W>
 INL void task_body(const Ctx& c, const Task& task) {
-  typedef vf<W> F;
-  typedef Blocking<W> B;
   const int64_t D = c.D, D16 = c.D16, R = task.rows * c.G;
   const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[task.row0]) * c.max_blocks;
-  float* Qs = grown(t_scratch.f, R * D + R * kTile + 2 * R + R * D16 + D * kTile + kTile * D16);
-  float* S = Qs + R * D;
+  float* Qs = grown(t_scratch.f, whole(R * D) + R * kTile + rows_floats(R, D16) + D * kTile + kTile * D16);
+  float* S = Qs + whole(R * D);
   const Rows rs = fresh_rows(S + R * kTile, R, D16);
-  float *M = rs.M, *Lsum = rs.Lsum, *Acc = rs.Acc, *Kt = rs.end, *Vs = Kt + D * kTile;
+  float *Lsum = rs.Lsum, *Acc = rs.Acc, *Kt = rs.end, *Vs = Kt + D * kTile;
   int64_t *lo = rs.lo, *hi = rs.hi;
   task_rows(c, task, Qs, lo, hi);
   const int64_t klo = *std::min_element(lo, lo + R), khi = *std::max_element(hi, hi + R);
@@ -535,14 +576,7 @@ INL void task_body(const Ctx& c, const Task& task) {
     // scores for every row and every key of the tile
     if (place) tile_scores<W>(Qs, CacheKeys{K, ks}, S, D, R);
     else tile_scores<W>(Qs, CopiedKeys{Kt}, S, D, R);
-    // online softmax per row over its visible keys in this tile; S becomes p
-    for (int64_t r = 0; r < R; ++r) {
-      if (hi[r] < ts || lo[r] >= te) continue;  // the row sees nothing here: its state is untouched
-      const int64_t a = std::max(lo[r], ts) - ts, b = std::min(hi[r], te - 1) - ts;  // visible keys, tile offsets
-      const F av = F::set(tile_softmax<W>(&S[r * kTile], a, b, M[r], Lsum[r]));
-      float* acc = &Acc[r * D16];
-      for (int64_t d = 0; d < D16; d += kLanes) (F::load(acc + d) * av).store(acc + d);
-    }
+    tile_softmax<W>(rs, S, R, ts, te, D16, 0, D16);  // per row over its visible keys in this tile; S becomes p
     // acc += p_j v_j, keys in order; rows that share a key range share the value loads
     if (place) values_lanes<W>(Span<CacheValues>{Acc, S, {V}, lo, hi, D16, R, ts, te, 0}, 0, D16);
     else values_lanes<W>(Span<CopiedValues>{Acc, S, {Vs, D16}, lo, hi, D16, R, ts, te, 0}, 0, D16);
@@ -573,11 +607,10 @@ constexpr int64_t kSplitLanes = 32;   // head-dimension lanes per work item of t
 
 template <int W>
 INL void split_scores(const Ctx& c, const Split& sp, int64_t first, int64_t last) {  // tiles [first, last) of sp
-  typedef Blocking<W> B;
   const int64_t D = c.D, R = sp.task.rows * c.G;
   const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[sp.task.row0]) * c.max_blocks;
-  float* Qs = grown(t_scratch.f, R * D + D * kTile);
-  float* Kt = Qs + R * D;
+  float* Qs = grown(t_scratch.f, whole(R * D) + D * kTile);
+  float* Kt = Qs + whole(R * D);
   if (t_scratch.i.size() < static_cast<size_t>(2 * R)) t_scratch.i.resize(2 * R);
   int64_t* lo = t_scratch.i.data();
   int64_t* hi = lo + R;
@@ -599,12 +632,11 @@ INL void split_scores(const Ctx& c, const Split& sp, int64_t first, int64_t last
 
 template <int W>
 INL void split_values(const Ctx& c, const Split& sp, int64_t dc, int64_t nv) {  // lanes [dc, dc + 16 nv)
-  typedef vf<W> F;
   const int64_t D = c.D, D16 = c.D16, R = sp.task.rows * c.G;
   const int32_t* table = c.tables + static_cast<int64_t>(c.row_seq[sp.task.row0]) * c.max_blocks;
-  float* S = grown(t_scratch.f, R * kTile + 2 * R + R * D16 + kTile * D16);
+  float* S = grown(t_scratch.f, R * kTile + rows_floats(R, D16) + kTile * D16);
   const Rows rs = fresh_rows(S + R * kTile, R, D16);
-  float *M = rs.M, *Lsum = rs.Lsum, *Acc = rs.Acc, *Vs = rs.end;
+  float *Lsum = rs.Lsum, *Acc = rs.Acc, *Vs = rs.end;
   int64_t *lo = rs.lo, *hi = rs.hi;
   task_rows(c, sp.task, nullptr, lo, hi);
   const int64_t khi = *std::max_element(hi, hi + R), b0 = dc * c.kv_esize, b1 = std::min(dc + nv * kLanes, D) * c.kv_esize;
@@ -614,13 +646,7 @@ INL void split_values(const Ctx& c, const Split& sp, int64_t dc, int64_t nv) {  
     prefetch_values(c, sp.task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1), b0, b1);
     tile_values<W>(c, sp.task, table, ts, n, Vs, V);
     std::memcpy(S, sp.S + t * R * kTile, R * kTile * sizeof(float));
-    for (int64_t r = 0; r < R; ++r) {
-      if (hi[r] < ts || lo[r] >= te) continue;
-      const int64_t a = std::max(lo[r], ts) - ts, b = std::min(hi[r], te - 1) - ts;
-      const F av = F::set(tile_softmax<W>(&S[r * kTile], a, b, M[r], Lsum[r]));
-      float* acc = &Acc[r * D16];
-      for (int64_t d = dc; d < dc + nv * kLanes; d += kLanes) (F::load(acc + d) * av).store(acc + d);
-    }
+    tile_softmax<W>(rs, S, R, ts, te, D16, dc, dc + nv * kLanes);
     if (in_place(c, sp.task)) values_lanes<W>(Span<CacheValues>{Acc, S, {V}, lo, hi, D16, R, ts, te, 0}, dc, dc + nv * kLanes);
     else values_lanes<W>(Span<CopiedValues>{Acc, S, {Vs, D16}, lo, hi, D16, R, ts, te, 0}, dc, dc + nv * kLanes);
   }

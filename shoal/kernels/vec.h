@@ -34,10 +34,14 @@ namespace {
 // 64-byte load per key in the attention's value pass, 10% of its time). An intrinsic inlines only into a
 // function built for its instruction set, so splat is not forced inline into the generic templates: each
 // entry point that runs a kernel for one instruction set is `flatten`, and takes it in there (SHOAL_ENTRY).
+//
+// max and min are the ISA's own instructions, which are exactly `a > b ? a : b` and `a < b ? a : b` (NaN and
+// signed zeros included): GCC lowered that select to a compare and a blend. floor rounds toward -inf in one
+// instruction where the ISA has one (SSE4.1 and up); the baseline has none (Regs<16>::kFloor is false).
 template <int W>
 struct Regs;
 
-#define SHOAL_REGS(W, TARGET, SET1_PS, SET1_EPI32)                                                  \
+#define SHOAL_REGS(W, TARGET, SET1_PS, SET1_EPI32, MAX_PS, MIN_PS, CAST)                             \
   template <>                                                                                        \
   struct Regs<W> {                                                                                   \
     typedef float f __attribute__((vector_size(W)));                                                \
@@ -47,11 +51,19 @@ struct Regs;
     typedef int8_t b __attribute__((vector_size(W / 4)));    /* as many 8-bit lanes as f has */    \
     TARGET static inline f splat(float x) { return (f)SET1_PS(x); }                                 \
     TARGET static inline i splat(int32_t x) { return (i)SET1_EPI32(x); }                            \
+    TARGET static inline f max(f a, f b) { return (f)MAX_PS((CAST)a, (CAST)b); }                    \
+    TARGET static inline f min(f a, f b) { return (f)MIN_PS((CAST)a, (CAST)b); }                    \
+    static constexpr bool kFloor = W > 16;                                                           \
+    TARGET static inline f floor(f a);                                                               \
   };
-SHOAL_REGS(64, __attribute__((target("avx512f"))), _mm512_set1_ps, _mm512_set1_epi32)
-SHOAL_REGS(32, __attribute__((target("avx"))), _mm256_set1_ps, _mm256_set1_epi32)
-SHOAL_REGS(16, , _mm_set1_ps, _mm_set1_epi32)
+SHOAL_REGS(64, __attribute__((target("avx512f"))), _mm512_set1_ps, _mm512_set1_epi32, _mm512_max_ps, _mm512_min_ps, __m512)
+SHOAL_REGS(32, __attribute__((target("avx"))), _mm256_set1_ps, _mm256_set1_epi32, _mm256_max_ps, _mm256_min_ps, __m256)
+SHOAL_REGS(16, , _mm_set1_ps, _mm_set1_epi32, _mm_max_ps, _mm_min_ps, __m128)
 #undef SHOAL_REGS
+__attribute__((target("avx512f"))) inline Regs<64>::f Regs<64>::floor(f a) {
+  return (f)_mm512_roundscale_ps((__m512)a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+__attribute__((target("avx"))) inline Regs<32>::f Regs<32>::floor(f a) { return (f)_mm256_floor_ps((__m256)a); }
 
 // One register's worth of int8 values (W / 4 of them) sign-extended to int32 lanes. Written with each instruction
 // set's own widening: GCC lowers a convertvector from int8 lanes one lane at a time (a movsbl and an insert per
@@ -149,7 +161,18 @@ template <int W>
 INL vf<W> fmadd(vf<W> a, vf<W> b, vf<W> c) { return a * b + c; }  // contracted to one FMA where the ISA has it
 
 template <int W>
-INL vf<W> vmax(vf<W> a, vf<W> b) { return select(a > b, a, b); }
+INL vf<W> vmax(vf<W> a, vf<W> b) {  // a > b ? a : b
+  vf<W> r;
+  for (int k = 0; k < vf<W>::kParts; ++k) r.p[k] = Regs<W>::max(a.p[k], b.p[k]);
+  return r;
+}
+
+template <int W>
+INL vf<W> vmin(vf<W> a, vf<W> b) {  // a < b ? a : b
+  vf<W> r;
+  for (int k = 0; k < vf<W>::kParts; ++k) r.p[k] = Regs<W>::min(a.p[k], b.p[k]);
+  return r;
+}
 
 template <int W>
 INL vi<W> to_int(vf<W> a) {  // truncating, as a C cast
@@ -163,6 +186,21 @@ INL vf<W> to_float(vi<W> a) {
   vf<W> r;
   for (int k = 0; k < vf<W>::kParts; ++k) r.p[k] = __builtin_convertvector(a.p[k], typename vf<W>::part);
   return r;
+}
+
+// floor(a) as integers, and as floats in *f, for |a| < 2^31. Without a rounding instruction (the baseline):
+// truncate, then take one where truncation went up. Both give the same values.
+template <int W>
+INL vi<W> floor_int(vf<W> a, vf<W>* f) {
+  if constexpr (Regs<W>::kFloor) {
+    for (int k = 0; k < vf<W>::kParts; ++k) f->p[k] = Regs<W>::floor(a.p[k]);
+    return to_int(*f);
+  } else {
+    vi<W> n = to_int(a);
+    n = n + (to_float(n) > a);  // a compare gives -1 where true
+    *f = to_float(n);
+    return n;
+  }
 }
 
 template <int W>
