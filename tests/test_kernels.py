@@ -350,3 +350,92 @@ def test_the_avx2_path_gives_the_avx512_paths_bits(dtype):
         for f in (lambda: kernels.rms_norm(x, w, 1e-5), lambda: torch.cat(kernels.add_rms_norm(x, delta, w, 1e-5)),
                   lambda: kernels.silu_mul(gate_up), lambda: kernels.rope_(heads.clone(), cos, sin)):
             assert torch.equal(_on_path(3, f), _on_path(2, f)), f"row op at {n} {dtype}"
+
+
+def _model_row(q, keys, values, lo, hi, scale, fused):
+    """One query row of the op, written from its documented arithmetic (the top of cpu.cpp) in numpy float32: scores
+    as one multiply-add per dimension in order, tiles of 64 keys from position 0, per tile the maximum, p = vexp(s - m)
+    (Cephes' expf as vexp computes it), the tile's sum over 16 lanes by the fixed tree, (m, l, acc) moved on with
+    alpha, acc += p_j v_j in key order, out = acc / l. `fused`: a * b + c rounds once (AVX2, AVX-512), or twice."""
+    import numpy as np
+
+    f32 = np.float32
+
+    def fma(a, b, c):
+        if fused:
+            return (np.float64(a) * np.float64(b) + np.float64(c)).astype(f32)
+        return (f32(a) * f32(b)).astype(f32) + f32(c)
+
+    def vexp(x):
+        x = np.minimum(np.maximum(x.astype(f32), f32(-87.3365447505531)), f32(88.0))
+        fx = np.floor(fma(x, f32(1.44269504088896341), f32(0.5)))
+        x = fma(-fx, f32(0.693359375), x)
+        x = fma(-fx, f32(-2.12194440e-4), x)
+        z = (x * x).astype(f32)
+        y = np.full_like(x, f32(1.9875691500e-4))
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            y = fma(y, x, f32(c))
+        y = fma(y, z, x) + f32(1.0)
+        return (y * np.ldexp(f32(1.0), fx.astype(np.int32)).astype(f32)).astype(f32)
+
+    def lane_sum(v):  # lane i with i + 8, then i + 4, i + 2, i + 1
+        v = v.astype(f32)
+        for half in (8, 4, 2, 1):
+            v = (v[:half] + v[half:2 * half]).astype(f32)
+        return v[0]
+
+    qs = (q.astype(f32) * f32(scale)).astype(f32)
+    m, l, acc = f32(-3.4028234663852886e38), f32(0.0), np.zeros(q.shape[0], f32)
+    for ts in range(lo // 64 * 64, hi + 1, 64):
+        tile = np.zeros((64, q.shape[0]), f32)
+        tile[:min(64, keys.shape[0] - ts)] = keys[ts:ts + 64]
+        s = np.zeros(64, f32)
+        for d in range(q.shape[0]):  # 64 keys side by side, one dimension at a time
+            s = fma(qs[d], tile[:, d], s)
+        a, b = max(lo, ts) - ts, min(hi, ts + 63) - ts
+        m_new = max(m, f32(s[a:b + 1].max()))
+        alpha = f32(1.0) if m_new == m else vexp(np.array([f32(m) - f32(m_new)]))[0]
+        p = np.zeros(64, f32)
+        p[a:b + 1] = vexp((s[a:b + 1] - m_new).astype(f32))
+        ls = np.zeros(16, f32)
+        for v in range(a // 16, b // 16 + 1):
+            ls = (ls + p[16 * v:16 * v + 16]).astype(f32)
+        l, m = fma(l, alpha, lane_sum(ls)), m_new
+        acc = (acc * alpha).astype(f32)
+        for j in range(a, b + 1):
+            acc = fma(p[j], values[ts + j], acc)
+    return (acc / l).astype(f32)
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_attention_bits_are_its_documented_arithmetic(isa, window):
+    """The op's float32 bits, on each path, against a numpy model of the arithmetic the op documents: both AVX
+    paths fuse each multiply-add, the baseline rounds twice. Paths are compared with each other elsewhere; this
+    pins the bits themselves, so a change that moves them on every path at once (GCC contracting a sum differently,
+    a reordered exponential) fails here. Scores span enough for the exponential's clamp, and rows see one tile,
+    up to five, and the edges of tiles; keys grow along the sequence, so most tiles move a row's maximum and its
+    running sum is rescaled (a * b + c with alpha)."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(11)
+    D, bs, n = 16, 16, 300
+    e = torch.randn(D, generator=gen)
+    e = e / e.norm() * 4  # keys drift along e, and queries point along it: most tiles raise a row's maximum a little
+    keys = torch.randn(n, D, generator=gen) * 0.5 + e * torch.arange(n).unsqueeze(1) * 0.005
+    values = torch.randn(n, D, generator=gen)
+    kv = torch.zeros(2, 1, n // bs + 1, bs, D)
+    for t in range(n):
+        kv[0, 0, t // bs].view(-1)[torch.arange(D) * bs + t % bs] = keys[t]  # keys transposed within their block
+        kv[1, 0, t // bs, t % bs] = values[t]
+    tables = torch.arange(n // bs + 1, dtype=torch.int32).view(1, -1)
+    pos = torch.arange(n, dtype=torch.int32)
+    q = (e * 2 + torch.randn(n, D, generator=gen) * 0.3).unsqueeze(1)
+    q[1::4] *= 12  # scores that differ by more than 87.3: p at the exponential's clamp
+    none, slots = torch.empty(0, 1, D), torch.empty(0, dtype=torch.long)
+    out = kernels.invariant_attention(q, none, none, kv, slots, tables, torch.zeros(len(pos), dtype=torch.int32), pos,
+                                      0.25, window, 1)
+    fused = isa != kernels.ISA_NAMES[1]
+    for i, p in enumerate(pos.tolist()):
+        lo = max(0, p - window + 1) if window else 0
+        want = _model_row(q[i, 0].numpy(), keys.numpy(), values.numpy(), lo, p, 0.25, fused)
+        assert np.array_equal(out[i, 0].numpy().view(np.int32), want.view(np.int32)), f"row at {p} on {isa}"
