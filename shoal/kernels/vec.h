@@ -189,7 +189,8 @@ INL vf<W> to_float(vi<W> a) {
 }
 
 // floor(a) as integers, and as floats in *f, for |a| < 2^31. Without a rounding instruction (the baseline):
-// truncate, then take one where truncation went up. Both give the same values.
+// truncate, then take one where truncation went up. Both give the same values, but for the sign of a zero (-0
+// floors to -0 with the instruction, to +0 without); vexp's argument is never -0 (x * log2e + 0.5 rounds to +0).
 template <int W>
 INL vi<W> floor_int(vf<W> a, vf<W>* f) {
   if constexpr (Regs<W>::kFloor) {
