@@ -514,14 +514,20 @@ INL float tile_exp(float* s, int64_t a, int64_t b, float m_new) {
 template <int W>
 INL void tile_softmax(const Rows& rs, float* S, int64_t R, int64_t ts, int64_t te, int64_t D16, int64_t d0, int64_t d1) {
   typedef vf<W> F;
-  const int64_t *lo = rs.lo, *hi = rs.hi;
+  // row r's visible keys in this tile as offsets [a, b]; false where it sees none (its state is then untouched)
+  auto span = [&](int64_t r, int64_t& a, int64_t& b) {
+    a = std::max(rs.lo[r], ts) - ts;
+    b = std::min(rs.hi[r], te - 1) - ts;
+    return a <= b;
+  };
+  int64_t a, b;
   for (int64_t r = 0; r < R; ++r)
-    if (hi[r] >= ts && lo[r] < te) rs.Mt[r] = tile_max<W>(&S[r * kTile], std::max(lo[r], ts) - ts, std::min(hi[r], te - 1) - ts, rs.M[r]);
+    if (span(r, a, b)) rs.Mt[r] = tile_max<W>(&S[r * kTile], a, b, rs.M[r]);
   for (int64_t r = 0; r < R; ++r) {
-    if (hi[r] < ts || lo[r] >= te) continue;  // the row sees nothing here: its state is untouched
+    if (!span(r, a, b)) continue;
     const float m = rs.M[r], m_new = rs.Mt[r];
     const float alpha = m_new == m ? 1.0f : vexp(F::set(m - m_new)).first();
-    rs.Lsum[r] = mul_add<W>(rs.Lsum[r], alpha, tile_exp<W>(&S[r * kTile], std::max(lo[r], ts) - ts, std::min(hi[r], te - 1) - ts, m_new));
+    rs.Lsum[r] = mul_add<W>(rs.Lsum[r], alpha, tile_exp<W>(&S[r * kTile], a, b, m_new));
     rs.M[r] = m_new;
     if (alpha == 1.0f) continue;
     const F av = F::set(alpha);
