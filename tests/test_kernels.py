@@ -385,7 +385,7 @@ def _model_row(q, keys, values, lo, hi, scale, fused):
         return v[0]
 
     qs = (q.astype(f32) * f32(scale)).astype(f32)
-    m, l, acc = f32(-3.4028234663852886e38), f32(0.0), np.zeros(q.shape[0], f32)
+    m, l, acc = np.finfo(f32).min, f32(0.0), np.zeros(q.shape[0], f32)  # -FLT_MAX, as fresh_rows starts
     for ts in range(lo // 64 * 64, hi + 1, 64):
         tile = np.zeros((64, q.shape[0]), f32)
         tile[:min(64, keys.shape[0] - ts)] = keys[ts:ts + 64]
@@ -424,16 +424,14 @@ def test_attention_bits_are_its_documented_arithmetic(isa, window):
     keys = torch.randn(n, D, generator=gen) * 0.5 + e * torch.arange(n).unsqueeze(1) * 0.005
     values = torch.randn(n, D, generator=gen)
     kv = torch.zeros(2, 1, n // bs + 1, bs, D)
-    for t in range(n):
-        kv[0, 0, t // bs].view(-1)[torch.arange(D) * bs + t % bs] = keys[t]  # keys transposed within their block
-        kv[1, 0, t // bs, t % bs] = values[t]
     tables = torch.arange(n // bs + 1, dtype=torch.int32).view(1, -1)
     pos = torch.arange(n, dtype=torch.int32)
     q = (e * 2 + torch.randn(n, D, generator=gen) * 0.3).unsqueeze(1)
     q[1::4] *= 12  # scores that differ by more than 87.3: p at the exponential's clamp
-    none, slots = torch.empty(0, 1, D), torch.empty(0, dtype=torch.long)
-    out = kernels.invariant_attention(q, none, none, kv, slots, tables, torch.zeros(len(pos), dtype=torch.int32), pos,
-                                      0.25, window, 1)
+    # one call writes every position's key and value into the cache (its layout: test_the_op_writes_the_cache_...)
+    # and attends for every row
+    out = kernels.invariant_attention(q, keys.unsqueeze(1), values.unsqueeze(1), kv, pos.long(), tables,
+                                      torch.zeros(n, dtype=torch.int32), pos, 0.25, window, 1)
     fused = isa != kernels.ISA_NAMES[1]
     for i, p in enumerate(pos.tolist()):
         lo = max(0, p - window + 1) if window else 0
