@@ -175,6 +175,28 @@ def test_a_few_long_decodes_split_across_threads_give_the_bits_of_one_task_each(
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[4]], ids=["kv3xg3-d64-bs16", "kv1xg2-d128-bs16-w70"])
+def test_a_chunk_gives_the_same_bits_whatever_length_of_task_it_is_cut_into(isa, shape):
+    """The op cuts a chunk into tasks of 128, 64 or 32 positions: the longest that gives each thread 4 tasks. A
+    600-row chunk on 1, 2, 4 and 8 threads is cut each of those ways (with 3 KV heads: 128, 128, 64, 32; with 1:
+    128, 64, 32, 32). Every row keeps its bits, and they are those of the row computed alone as a decode."""
+    threads = torch.get_num_threads()
+    rng = random.Random(2)
+    try:
+        seqs = Sequences(shape, torch.bfloat16, [600])
+        cuts = {}
+        for n in (1, 2, 4, 8):
+            torch.set_num_threads(n)
+            cuts[n] = seqs.step([], [(0, 0, 600)])
+        torch.set_num_threads(1)
+        for p in rng.sample(range(600), 24) + [0, 63, 64, 127, 128, 599]:
+            alone = seqs.step([(0, p)], [])[0, p]
+            for n, rows in cuts.items():
+                assert torch.equal(rows[0, p], alone), f"{isa} {shape}: position {p} on {n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.bfloat16, None), (torch.float32, None), *KV_DTYPES],
                          ids=["bf16", "fp32", "fp32-int8", "bf16-int8", "fp16-int8", "fp32-bf16"])
 def test_the_op_writes_the_cache_as_write_kv_does(dtype, kv_dtype):

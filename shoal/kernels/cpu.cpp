@@ -62,7 +62,12 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kTile = 64;          // keys per softmax tile: a multiple of kLanes
 constexpr int64_t kTileVecs = kTile / kLanes;
-constexpr int64_t kPositionsPerTask = 32;  // a chunk's positions per task (times the group's query heads)
+// A chunk's positions per task (times the group's query heads): the longest of these that still gives every thread
+// kTasksPerThread tasks. Each task copies every tile it sees once and shares it among its rows, so longer tasks copy
+// less: at 6,000 keys a task of 32 positions spent 11-15% of its time copying tiles, one of 128 about 5%, and the
+// op took 0.92x the time (benchmarks/NOTES.md, twenty-sixth round). Shorter ones remain for many threads.
+constexpr int64_t kTaskPositions[] = {128, 64, 32};
+constexpr int64_t kTasksPerThread = 4;
 // How far ahead of its reads a task prefetches the cache, in keys. The hardware's stream prefetchers stop at
 // each 4 KB page, and one head's keys (or values) of a float32 block of 16 tokens at D = 64 fill one page: so
 // without this every block began with a wait on memory, and a decode read its cache at 8 GB/s where the core
@@ -74,11 +79,12 @@ constexpr int64_t kAhead = 2 * kTile;
 // the value pass keeps kValueRows rows times kValueVecs 16-lane vectors of the head dimension, and shares
 // each load of a value among those rows. Every lane's arithmetic is the same for any blocking, so the
 // blocking changes speed only, never bits. Sized to the registers: 32 zmm on AVX-512, 16 ymm on AVX2 and
-// 16 xmm on the baseline, where a 16-lane vector takes one, two and four of them.
+// 16 xmm on the baseline, where a 16-lane vector takes one, two and four of them. AVX-512's score pass takes 6
+// rows (24 accumulators): with 4, a loop of it alone reached 80% of the core's FMA rate, with 6 97%.
 template <int W>
 struct Blocking;
 template <>
-struct Blocking<64> { static constexpr int64_t kScoreRows = 4, kScoreVecs = 4, kValueRows = 4, kValueVecs = 4; };
+struct Blocking<64> { static constexpr int64_t kScoreRows = 6, kScoreVecs = 4, kValueRows = 4, kValueVecs = 4; };
 template <>
 struct Blocking<32> { static constexpr int64_t kScoreRows = 3, kScoreVecs = 2, kValueRows = 3, kValueVecs = 2; };
 template <>
@@ -485,6 +491,10 @@ template <int W>
 INL float tile_max(const float* s, int64_t a, int64_t b, float m) {
   typedef vf<W> F;
   F mt = F::set(-INFINITY);
+  if (a == 0 && b == kTile - 1) {  // the whole tile (most rows, most tiles): no lane hidden, a loop of fixed length
+    for (int64_t v = 0; v < kTileVecs; ++v) mt = vmax(mt, F::load(s + v * kLanes));
+    return std::max(m, lane_max(mt));
+  }
   for (int64_t v = a / kLanes; v <= b / kLanes; ++v)
     mt = vmax(mt, visible(F::load(s + v * kLanes), a - v * kLanes, b - v * kLanes, F::set(-INFINITY)));
   return std::max(m, lane_max(mt));
@@ -496,6 +506,14 @@ INL float tile_exp(float* s, int64_t a, int64_t b, float m_new) {
   typedef vf<W> F;
   const F mv = F::set(m_new);
   F ls = F::zero();
+  if (a == 0 && b == kTile - 1) {  // the loop below, with nothing hidden and a fixed length
+    for (int64_t v = 0; v < kTileVecs; ++v) {
+      const F p = vexp(F::load(s + v * kLanes) - mv);
+      p.store(s + v * kLanes);
+      ls = ls + p;
+    }
+    return lane_sum(ls);
+  }
   for (int64_t v = a / kLanes; v <= b / kLanes; ++v) {
     const F p = visible(vexp(F::load(s + v * kLanes) - mv), a - v * kLanes, b - v * kLanes, F::zero());
     p.store(s + v * kLanes);
@@ -969,15 +987,20 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
   Ctx c{static_cast<const char*>(q.data_ptr()), q.stride(0), q.stride(1), cache, Hkv, NB, bs, D, (D + kLanes - 1) / kLanes * kLanes,
         group, tables.data_ptr<int32_t>(), tables.size(1), row_seq.data_ptr<int32_t>(), row_pos.data_ptr<int32_t>(),
         static_cast<float>(scale), window, dt, es, kvdt, kv_es, block_bytes, static_cast<char*>(out.data_ptr())};
-  // tasks: runs of rows of one sequence (a decode is a run of one), at most kPositionsPerTask long, times KV heads
+  // tasks: runs of rows of one sequence (a decode is a run of one), at most `positions` long, times KV heads
+  const int64_t level = isa(), threads = at::get_num_threads();
   std::vector<Task> runs;
-  for (int64_t t = 0; t < T;) {
-    int64_t e = t + 1;
-    while (e < T && e - t < kPositionsPerTask && c.row_seq[e] == c.row_seq[t]) ++e;
-    runs.push_back({t, e - t, 0});
-    t = e;
+  for (const int64_t positions : kTaskPositions) {
+    runs.clear();
+    for (int64_t t = 0; t < T;) {
+      int64_t e = t + 1;
+      while (e < T && e - t < positions && c.row_seq[e] == c.row_seq[t]) ++e;
+      runs.push_back({t, e - t, 0});
+      t = e;
+    }
+    if (static_cast<int64_t>(runs.size()) * Hkv >= kTasksPerThread * threads) break;
   }
-  const int64_t n = static_cast<int64_t>(runs.size()) * Hkv, level = isa(), threads = at::get_num_threads();
+  const int64_t n = static_cast<int64_t>(runs.size()) * Hkv;
   int64_t longest = 0, widest = 0;
   for (const Task& r : runs) {
     longest = std::max<int64_t>(longest, c.row_pos[r.row0 + r.rows - 1] + 1);
