@@ -64,8 +64,9 @@ constexpr int64_t kTile = 64;          // keys per softmax tile: a multiple of k
 constexpr int64_t kTileVecs = kTile / kLanes;
 // A chunk's positions per task (times the group's query heads): the longest of these that still gives every thread
 // kTasksPerThread tasks. Each task copies every tile it sees once and shares it among its rows, so longer tasks copy
-// less: at 6,000 keys a task of 32 positions spent 11-15% of its time copying tiles, one of 128 about 5%, and the
-// op took 0.92x the time (benchmarks/NOTES.md, twenty-sixth round). Shorter ones remain for many threads.
+// less: at 6,000 keys a task of 32 positions spent 11-16% of its time copying tiles, one of 128 about 5% (with this
+// round's other changes the op took 0.91x the time on one thread; benchmarks/NOTES.md, twenty-sixth round). The
+// shorter lengths are for many threads.
 constexpr int64_t kTaskPositions[] = {128, 64, 32};
 constexpr int64_t kTasksPerThread = 4;
 // How far ahead of its reads a task prefetches the cache, in keys. The hardware's stream prefetchers stop at
