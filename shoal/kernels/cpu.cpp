@@ -487,36 +487,29 @@ INL float mul_add(float a, float b, float c) {
   else return a * b + c;
 }
 
-// A row's maximum over its visible keys [a, b] (offsets) of a tile's scores s, and its running maximum m
-template <int W>
+// A row's maximum over its visible keys [a, b] (offsets) of a tile's scores s, and its running maximum m. kWhole:
+// the row sees the whole tile (most rows, most tiles), so the loop has a fixed length and masks no lane.
+template <int W, bool kWhole>
 INL float tile_max(const float* s, int64_t a, int64_t b, float m) {
   typedef vf<W> F;
   F mt = F::set(-INFINITY);
-  if (a == 0 && b == kTile - 1) {  // the whole tile (most rows, most tiles): no lane hidden, a loop of fixed length
-    for (int64_t v = 0; v < kTileVecs; ++v) mt = vmax(mt, F::load(s + v * kLanes));
-    return std::max(m, lane_max(mt));
+  for (int64_t v = kWhole ? 0 : a / kLanes; v <= (kWhole ? kTileVecs - 1 : b / kLanes); ++v) {
+    F x = F::load(s + v * kLanes);
+    if constexpr (!kWhole) x = visible(x, a - v * kLanes, b - v * kLanes, F::set(-INFINITY));
+    mt = vmax(mt, x);
   }
-  for (int64_t v = a / kLanes; v <= b / kLanes; ++v)
-    mt = vmax(mt, visible(F::load(s + v * kLanes), a - v * kLanes, b - v * kLanes, F::set(-INFINITY)));
   return std::max(m, lane_max(mt));
 }
 
-// The row's p = exp(s - m_new) over [a, b], written over s, and their sum
-template <int W>
+// The row's p = exp(s - m_new) over [a, b], written over s, and their sum (kWhole as for tile_max)
+template <int W, bool kWhole>
 INL float tile_exp(float* s, int64_t a, int64_t b, float m_new) {
   typedef vf<W> F;
   const F mv = F::set(m_new);
   F ls = F::zero();
-  if (a == 0 && b == kTile - 1) {  // the loop below, with nothing hidden and a fixed length
-    for (int64_t v = 0; v < kTileVecs; ++v) {
-      const F p = vexp(F::load(s + v * kLanes) - mv);
-      p.store(s + v * kLanes);
-      ls = ls + p;
-    }
-    return lane_sum(ls);
-  }
-  for (int64_t v = a / kLanes; v <= b / kLanes; ++v) {
-    const F p = visible(vexp(F::load(s + v * kLanes) - mv), a - v * kLanes, b - v * kLanes, F::zero());
+  for (int64_t v = kWhole ? 0 : a / kLanes; v <= (kWhole ? kTileVecs - 1 : b / kLanes); ++v) {
+    F p = vexp(F::load(s + v * kLanes) - mv);
+    if constexpr (!kWhole) p = visible(p, a - v * kLanes, b - v * kLanes, F::zero());
     p.store(s + v * kLanes);
     ls = ls + p;
   }
@@ -539,14 +532,20 @@ INL void tile_softmax(const Rows& rs, float* S, int64_t R, int64_t ts, int64_t t
     b = std::min(rs.hi[r], te - 1) - ts;
     return a <= b;
   };
+  auto whole = [](int64_t a, int64_t b) { return a == 0 && b == kTile - 1; };  // it sees every key of the tile
   int64_t a, b;
-  for (int64_t r = 0; r < R; ++r)
-    if (span(r, a, b)) rs.Mt[r] = tile_max<W>(&S[r * kTile], a, b, rs.M[r]);
   for (int64_t r = 0; r < R; ++r) {
     if (!span(r, a, b)) continue;
+    float* s = &S[r * kTile];
+    rs.Mt[r] = whole(a, b) ? tile_max<W, true>(s, a, b, rs.M[r]) : tile_max<W, false>(s, a, b, rs.M[r]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (!span(r, a, b)) continue;
+    float* s = &S[r * kTile];
     const float m = rs.M[r], m_new = rs.Mt[r];
     const float alpha = m_new == m ? 1.0f : vexp(F::set(m - m_new)).first();
-    rs.Lsum[r] = mul_add<W>(rs.Lsum[r], alpha, tile_exp<W>(&S[r * kTile], a, b, m_new));
+    const float sum = whole(a, b) ? tile_exp<W, true>(s, a, b, m_new) : tile_exp<W, false>(s, a, b, m_new);
+    rs.Lsum[r] = mul_add<W>(rs.Lsum[r], alpha, sum);
     rs.M[r] = m_new;
     if (alpha == 1.0f) continue;
     const F av = F::set(alpha);
