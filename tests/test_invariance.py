@@ -19,6 +19,8 @@ Bottom up:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -558,7 +560,7 @@ QUANT_CONFIGS = {  # bf16 with each low-bit format, and the default configuratio
 def quantized(request, default_gguf_path) -> Reference:
     ref = Reference([CONVERSATIONS[i] for i in QUANT_PROMPTS], QUANT_GREEDY, num_blocks=512, **QUANT_CONFIGS[request.param])
     ref.config = QUANT_CONFIGS[request.param]
-    assert ref.llm.engine.facts.weight_format in ("int8", "int4")
+    assert ref.llm.engine.facts.weight_format in ("int8", "int4", "gguf")
     return ref
 
 
@@ -602,6 +604,28 @@ def test_tiny_models_alone_batched_chunked_and_cached_are_identical(tiny_path, d
     chunked = llm.generate(TINY_PROMPTS, TINY_GREEDY)
     assert [o.num_cached_tokens for o in chunked] == [0] * len(TINY_PROMPTS)  # the prompts share no prefix
     assert_same_as_alone(_first_choices(chunked), alone, "prefill in chunks of 13")
+    again = llm.generate(TINY_PROMPTS, TINY_GREEDY)
+    assert [o.num_cached_tokens for o in again] == [len(p) - 1 for p in TINY_PROMPTS]
+    assert_same_as_alone(_first_choices(again), alone, "after a full prefix-cache hit")
+
+
+# ---------------------------------------------------------------- K-quant files (llama-quantize's own blocks)
+
+K_QUANT_FILES = {mix: Path(__file__).parent / "fixtures" / f"tiny-llama-{mix}.gguf" for mix in ("Q4_K_M", "Q5_K_M")}
+
+
+@pytest.mark.parametrize("mix", sorted(K_QUANT_FILES))
+def test_k_quant_files_alone_batched_chunked_and_cached_are_identical(mix):
+    """The default configuration on a Q4_K_M / Q5_K_M file (every tensor in its own type on shoal's kernels, the
+    invariant attention): a greedy row's tokens and logprobs alone, in a batch, in chunks and after a cache hit."""
+    require_native_kernels()
+    path = str(K_QUANT_FILES[mix])
+    plain = LLM(path, enable_prefix_cache=False, num_blocks=128)
+    assert plain.engine.facts.weight_format == "gguf" and plain.engine.runner.attention.name == "invariant"
+    alone = [_completion(plain.generate([p], TINY_GREEDY)[0].outputs[0]) for p in TINY_PROMPTS]
+    assert_same_as_alone(_first_choices(plain.generate(TINY_PROMPTS, TINY_GREEDY)), alone, "in one batch")
+    llm = LLM(path, max_num_batched_tokens=13, num_blocks=128)
+    assert_same_as_alone(_first_choices(llm.generate(TINY_PROMPTS, TINY_GREEDY)), alone, "prefill in chunks of 13")
     again = llm.generate(TINY_PROMPTS, TINY_GREEDY)
     assert [o.num_cached_tokens for o in again] == [len(p) - 1 for p in TINY_PROMPTS]
     assert_same_as_alone(_first_choices(again), alone, "after a full prefix-cache hit")

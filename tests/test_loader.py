@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from shoal import kernels
 from shoal.model.gguf_loader import unpermute_qk
 from shoal.model.loader import load_checkpoint, resolve_model_path, template_end_of_turn_id
 from shoal.model.weights import load_weights
@@ -546,16 +547,25 @@ def test_gguf_q4_codes_are_the_stored_blocks_and_feed_int4_projections(tmp_path)
     o = model.model.layers[0].self_attn.o_proj.dequantized()
     want = plain.state_dict["model.layers.0.self_attn.o_proj.weight"]
     assert (o - want).abs().max() <= 0.01 * want.abs().max()
-    assert load_checkpoint(tmp_path / "q4.gguf", progress=False, quantization="auto").weight_format == "none"  # mixed Q4/Q8
+    # mixed Q4/Q8: each in its own type on shoal's kernels; torch's weight-only kernels take no mix
+    assert load_checkpoint(tmp_path / "q4.gguf", progress=False, quantization="auto").weight_format == ("gguf" if kernels.available() else "none")
 
 
 def test_auto_quantization_picks_the_files_own_format(tmp_path):
-    """"auto": int4 when every projection is Q4_0/Q4_1, int8 when every one is Q8_0, float otherwise."""
+    """"auto": with shoal's native kernels, every quantized tensor in its own type ("gguf"), whatever the mix;
+    without them (torch's weight-only kernels), int4 when every projection is Q4_0/Q4_1, int8 when every one
+    is Q8_0; float otherwise, and always for F16 projections."""
+    from shoal.model.gguf_loader import GGUFFileReader, projection_format
+
     folder = make_tiny_model("llama", tmp_path / "hf")
-    cases = {"q4": ({k: Q.Q4_1 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}, "int4"),
-             "q8": ({k: Q.Q8_0 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}, "int8"),
-             "f16": ({}, "none")}
-    for name, (types, want) in cases.items():
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    cases = {"q4": (dict.fromkeys(kinds, Q.Q4_1), "gguf", "int4"), "q8": (dict.fromkeys(kinds, Q.Q8_0), "gguf", "int8"),
+             "mixed": ({**dict.fromkeys(kinds, Q.Q4_0), "attn_v": Q.Q8_0, "ffn_down": Q.Q5_1}, "gguf", "none"),
+             "f16": ({}, "none", "none")}
+    for name, (types, native, torch_kernels) in cases.items():
         write_gguf(folder, tmp_path / f"{name}.gguf", "llama", {"token_embd": Q.Q8_0, **types})
+        tensors = GGUFFileReader(tmp_path / f"{name}.gguf").tensors
+        assert (projection_format(tensors, native=True), projection_format(tensors, native=False)) == (native, torch_kernels), name
+        want = native if kernels.available() else torch_kernels
         assert load_checkpoint(tmp_path / f"{name}.gguf", progress=False, quantization="auto").weight_format == want, name
     assert load_checkpoint(folder, progress=False, quantization="auto").weight_format == "none"  # safetensors

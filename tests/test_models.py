@@ -149,7 +149,7 @@ def test_auto_dtype_is_float32_for_low_bit_codes_on_the_native_kernels(monkeypat
     cpu = torch.device("cpu")
     gguf, reader = str(default_gguf_path), open_gguf(default_gguf_path)
     assert open_gguf(tiny_llama_path) is None  # a Hugging Face folder
-    assert planned_weight_format("auto", reader) == "int4" and planned_weight_format("auto", None) == "none"
+    assert planned_weight_format("auto", reader) == "gguf" and planned_weight_format("auto", None) == "none"
     assert planned_weight_format("int8", None) == "int8"
     assert engine_dtype(EngineConfig(model=gguf), cpu, reader) == torch.float32
     assert engine_dtype(EngineConfig(model=gguf, quantization="none"), cpu, reader) == torch.bfloat16

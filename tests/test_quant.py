@@ -235,16 +235,17 @@ def test_float32_activations_take_the_native_kernels_and_are_refused_without_the
 
 
 def test_auto_serves_the_files_own_4_bit_codes_where_the_low_bit_layers_run(tmp_path, monkeypatch):
-    """The default "auto" on a Q4 GGUF: int4 with any activation dtype where shoal's native kernels are
-    built, with bfloat16 only where they are not; "none" turns it off."""
+    """The default "auto" on a Q4 GGUF: the file's own types on shoal's kernels with any activation dtype where
+    they are built (model/formats.py); torch's int4 layers with bfloat16 only where they are not; "none" turns
+    it off."""
+    from shoal.model.formats import GGUFLinear
+
     from test_loader import Q, write_gguf
 
     folder = make_tiny_model("llama", tmp_path / "hf")
     kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     write_gguf(folder, tmp_path / "q4.gguf", "llama", {"token_embd": Q.Q8_0, **dict.fromkeys(kinds, Q.Q4_1)})
-    cases = [("bfloat16", "auto", "int4"), ("bfloat16", "none", "none")]
-    if kernels.available():
-        cases.append(("float32", "auto", "int4"))
+    cases = [("bfloat16", "auto", "gguf"), ("bfloat16", "none", "none"), ("float32", "auto", "gguf")] if kernels.available() else []
     for native in (True, False):
         if not native:
             without_native_kernels(monkeypatch)
@@ -253,16 +254,17 @@ def test_auto_serves_the_files_own_4_bit_codes_where_the_low_bit_layers_run(tmp_
             llm = LLM(str(tmp_path / "q4.gguf"), dtype=dtype, quantization=quantization, num_blocks=16, block_size=4, max_model_len=64)
             model = llm.engine.runner.model
             assert llm.engine.facts.weight_format == want, (dtype, quantization, native)
-            lowbit = [m for m in model.modules() if isinstance(m, Int4Linear)]
-            assert len(lowbit) == (4 * model.config.num_layers if want == "int4" else 0)
-            assert all(m.native == native and m.from_codes for m in lowbit)
+            lowbit = [m for m in model.model.layers.modules() if isinstance(m, Int4Linear if want == "int4" else GGUFLinear)]
+            assert len(lowbit) == (0 if want == "none" else 4 * model.config.num_layers)
+            assert all(m.formats == ("Q4_1",) if want == "gguf" else m.native == native and m.from_codes for m in lowbit)
 
 
 def test_a_tied_q8_0_table_is_read_from_the_int8_head_bit_for_bit_and_the_float_table_is_dropped(tmp_path):
-    """With low-bit weights the head is an int8 copy of the tied embedding; where that copy gives the table back
-    exactly (a GGUF's Q8_0 table in float32; the default model in bfloat16 too: test_real_model), the embedding
-    reads its rows from it: every row the same bits as the float table's, and the float table no longer held.
-    A table that is not Q8_0 keeps its float embedding."""
+    """A GGUF's tied Q8_0 table serves as both embedding and head in its own type (formats.GGUFEmbedding): every
+    row looked up the same bits as the float table's, and no float table held. Float weights rounded to int8
+    keep their float embedding (the int8 head is a rounded copy, not the table)."""
+    from shoal.model.formats import GGUFEmbedding
+
     from test_loader import Q, write_gguf
 
     require_native_kernels()
@@ -274,7 +276,7 @@ def test_a_tied_q8_0_table_is_read_from_the_int8_head_bit_for_bit_and_the_float_
     llm = LLM(str(tmp_path / "q.gguf"), **kw)
     model = llm.engine.runner.model
     embed = model.model.embed_tokens
-    assert isinstance(embed, quant.Int8Embedding) and llm.engine.facts.weight_format == "int4"
+    assert isinstance(embed, GGUFEmbedding) and llm.engine.facts.weight_format == "gguf"
     ids = torch.arange(model.config.vocab_size)
     assert torch.equal(embed(ids), table) and torch.equal(embed(ids.flip(0)[:7]), table.flip(0)[:7])
     assert not any(p.shape == table.shape for p in [*model.parameters(), *model.buffers()])

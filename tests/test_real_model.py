@@ -96,18 +96,22 @@ def test_default_serves_the_gguf_own_4bit_weights(default_gguf_path, hf_default_
     """The default configuration (quantization "auto"; dtype "auto", and bfloat16, the default on CPUs with
     native bf16) on the Q4_1 GGUF: every projection is an int4 layer built from the file's codes and multiplies
     by the file's weights, and greedy continuations track transformers on the same weights in the same dtype
-    (the top-5 rule at every first difference)."""
+    (the top-5 rule at every first difference). With shoal's native kernels every tensor is in its file's type
+    (model/formats.py); without them the projections are torch's int4 layers from the file's codes."""
     import copy
 
+    from shoal import kernels
+    from shoal.model.formats import GGUFEmbedding, GGUFLinear
     from shoal.model.loader import load_checkpoint
-    from shoal.model.quant import Int4Linear, Int8Embedding
+    from shoal.model.quant import Int4Linear
 
     llm = LLM(str(default_gguf_path), dtype=dtype, max_model_len=1024, check_integrity=True)
     model = llm.engine.runner.model
-    assert llm.engine.facts.weight_format == "int4"
-    projections = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    assert len(projections) == 4 * model.config.num_layers and all(m.from_codes for m in projections)
-    native = projections[0].native
+    native = kernels.available()
+    assert llm.engine.facts.weight_format == ("gguf" if native else "int4")
+    projections = [m for m in model.model.layers.modules() if isinstance(m, GGUFLinear if native else Int4Linear)]
+    assert len(projections) == 4 * model.config.num_layers
+    assert all(m.formats == ("Q4_1",) if native else m.from_codes for m in projections)
     file_weights = load_checkpoint(str(default_gguf_path), progress=False).state_dict  # float32, dequantized by gguf
     for i, layer in enumerate(llm.engine.runner.model.model.layers):
         pre = f"model.layers.{i}"
@@ -123,9 +127,10 @@ def test_default_serves_the_gguf_own_4bit_weights(default_gguf_path, hf_default_
             # shoal's kernels keep the file's float16 scales and minimums: the same weights, to float32's rounding;
             # torch's round them to bf16: well under one 4-bit step (~1/15 of a range)
             assert (got - want).abs().max() <= (1e-6 if native else 0.01) * want.abs().max(), names
-    if native:  # the embedding reads the file's Q8_0 table back from the int8 head, bit for bit
+    if native:  # the embedding reads the file's Q8_0 table, bit for bit, and the tied head multiplies by it
         table = file_weights["model.embed_tokens.weight"].to(llm.engine.runner.dtype)
-        assert isinstance(model.model.embed_tokens, Int8Embedding)
+        assert isinstance(model.model.embed_tokens, GGUFEmbedding) and model.model.embed_tokens.formats == ("Q8_0",)
+        assert model.logits_head.packed0 is model.model.embed_tokens.packed0
         for start in range(0, len(table), 8192):
             assert torch.equal(model.model.embed_tokens(torch.arange(start, min(start + 8192, len(table)))), table[start:start + 8192])
     # The first differences must be near ties (each side's token in the other's top 5). "What is the capital of

@@ -21,6 +21,7 @@ from shoal.executor.group import RankGroup
 from shoal.executor.shm import SharedMemoryChannel
 from shoal.model.weights import shard_slice
 from shoal.model.loader import load_checkpoint
+from shoal.model.formats import GGUFLinear
 from shoal.model.quant import Int4Linear, Q4Codes
 from shoal.model.tensor_parallel import Gathered
 from server_utils import LiveServer, tiny_engine_config
@@ -266,10 +267,10 @@ class TestTheDefaultModelOverTwoRanks:
         from test_real_model import _assert_greedy_matches
 
         llm = tp2
-        assert llm.engine.facts.weight_format == "int4"
+        assert llm.engine.facts.weight_format == "gguf"
         model = llm.engine.runner.model
         layer = model.model.layers[0]
-        assert all(m.from_codes for m in model.model.modules() if isinstance(m, Int4Linear))
+        assert {m.formats for m in model.model.layers.modules() if isinstance(m, GGUFLinear)} == {("Q4_1",)}
         # o and down read every rank's heads and columns, gathered, and give half the hidden size
         assert (layer.self_attn.o_proj.inner.in_features, layer.self_attn.o_proj.inner.out_features) == (576, 288)
         assert (layer.mlp.down_proj.inner.in_features, layer.mlp.down_proj.inner.out_features) == (1536, 288)

@@ -26,29 +26,39 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "lowbit.h"
 #include "vec.h"
-
-int64_t shoal_isa_level();  // cpu.cpp: 3 AVX-512, 2 AVX2 with FMA, 1 baseline
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kPanel = 16;
+using lowbit::half_to_float;
+using lowbit::in_register;
+using lowbit::kBlock;
+using lowbit::kPanel;
+using lowbit::matmul_path;
 constexpr int64_t kQ4Bytes = 4 * 64 + 2 * kPanel * 2;
 constexpr int64_t kQ8Bytes = 8 * 64 + kPanel * 2;
 constexpr int64_t kRows = 4;         // rows of x sharing one pass over a panel's weights (two panels on VNNI)
 constexpr int64_t kPrefetch = 2048;  // bytes ahead of the block being read
 
-enum Kind : int { kQ4 = 0, kQ8 = 1 };
+// Q4: Q4_0 and Q4_1; Q8: Q8_0; Q5_0, Q5_1: a Q4 panel's lines with a fifth bit per code in a line of its own
+enum Kind : int { kQ4 = 0, kQ8 = 1, kQ50 = 2, kQ51 = 3 };
+
+// where a (panel, block)'s parts lie: its bytes in all, the scales d[16] and minimums m[16] (float16; m < 0: none)
+struct Layout {
+  int64_t bytes, d, m;
+};
+constexpr Layout layout(int kind) {
+  return kind == kQ4 ? Layout{kQ4Bytes, 256, 288} : kind == kQ8 ? Layout{kQ8Bytes, 512, -1}
+       : kind == kQ50 ? Layout{352, 320, -1} : Layout{384, 320, 352};
+}
 
 // Activations rounded per block: codes, the scale d_x, the exact float sum, the codes' sum.
 struct Quantized {
@@ -66,12 +76,6 @@ struct Args {
   int64_t M, N, P;
   int kind;
 };
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
 
 inline float input(const void* x, int64_t i, at::ScalarType t) {
   switch (t) {
@@ -148,15 +152,20 @@ INL __m128i pair_sums(__m128i ab, __m128i ce) {
                        _mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1))));
 }
 
+// v shifted left by s bits (right by -s) in 16-bit lanes: with a mask of one bit position per byte after it, a
+// byte's own bit s places lower (higher) lands there, and no bit of its neighbour does, for |s| < 8
+INL __m128i shift_bits(__m128i v, int s) { return s >= 0 ? _mm_slli_epi16(v, s) : _mm_srli_epi16(v, -s); }
+
 template <int R>
 void panel_sse2(const Args& a, int64_t p, int64_t r0) {
   const int64_t B = a.x.B, K = a.x.K;
-  const bool q4 = a.kind == kQ4;
-  const int64_t bytes = q4 ? kQ4Bytes : kQ8Bytes;
+  const bool nibbles = a.kind != kQ8, q5 = a.kind == kQ50 || a.kind == kQ51;
+  const Layout lay = layout(a.kind);
   float acc[R][kPanel] = {};
-  const __m128i low4 = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128(), bias = _mm_set1_epi16(128);
+  const __m128i low4 = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128(), bias = _mm_set1_epi16(128), fifth = _mm_set1_epi8(0x10);
+  const __m128i offset = _mm_set1_epi16(a.kind == kQ50 ? 16 : 0);  // Q5_0's codes sit 16 above the weight's multiple of d
   for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* blk = a.w + (p * B + b) * bytes;
+    const uint8_t* blk = a.w + (p * B + b) * lay.bytes;
     __m128i xs[R][8];  // per row, inputs 4j..4j+3 as int16, twice: what one output's four codes meet
     for (int r = 0; r < R; ++r) {
       const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock;
@@ -172,12 +181,17 @@ void panel_sse2(const Args& a, int64_t p, int64_t r0) {
     for (int g = 0; g < 4; ++g) {  // outputs 4g..4g+3: bytes 16g..16g+15 of every line
       __m128i s01[R], s23[R];  // pairs of partial sums of outputs 4g, 4g+1 and of 4g+2, 4g+3
       for (int r = 0; r < R; ++r) s01[r] = s23[r] = zero;
-      if (q4) {
+      if (nibbles) {
         for (int L = 0; L < 4; ++L) {  // line L: inputs 8L..8L+3 in the low nibbles, 8L+4..8L+7 in the high
           const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 * L + 16 * g));
-          const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-          const __m128i lo01 = _mm_unpacklo_epi8(lo, zero), lo23 = _mm_unpackhi_epi8(lo, zero);
-          const __m128i hi01 = _mm_unpacklo_epi8(hi, zero), hi23 = _mm_unpackhi_epi8(hi, zero);
+          __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+          if (q5) {  // the fifth bits: bit 2L (low nibbles' inputs) and 2L + 1 (high) of the line after the four
+            const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * g));
+            lo = _mm_or_si128(lo, _mm_and_si128(shift_bits(h, 4 - 2 * L), fifth));
+            hi = _mm_or_si128(hi, _mm_and_si128(shift_bits(h, 3 - 2 * L), fifth));
+          }
+          const __m128i lo01 = _mm_sub_epi16(_mm_unpacklo_epi8(lo, zero), offset), lo23 = _mm_sub_epi16(_mm_unpackhi_epi8(lo, zero), offset);
+          const __m128i hi01 = _mm_sub_epi16(_mm_unpacklo_epi8(hi, zero), offset), hi23 = _mm_sub_epi16(_mm_unpackhi_epi8(hi, zero), offset);
           for (int r = 0; r < R; ++r) {
             s01[r] = _mm_add_epi32(s01[r], _mm_add_epi32(_mm_madd_epi16(lo01, xs[r][2 * L]), _mm_madd_epi16(hi01, xs[r][2 * L + 1])));
             s23[r] = _mm_add_epi32(s23[r], _mm_add_epi32(_mm_madd_epi16(lo23, xs[r][2 * L]), _mm_madd_epi16(hi23, xs[r][2 * L + 1])));
@@ -195,14 +209,14 @@ void panel_sse2(const Args& a, int64_t p, int64_t r0) {
       }
       float d[4], m[4];  // the outputs' float16 scales (and minimums), converted once for every row
       for (int o = 0; o < 4; ++o) {
-        d[o] = half_to_float(blk + (q4 ? 256 : 512) + 8 * g + 2 * o);
-        m[o] = q4 ? half_to_float(blk + 288 + 8 * g + 2 * o) : 0.0f;
+        d[o] = half_to_float(blk + lay.d + 8 * g + 2 * o);
+        m[o] = lay.m >= 0 ? half_to_float(blk + lay.m + 8 * g + 2 * o) : 0.0f;
       }
       for (int r = 0; r < R; ++r) {
         int32_t s[4];
         _mm_storeu_si128(reinterpret_cast<__m128i*>(s), pair_sums(s01[r], s23[r]));
         const int64_t i = (r0 + r) * B + b;
-        scale_block(&acc[r][4 * g], s, d, q4 ? m : nullptr, a.x.d[i], a.x.sum[i]);
+        scale_block(&acc[r][4 * g], s, d, lay.m >= 0 ? m : nullptr, a.x.d[i], a.x.sum[i]);
       }
     }
   }
@@ -212,35 +226,26 @@ void panel_sse2(const Args& a, int64_t p, int64_t r0) {
 
 // ---- AVX2 (and AVX-512 CPUs without VNNI): two halves of 8 outputs ----
 
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define AVX2_TARGET LOWBIT_AVX2
+
+AVX2_TARGET INL __m256i shift_bits256(__m256i v, int s) { return s >= 0 ? _mm256_slli_epi16(v, s) : _mm256_srli_epi16(v, -s); }
 
 AVX2_TARGET inline __m256i dot4_u8s8(__m256i u, __m256i s) {  // per 32-bit lane: sum of 4 u8 * s8 products, exact here
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-// An empty asm that takes v in a register and gives it back. GCC cannot see through it, so a running sum stays
-// the chain of adds the code writes. Without it, GCC's reassociation regrouped a Q4 block of 4 rows into a tree
-// that computed its 64 products first, and they spilled: 440 instructions a block, 123 of them moves to and from
-// the stack. With it the sums stay in registers (the float accumulators go to L1 instead, one store a block), and
-// a layer's Q4 matmuls at 4 to 512 rows take 21-26% less time (benchmarks/NOTES.md, twenty-fourth round). The
-// integers are exact, so the order changes no bit. One row has registers to spare; there the tree is as fast.
-template <int R>
-AVX2_TARGET inline __attribute__((always_inline)) void in_register(__m256i& v) {
-  if constexpr (R > 1) asm("" : "+x"(v));
 }
 
 // acc(row, half h) += (d * d_x) * isum, then (q4) m * sum(x): a block's float part for outputs 8h..8h+7
 template <int R>
 AVX2_TARGET inline __attribute__((always_inline)) void scale_half_avx2(const Args& a, const uint8_t* blk, int64_t b, int64_t r0, int h, const __m256i* isum,
                                         __m256 (&acc)[R][2]) {
-  const bool q4 = a.kind == kQ4;
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (q4 ? 256 : 512) + 16 * h)));
-  const __m256 m = q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h))) : _mm256_setzero_ps();
+  const Layout lay = layout(a.kind);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + lay.d + 16 * h)));
+  const __m256 m = lay.m >= 0 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + lay.m + 16 * h))) : _mm256_setzero_ps();
   for (int r = 0; r < R; ++r) {
     const int64_t i = (r0 + r) * a.x.B + b;
     const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(a.x.d[i]));
     acc[r][h] = _mm256_fmadd_ps(t, _mm256_cvtepi32_ps(isum[r]), acc[r][h]);
-    if (q4) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.x.sum[i]), acc[r][h]);
+    if (lay.m >= 0) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.x.sum[i]), acc[r][h]);
   }
 }
 
@@ -258,22 +263,30 @@ AVX2_TARGET inline __attribute__((always_inline)) void store_rows_avx2(const Arg
 // Q4: both halves of the panel in one pass, so that each broadcast of four activation bytes feeds two
 // vpmaddubsw. A pair sum of 4-bit codes is at most 2 * 15 * 127 = 3,810 in magnitude, so a block's eight
 // of them add up exactly in int16 (at most 30,480), and one vpmaddwd widens them.
-template <int R>
+// Q5 (Q5_0, Q5_1: the fifth bit from the line after the four): a pair sum reaches 2 * 31 * 127 = 7,874, so
+// four of them at most (31,496) share an int16 sum: it is widened after lines 0-1 and again after 2-3.
+template <int R, bool Q5>
 AVX2_TARGET void panel_avx2_q4(const Args& a, int64_t p, int64_t r0) {
   const int64_t B = a.x.B, K = a.x.K;
+  const int64_t bytes = layout(a.kind).bytes;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), fifth = _mm256_set1_epi8(0x10);
   for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* blk = a.w + (p * B + b) * kQ4Bytes;
-    __m256i s16[R][2];
-    for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+    const uint8_t* blk = a.w + (p * B + b) * bytes;
+    __m256i s16[R][2], wide[R][2];
+    for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = wide[r][0] = wide[r][1] = _mm256_setzero_si256();
     for (int L = 0; L < 4; ++L) {
       __m256i lo[2], hi[2];
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * L + 32 * h));
         lo[h] = _mm256_and_si256(v, low4);
         hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (Q5) {
+          const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256 + 32 * h));
+          lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(shift_bits256(f, 4 - 2 * L), fifth));
+          hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(shift_bits256(f, 3 - 2 * L), fifth));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock + 8 * L;
@@ -288,10 +301,22 @@ AVX2_TARGET void panel_avx2_q4(const Args& a, int64_t p, int64_t r0) {
           in_register<R>(s16[r][h]);
         }
       }
+      if (Q5 && L == 1) {
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) {
+            wide[r][h] = _mm256_madd_epi16(s16[r][h], ones);
+            s16[r][h] = _mm256_setzero_si256();
+          }
+      }
     }
     for (int h = 0; h < 2; ++h) {
       __m256i isum[R];
-      for (int r = 0; r < R; ++r) isum[r] = _mm256_madd_epi16(s16[r][h], ones);
+      for (int r = 0; r < R; ++r) {
+        isum[r] = _mm256_madd_epi16(s16[r][h], ones);
+        if constexpr (Q5) isum[r] = _mm256_add_epi32(wide[r][h], isum[r]);
+        // Q5_0's codes are 16 above the weight's multiple of d: take 16 * sum(q_x) off, exactly
+        if (Q5 && a.kind == kQ50) isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(16 * a.x.qsum[(r0 + r) * B + b]));
+      }
       scale_half_avx2<R>(a, blk, b, r0, h, isum, acc);
     }
   }
@@ -333,13 +358,14 @@ AVX2_TARGET void panel_avx2_q8(const Args& a, int64_t p, int64_t r0) {
 
 template <int R>
 AVX2_TARGET void panel_avx2(const Args& a, int64_t p, int64_t r0) {
-  if (a.kind == kQ4) return panel_avx2_q4<R>(a, p, r0);
-  panel_avx2_q8<R>(a, p, r0);
+  if (a.kind == kQ4) return panel_avx2_q4<R, false>(a, p, r0);
+  if (a.kind == kQ8) return panel_avx2_q8<R>(a, p, r0);
+  panel_avx2_q4<R, true>(a, p, r0);
 }
 
 // ---- AVX-512 with VNNI: one panel in a vector, vpdpbusd ----
 
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#define VNNI_TARGET LOWBIT_VNNI
 
 // NP adjacent panels at once: each broadcast of four activation bytes feeds NP vpdpbusd, which
 // halves the loads per product with two panels (loads, not arithmetic, bound this loop).
@@ -349,9 +375,10 @@ VNNI_TARGET void panel_vnni(const Args& a, int64_t p, int64_t r0) {
   __m512 acc[NP][R];
   for (int q = 0; q < NP; ++q)
     for (int r = 0; r < R; ++r) acc[q][r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const bool q4 = a.kind == kQ4;
-  const int64_t bytes = q4 ? kQ4Bytes : kQ8Bytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  const bool nibbles = a.kind != kQ8, q5 = a.kind == kQ50 || a.kind == kQ51;
+  const Layout lay = layout(a.kind);
+  const int64_t bytes = lay.bytes;
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* blk[NP];
     for (int q = 0; q < NP; ++q) {
@@ -361,13 +388,19 @@ VNNI_TARGET void panel_vnni(const Args& a, int64_t p, int64_t r0) {
     __m512i isum[NP][R];
     for (int q = 0; q < NP; ++q)
       for (int r = 0; r < R; ++r) isum[q][r] = _mm512_setzero_si512();
-    if (q4) {
+    if (nibbles) {
       for (int L = 0; L < 4; ++L) {
         __m512i lo[NP], hi[NP];
         for (int q = 0; q < NP; ++q) {
           const __m512i v = _mm512_loadu_si512(blk[q] + 64 * L);
           lo[q] = _mm512_and_si512(v, low4);
           hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          if (q5) {  // the fifth bits: bit 2L (low nibbles' inputs) and 2L + 1 (high) of the line after the four
+            const __m512i f = _mm512_loadu_si512(blk[q] + 256);
+            const int sl = 4 - 2 * L, sh = 3 - 2 * L;
+            lo[q] = _mm512_or_si512(lo[q], _mm512_and_si512(sl >= 0 ? _mm512_slli_epi16(f, sl) : _mm512_srli_epi16(f, -sl), fifth));
+            hi[q] = _mm512_or_si512(hi[q], _mm512_and_si512(sh >= 0 ? _mm512_slli_epi16(f, sh) : _mm512_srli_epi16(f, -sh), fifth));
+          }
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock + 8 * L;
@@ -379,6 +412,12 @@ VNNI_TARGET void panel_vnni(const Args& a, int64_t p, int64_t r0) {
             isum[q][r] = _mm512_dpbusd_epi32(isum[q][r], lo[q], b0);
             isum[q][r] = _mm512_dpbusd_epi32(isum[q][r], hi[q], b1);
           }
+        }
+      }
+      if (a.kind == kQ50) {  // Q5_0's codes are 16 above the weight's multiple of d: take off 16 * sum(q_x)
+        for (int r = 0; r < R; ++r) {
+          const __m512i off = _mm512_set1_epi32(16 * a.x.qsum[(r0 + r) * B + b]);
+          for (int q = 0; q < NP; ++q) isum[q][r] = _mm512_sub_epi32(isum[q][r], off);
         }
       }
     } else {
@@ -398,13 +437,13 @@ VNNI_TARGET void panel_vnni(const Args& a, int64_t p, int64_t r0) {
       }
     }
     for (int q = 0; q < NP; ++q) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[q] + (q4 ? 256 : 512))));
-      const __m512 m = q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[q] + 288))) : _mm512_setzero_ps();
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[q] + lay.d)));
+      const __m512 m = lay.m >= 0 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[q] + lay.m))) : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * B + b;
         const __m512 t = _mm512_mul_ps(d, _mm512_set1_ps(a.x.d[i]));
         acc[q][r] = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(isum[q][r]), acc[q][r]);
-        if (q4) acc[q][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x.sum[i]), acc[q][r]);
+        if (lay.m >= 0) acc[q][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x.sum[i]), acc[q][r]);
       }
     }
   }
@@ -452,20 +491,14 @@ void panel_pair(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
   panel(a, p + 1, r0, nr, path);
 }
 
-int matmul_path() {  // 3: AVX-512 VNNI, 2: AVX2, 1: SSE2 (the baseline); capped by the process's level (use_isa)
-  const int64_t level = shoal_isa_level();
-  if (level >= 3 && __builtin_cpu_supports("avx512vnni")) return 3;
-  return level >= 2 ? 2 : 1;
-}
-
 // x [M, K] (rows of contiguous elements; float32, bfloat16 or float16), w packed [P, B, bytes] -> [M, N] in x's dtype
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int kind) {
-  const char* name = kind == kQ4 ? "q4_linear" : "q8_linear";
+  const char* name = kind == kQ4 ? "q4_linear" : kind == kQ8 ? "q8_linear" : "gguf_linear";
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [rows, inputs] with contiguous rows");
   const at::ScalarType t = x.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, name, ": float32, bfloat16 or float16 inputs, not ", t);
   const int64_t M = x.size(0), K = x.size(1), B = K / kBlock, P = (N + kPanel - 1) / kPanel;
-  const int64_t bytes = kind == kQ4 ? kQ4Bytes : kQ8Bytes;
+  const int64_t bytes = layout(kind).bytes;
   TORCH_CHECK(K % kBlock == 0, name, ": inputs must be a multiple of ", kBlock, ", not ", K);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == P && w.size(1) == B &&
                   w.size(2) == bytes, name, ": packed weights [", P, ", ", B, ", ", bytes, "] expected");
@@ -499,6 +532,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) { retu
 int64_t matmul_isa() { return matmul_path(); }
 
 }  // namespace
+
+// kquants.cpp's gguf_linear, for the types of 32-weight blocks: 0 Q4_0/Q4_1, 1 Q8_0, 2 Q5_0, 3 Q5_1
+at::Tensor shoal_block32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int kind) { return lowbit_linear(x, w, n, kind); }
 
 TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
   m.def("q4_linear(Tensor x, Tensor w, int n) -> Tensor");

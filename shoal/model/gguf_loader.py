@@ -35,6 +35,8 @@ import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 
+from shoal import kernels
+from shoal.model.formats import NATIVE, QuantTensor, is_quantized, type_counts
 from shoal.model.quant import Q4Codes
 
 log = logging.getLogger("shoal.loader")
@@ -118,7 +120,7 @@ class GGUFCheckpoint:
     tokenizer: transformers.PreTrainedTokenizerFast
     generation_eos_ids: tuple[int, ...]  # end-of-generation ids besides the tokenizer's eos (eot, eom)
     generation_defaults: dict[str, float]
-    weight_format: str = "none"  # the projections' format: "int4" leaves Q4 tensors in state_dict as Q4Codes
+    weight_format: str = "none"  # "gguf": quantized tensors stay their file's blocks (QuantTensor); "int4": Q4 ones as Q4Codes
     names: tuple[str, ...] = ()  # what the file calls its model: general.basename, general.name
 
 
@@ -195,11 +197,16 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     fmt = planned_weight_format(quantization, reader)
     state_dict = load_state_dict(reader.tensors, ARCHS[meta["general.architecture"]], config, dtype, progress, fmt, select)
     t3 = time.perf_counter()
-    codes = sum(isinstance(v, Q4Codes) for v in state_dict.values())
+    kept = [v for v in state_dict.values() if isinstance(v, (Q4Codes, QuantTensor))]
     log.info(
-        "GGUF %s: read metadata %.2f s, tokenizer %.2f s, %d tensors %.2f s (%d kept as 4-bit codes, not dequantized)",
-        Path(path).name, t1 - t0, t2 - t1, len(state_dict), t3 - t2, codes,
+        "GGUF %s: read metadata %.2f s, tokenizer %.2f s, %d tensors %.2f s (%d kept in their file's types, not dequantized%s)",
+        Path(path).name, t1 - t0, t2 - t1, len(state_dict), t3 - t2, len(kept),
+        f": {type_counts(kept)}" if fmt == "gguf" else "",
     )
+    other = [v for v in kept if isinstance(v, QuantTensor) and v.type not in NATIVE]
+    if other:
+        log.info("GGUF %s: %s have no kernel here: each is dequantized at load and rounded to Q8_0",
+                 Path(path).name, type_counts(other))
     eos_extra = tuple(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta)
     defaults = {name: meta[key] for key, name in SAMPLING_KEYS.items() if key in meta}
     names = tuple(str(meta[k]) for k in ("general.basename", "general.name") if k in meta)
@@ -219,13 +226,17 @@ def planned_weight_format(quantization: str, reader: gguf.GGUFReader | None) -> 
     return projection_format(reader.tensors) if reader is not None else "none"
 
 
-def projection_format(tensors: Iterable[gguf.ReaderTensor]) -> str:
-    """The weight format that serves a file's decoder projections as stored:
-    "int4" when every one is Q4_0/Q4_1, "int8" when every one is Q8_0 (its own
-    codes and per-32 scales on shoal's kernels; re-scaled per output row on
-    torch's, which have one scale per row), else "none" (float, for F16/BF16/F32
-    and the K-quants, which no kernel here reads)."""
+def projection_format(tensors: Iterable[gguf.ReaderTensor], native: bool | None = None) -> str:
+    """The weight format that serves a file's decoder projections as stored. With shoal's native kernels
+    (`native`, by default whether they are built): "gguf" when any is quantized, every tensor in its own type
+    (model/formats.py). Without them, torch's weight-only kernels: "int4" when every one is Q4_0/Q4_1,
+    "int8" when every one is Q8_0 (re-scaled per output row: torch's kernel has one scale per row). Else
+    "none": float, for F16/BF16/F32, and for the other types without the native kernels."""
     kinds = {t.tensor_type for t in tensors if _is_projection(hf_tensor_name(t.name))}
+    if native is None:
+        native = kernels.available()
+    if native and any(is_quantized(k) for k in kinds):
+        return "gguf"
     if kinds and kinds <= set(Q4_TYPES):
         return "int4"
     if kinds == {gguf.GGMLQuantizationType.Q8_0}:
@@ -235,6 +246,10 @@ def projection_format(tensors: Iterable[gguf.ReaderTensor]) -> str:
 
 def _is_projection(hf_name: str | None) -> bool:
     return bool(hf_name) and hf_name.endswith(".weight") and hf_name.split(".")[-2] in PROJECTIONS
+
+
+# What "gguf" keeps in its file's types besides the projections: the embedding table and the logits head.
+TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 # ---------------------------------------------------------------- weights
@@ -340,7 +355,7 @@ def load_state_dict(
     progress: bool,
     weight_format: str = "none",
     select=None,
-) -> dict[str, torch.Tensor | Q4Codes]:
+) -> dict[str, torch.Tensor | Q4Codes | QuantTensor]:
     """Rename and (for llama) un-permute every tensor of the file: dequantized to `dtype`,
     or for the projections of a low-bit `weight_format` as the layers take them (see load_gguf)."""
     tensors = [t for t in tensors if t.name not in CONFIG_ONLY_TENSORS]
@@ -361,7 +376,11 @@ def load_state_dict(
             tensor = tensor_part(tensor, *where) or tensor
         # the permutation is per head, so a slice of whole heads un-permutes with its own head count
         n_head = heads.get(proj, 0) * _rows(tensor) // rows
-        if lowbit and weight_format == "int4" and tensor.tensor_type in Q4_TYPES:
+        if weight_format == "gguf" and is_quantized(tensor.tensor_type) and (lowbit or name in TABLES):
+            value = QuantTensor.of(tensor)
+            if arch.qk_permuted and proj in heads:
+                value = value.permute_rows(partial(unpermute_qk, n_head=n_head))
+        elif lowbit and weight_format == "int4" and tensor.tensor_type in Q4_TYPES:
             value = q4_codes(tensor)
             if arch.qk_permuted and proj in heads:
                 value = value.permute_rows(partial(unpermute_qk, n_head=n_head))

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from shoal import kernels
+from shoal.model.formats import GGUFEmbedding, GGUFLinear
 from shoal.model.layers import Layer, Linear
 
 GROUP_SIZE = 32  # ggml's Q4 and Q8 block: codes and scales map across unchanged
@@ -325,7 +326,7 @@ def round_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return codes, scale, low
 
 
-FORMATS = ("none", "int8", "int4")
+FORMATS = ("none", "int8", "int4", "gguf")
 
 
 @dataclass(frozen=True)
@@ -333,8 +334,10 @@ class WeightFormat:
     """How the decoder's projections hold their weights, chosen before the model is built.
 
     "none": `layers.Linear` in the model's dtype; "int8"/"int4": weight-only
-    layers that take their parts while loading. The logits head follows with
-    `finish_head` (int8 for either low-bit format).
+    layers that take their parts while loading, rounding float weights (or a GGUF's
+    Q4 codes as they are). The logits head follows with `finish_head` (int8 for
+    either). "gguf": every tensor in its file's own type (`formats.GGUFLinear`),
+    the embedding and the head too (`prepare`).
     """
 
     name: str = "none"
@@ -347,8 +350,21 @@ class WeightFormat:
     def linear(self, in_features: int, out_features: int, bias: bool, parts: tuple[int, ...] | None = None) -> Layer:
         if self.name == "none":
             return Linear(in_features, out_features, bias=bias)
+        if self.name == "gguf":
+            return GGUFLinear(in_features, out_features, bias, parts, self.dtype)
         cls = Int8Linear if self.name == "int8" else Int4Linear
         return cls.empty(in_features, out_features, bias, parts or (out_features,), self.dtype)
+
+    def prepare(self, model: nn.Module) -> None:
+        """Before loading (the model on the meta device, split where it is): with "gguf", the embedding and
+        an untied head take their file's types too, so no float table is ever allocated."""
+        if self.name != "gguf":
+            return
+        embed = model.model.embed_tokens
+        if embed is not None:
+            model.model.embed_tokens = GGUFEmbedding(embed.num_embeddings, embed.embedding_dim, self.dtype)
+        if hasattr(model, "lm_head"):
+            model.lm_head = GGUFLinear(model.lm_head.in_features, model.lm_head.out_features, False)
 
     def finish_head(self, model: nn.Module, logits: bool = True) -> None:
         """After loading: the logits head, on the rank that computes logits (`logits`; rank 0). The others
@@ -361,6 +377,13 @@ class WeightFormat:
         copy (Int8Embedding), on every rank that embeds, and the float table is dropped.
         """
         tied = model.config.tie_word_embeddings
+        if self.name == "gguf":  # the head in its file's type: the untied one as loaded, a tied one over the table
+            head = model.lm_head if hasattr(model, "lm_head") else None
+            if head is not None:
+                del model.lm_head
+            if logits:
+                model.logits_head = model.model.embed_tokens.head() if tied else head
+            return
         if not tied and hasattr(model, "lm_head") and (self.name != "none" or not logits):
             head = model.lm_head.weight
             del model.lm_head

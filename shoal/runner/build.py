@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,6 +17,7 @@ from shoal.model.config import ModelConfig
 from shoal.model.invariance import make_row_invariant
 from shoal.model.layers import bind_attributes
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config
+from shoal.model.formats import GGUFLinear, served_bytes
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.registry import model_class
 from shoal.model.vision import build_tower
@@ -57,7 +59,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     if group is not None:
         group.set_layout(config.parallel.tensor_parallel_size)
         whole = ModelConfig.from_hf(read_config(config.model, gguf_reader=gguf))
-        split, layers = plan_part(whole, config, rank, group, planned_weight_format(quantization, gguf), device, dtype)
+        split, layers = plan_part(whole, config, rank, group, planned_weight_format(quantization, gguf), device, dtype, gguf)
         select = part_selector(whole, split, layers)
     ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0, select=select, gguf_reader=gguf,
                            mmproj=config.mmproj)
@@ -74,6 +76,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         model = model_class(hf.architectures)(hf, max_model_len, weights.linear, layers)
         if split is not None:
             shard_model(model, split, weights.linear)
+        weights.prepare(model)
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
     model.model.rotary = model.rotary(model.config, max_model_len).to(device)
@@ -81,7 +84,11 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     model = model.to(dtype).eval()
     head = rank == 0 or model.vocab is not None  # rank 0 computes the logits, or every rank its slice of them
     weights.finish_head(model, logits=head)
-    if weights.name != "none" and rank == 0:
+    if weights.name == "gguf" and rank == 0:
+        kinds = Counter(f for m in model.modules() if isinstance(m, GGUFLinear) for f in m.formats)
+        log.info("GGUF weights in their file's types on shoal's low-bit kernels (--quantization %s): %s; the embedding "
+                 "and the logits head too", config.quantization, ", ".join(f"{n} x {k}" for n, k in kinds.most_common()))
+    elif weights.name != "none" and rank == 0:
         linears = [m for m in model.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
         exact = sum(getattr(m, "from_codes", False) for m in linears)
         on = "shoal's low-bit kernels" if all(m.native for m in linears) else "torch's weight-only kernels"
@@ -129,22 +136,26 @@ BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.5 + 4 / 32}  # codes, plus int4's two
 
 
 def plan_part(whole: ModelConfig, config: EngineConfig, rank: int, group, weight_format: str, device: torch.device,
-              dtype: torch.dtype) -> tuple[TensorParallel | None, tuple[int, int] | None]:
+              dtype: torch.dtype, gguf=None) -> tuple[TensorParallel | None, tuple[int, int] | None]:
     """Global rank `rank`'s part of the model (ParallelConfig.place): its tensor-parallel split (None: one rank
     per stage) and its pipeline stage's layers (None: no stages). Planning stages by memory is a collective:
-    every rank tells its free memory."""
+    every rank tells its free memory. gguf: the parsed file, whose tensors' own types size a "gguf" model."""
     par = config.parallel
     stage, local = par.place(rank)
     tp, split, layers = par.tensor_parallel_size, None, None
     if par.pipeline_parallel_size > 1:
         plan = {}
         if par.pp_layers is None:  # equal work per stage, within every rank's free memory
-            one_layer = layer_bytes(whole, weight_format, dtype)
-            plan["stage0_work"] = head_bytes(whole, weight_format, dtype) / one_layer
+            one_layer, head_work = layer_bytes(whole, weight_format, dtype), head_bytes(whole, weight_format, dtype)
+            if weight_format == "gguf":  # the file's own types: layer 0's tensors and the head as they will be held
+                one_layer = served_bytes(t for t in gguf.tensors if t.name.startswith("blk.0.") and len(t.shape) > 1)
+                head_work = served_bytes(t for t in gguf.tensors if t.name == ("token_embd.weight" if whole.tie_word_embeddings else "output.weight"))
+            plan["stage0_work"] = head_work / one_layer
             free = group.gather(free_memory(device))
             if all(f is not None for f in free):
                 kv = config.cache.kv_cache_memory if device.type == "cpu" else 0
-                head = stage0_bytes(whole, dtype)
+                head = stage0_bytes(whole, dtype) if weight_format != "gguf" else served_bytes(
+                    t for t in gguf.tensors if t.name in ("token_embd.weight", "output.weight"))
                 # a stage's room: its tightest rank's, each rank holding 1/tp of every layer
                 room = [min(free[s * tp : (s + 1) * tp]) - kv - (head if s == 0 else 0) for s in range(par.pipeline_parallel_size)]
                 plan.update(free_bytes=room, layer_bytes=-(-one_layer // tp))

@@ -1,0 +1,760 @@
+// A GGUF's weight types on shoal's kernels, whatever the mix a file holds (model/formats.py is the registry):
+//   gguf_pack    a tensor's blocks as the file stores them -> panels of 16 outputs, once at load;
+//   gguf_linear  y = x @ W.T on those panels;
+//   gguf_rows    rows of W as float32, computed as gguf-py's `dequantize` computes them (an embedding's lookup,
+//                and the tests' reference).
+//
+// Types of 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) run on lowbit.cpp's kernels, with activations
+// rounded per block of 32 (ggml's Q8_0). The K-quants (Q4_K, Q5_K, Q6_K) run here, with activations rounded as
+// ggml's Q8_K rounds them: one scale per 256 inputs, and the codes' sums per 16 (`bsums`). A K-quant
+// super-block of 256 weights holds 8 blocks of 32 (Q6_K: 16 of 16), each with an integer scale (Q4_K, Q5_K:
+// and an integer minimum, 6 bits each) under the super-block's float16 d (and dmin). Per output and
+// super-block the kernels sum in int32, exactly:
+//   Q4_K, Q5_K  isum = sum_j sc_j * sum(c * q_x over block j),  msum = sum_j mn_j * sum(q_x over block j)
+//               y += (d * d_x) * isum, then y -= (dmin * d_x) * msum
+//   Q6_K        isum = sum_j sc_j * (sum(c * q_x) - 32 * sum(q_x)) over the 16 blocks of 16 (codes are 32 above)
+//               y += (d * d_x) * isum
+// as llama.cpp's vec_dot_q*_K_q8_K do. The integers are exact and the float operations (one multiply and one
+// fused multiply-add each) are the same on every path, so AVX-512 VNNI, AVX2 and SSE2 give the same bits, and
+// one row's outputs do not depend on the other rows: the matmul is row-invariant.
+//
+// Packed K-quant layout, per (panel of 16 outputs, super-block), so a thread streams its panels in order:
+//   8 blocks of 32, each: 4 lines of 64 bytes with the low 4 bits of every code, as lowbit.cpp's Q4 (line L:
+//     byte 4o + i holds input 8L + i of output o in its low nibble and 8L + 4 + i in its high nibble), then
+//     Q5_K: one line whose byte 4o + i holds the fifth bit of those 8 codes (bit 2L for the low nibble's, 2L + 1
+//           for the high nibble's);
+//     Q6_K: two lines holding the fifth and sixth bits, lines 0-1's codes in the first and 2-3's in the second,
+//           two bits each (bits 4 (L % 2) .. for the low nibble's, 4 (L % 2) + 2 .. for the high nibble's);
+//   256 bytes of scales: Q4_K, Q5_K: sc[8 blocks][16 outputs], then the minimums in pairs of blocks
+//     mn[4][16 outputs][2] (what vpmaddwd multiplies with a pair of blocks' activation sums); Q6_K: sc[16][16],
+//     signed;
+//   d[16] as float16 (Q4_K, Q5_K: then dmin[16]).
+// 4.63, 5.63 and 6.56 bits a weight, against the file's 4.5, 5.5 and 6.56: the scales are unpacked to bytes.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "lowbit.h"
+
+at::Tensor shoal_block32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int kind);  // lowbit.cpp
+
+namespace {
+
+using lowbit::half_to_float;
+using lowbit::kBlock;
+using lowbit::kPanel;
+
+constexpr int64_t kSuper = 256;  // QK_K
+constexpr int64_t kRows = 4;     // rows of x sharing one pass over a panel
+constexpr int64_t kPrefetch = 4096;
+
+// ggml's type ids (gguf.GGMLQuantizationType)
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+bool is_k(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+int bits_of(int64_t t) { return t == Q4_K ? 4 : t == Q5_K ? 5 : 6; }
+
+// the file's block: weights and bytes
+int64_t file_block(int64_t t) { return is_k(t) ? kSuper : kBlock; }
+int64_t file_bytes(int64_t t) {
+  switch (t) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+  }
+  TORCH_CHECK(false, "GGUF type ", t, " has no packing on shoal's kernels");
+}
+
+// the packed layout of a K-quant (see the top of the file), per (panel, super-block)
+struct KLayout {
+  int64_t high, codes, scales, d, bytes;
+};
+constexpr KLayout k_layout(int bits) {
+  const int64_t high = bits == 4 ? 0 : bits == 5 ? 64 : 128, codes = 256 + high, scales = 8 * codes;
+  return {high, codes, scales, scales + 256, scales + 256 + (bits == 6 ? 32 : 64)};
+}
+
+// lowbit.cpp's packed (panel, block) of 32: its bytes, and where d and m lie (m < 0: none)
+struct BLayout {
+  int kind;  // lowbit.cpp's Kind
+  int64_t bytes, d, m;
+};
+BLayout b_layout(int64_t t) {
+  switch (t) {
+    case Q4_0: case Q4_1: return {0, 320, 256, 288};
+    case Q8_0: return {1, 544, 512, -1};
+    case Q5_0: return {2, 352, 320, -1};
+    default: return {3, 384, 320, 352};  // Q5_1
+  }
+}
+
+int64_t packed_bytes(int64_t t) { return is_k(t) ? k_layout(bits_of(t)).bytes : b_layout(t).bytes; }
+
+inline void put_half(uint8_t* p, float v) {
+  const uint16_t h = c10::Half(v).x;
+  std::memcpy(p, &h, 2);
+}
+
+// ---- packing: one (panel, unit) from 16 rows of the file's blocks ----
+
+// Q4_K's and Q5_K's 6-bit scale and minimum of block j (ggml's get_scale_min_k4)
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {
+  if (j < 4) {
+    d = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// the 256 codes of a K-quant super-block (0..15, 0..31, 0..63), in input order
+void k_codes(int64_t t, const uint8_t* b, uint8_t* c) {
+  if (t == Q6_K) {
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t *lo = ql + 64 * h, hi = qh[32 * h + l];
+        c[128 * h + l] = (lo[l] & 0xF) | ((hi & 3) << 4);
+        c[128 * h + 32 + l] = (lo[l + 32] & 0xF) | (((hi >> 2) & 3) << 4);
+        c[128 * h + 64 + l] = (lo[l] >> 4) | (((hi >> 4) & 3) << 4);
+        c[128 * h + 96 + l] = (lo[l + 32] >> 4) | (((hi >> 6) & 3) << 4);
+      }
+    return;
+  }
+  const uint8_t* qs = b + (t == Q4_K ? 16 : 48);
+  for (int e = 0; e < kSuper; ++e) {
+    const int chunk = e / 64, l = e % 64;
+    c[e] = l < 32 ? qs[32 * chunk + l] & 0xF : qs[32 * chunk + l - 32] >> 4;
+    if (t == Q5_K) c[e] |= ((b[16 + e % 32] >> (e / 32)) & 1) << 4;
+  }
+}
+
+// the 32 codes of a block of 32 (Q8_0: the signed codes plus 128), and its d and m (m: 0 where none)
+void b_codes(int64_t t, const uint8_t* b, uint8_t* c, float& d, float& m) {
+  d = half_to_float(b);
+  m = 0.0f;
+  if (t == Q8_0) {
+    for (int e = 0; e < 32; ++e) c[e] = b[2 + e] ^ 0x80;
+    return;
+  }
+  const bool has_m = t == Q4_1 || t == Q5_1, five = t == Q5_0 || t == Q5_1;
+  if (has_m) m = half_to_float(b + 2);
+  if (t == Q4_0) m = -8.0f * d;
+  uint32_t qh = 0;
+  if (five) std::memcpy(&qh, b + (has_m ? 4 : 2), 4);
+  const uint8_t* qs = b + (has_m ? 4 : 2) + (five ? 4 : 0);
+  for (int e = 0; e < 32; ++e) {
+    c[e] = e < 16 ? qs[e] & 0xF : qs[e - 16] >> 4;
+    if (five) c[e] |= ((qh >> e) & 1) << 4;
+  }
+}
+
+// 32 codes of output o into a block's nibble lines (and its high line(s): 5 = one bit, 6 = two bits)
+void put_codes(uint8_t* blk, int o, const uint8_t* c, int bits) {
+  for (int e = 0; e < 32; ++e) {
+    const int L = e / 8, h = (e % 8) / 4, i = e % 4, byte = 64 * L + 4 * o + i;
+    blk[byte] |= (c[e] & 0xF) << (4 * h);
+    if (bits == 5) blk[256 + 4 * o + i] |= ((c[e] >> 4) & 1) << (2 * L + h);
+    if (bits == 6) blk[256 + 64 * (L / 2) + 4 * o + i] |= ((c[e] >> 4) & 3) << (2 * (2 * (L % 2) + h));
+  }
+}
+
+// a block's code for output o, input e (the inverse of put_codes)
+inline int get_code(const uint8_t* blk, int o, int e, int bits) {
+  const int L = e / 8, h = (e % 8) / 4, i = e % 4;
+  int c = (blk[64 * L + 4 * o + i] >> (4 * h)) & 0xF;
+  if (bits == 5) c |= ((blk[256 + 4 * o + i] >> (2 * L + h)) & 1) << 4;
+  if (bits == 6) c |= ((blk[256 + 64 * (L / 2) + 4 * o + i] >> (2 * (2 * (L % 2) + h))) & 3) << 4;
+  return c;
+}
+
+void pack_unit(int64_t t, const uint8_t* raw, int64_t row_bytes, int64_t rows, int64_t p, int64_t u, uint8_t* out) {
+  const int64_t bytes = packed_bytes(t);
+  std::memset(out, 0, bytes);
+  if (t == Q8_0) std::memset(out, 0x80, 512);  // code 0 (stored plus 128) in the padded outputs too
+  for (int o = 0; o < kPanel && p * kPanel + o < rows; ++o) {
+    const uint8_t* b = raw + (p * kPanel + o) * row_bytes + u * file_bytes(t);
+    if (!is_k(t)) {
+      uint8_t c[32];
+      float d, m;
+      b_codes(t, b, c, d, m);
+      const BLayout lay = b_layout(t);
+      if (t == Q8_0) {
+        for (int e = 0; e < 32; ++e) out[64 * (e / 4) + 4 * o + e % 4] = c[e];
+      } else {
+        put_codes(out, o, c, t == Q5_0 || t == Q5_1 ? 5 : 4);
+      }
+      std::memcpy(out + lay.d + 2 * o, b, 2);  // d as stored
+      if (lay.m >= 0) {
+        if (t == Q4_0) put_half(out + lay.m + 2 * o, m);  // -8 d, exact in float16
+        else std::memcpy(out + lay.m + 2 * o, b + 2, 2);
+      }
+      continue;
+    }
+    const int bits = bits_of(t);
+    const KLayout lay = k_layout(bits);
+    uint8_t c[kSuper];
+    k_codes(t, b, c);
+    for (int j = 0; j < 8; ++j) put_codes(out + j * lay.codes, o, c + 32 * j, bits);
+    if (t == Q6_K) {
+      for (int s = 0; s < 16; ++s) out[lay.scales + 16 * s + o] = b[192 + s];
+      std::memcpy(out + lay.d + 2 * o, b + 208, 2);
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, mn;
+        scale_min_k4(j, b + 4, sc, mn);
+        out[lay.scales + 16 * j + o] = sc;
+        out[lay.scales + 128 + 32 * (j / 2) + 2 * o + j % 2] = mn;
+      }
+      std::memcpy(out + lay.d + 2 * o, b, 2);
+      std::memcpy(out + lay.d + 32 + 2 * o, b + 2, 2);
+    }
+  }
+}
+
+// raw [rows, row_bytes] uint8, a tensor's blocks as the file holds them -> [panels, units, packed bytes]
+at::Tensor gguf_pack(const at::Tensor& raw, int64_t t, int64_t cols) {
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "gguf_pack: contiguous uint8 rows expected");
+  TORCH_CHECK(cols % file_block(t) == 0, "gguf_pack: ", cols, " inputs are not whole blocks of ", file_block(t));
+  const int64_t rows = raw.size(0), U = cols / file_block(t), row_bytes = U * file_bytes(t);
+  TORCH_CHECK(raw.size(1) == row_bytes, "gguf_pack: rows of ", row_bytes, " bytes expected, not ", raw.size(1));
+  const int64_t P = (rows + kPanel - 1) / kPanel, bytes = packed_bytes(t);
+  at::Tensor out = at::empty({P, U, bytes}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t u = 0; u < U; ++u) pack_unit(t, src, row_bytes, rows, p, u, dst + (p * U + u) * bytes);
+  });
+  return out;
+}
+
+// Row r of the packed weights as float32, each weight computed as gguf-py's dequantize computes it (products
+// rounded before the sum, so no contraction into a fused multiply-add).
+__attribute__((optimize("fp-contract=off"))) void unpack_row(int64_t t, const uint8_t* w, int64_t U, int64_t r, float* y) {
+  const int64_t p = r / kPanel, bytes = packed_bytes(t);
+  const int o = static_cast<int>(r % kPanel);
+  for (int64_t u = 0; u < U; ++u) {
+    const uint8_t* blk = w + (p * U + u) * bytes;
+    if (!is_k(t)) {
+      const BLayout lay = b_layout(t);
+      const float d = half_to_float(blk + lay.d + 2 * o);
+      for (int e = 0; e < 32; ++e) {
+        float& out = y[32 * u + e];
+        if (t == Q8_0) {
+          out = d * static_cast<float>(static_cast<int>(blk[64 * (e / 4) + 4 * o + e % 4]) - 128);
+        } else {
+          const int c = get_code(blk, o, e, t == Q5_0 || t == Q5_1 ? 5 : 4);
+          if (t == Q4_0 || t == Q5_0) out = d * static_cast<float>(c - (t == Q4_0 ? 8 : 16));
+          else out = d * static_cast<float>(c) + half_to_float(blk + lay.m + 2 * o);
+        }
+      }
+      continue;
+    }
+    const int bits = bits_of(t);
+    const KLayout lay = k_layout(bits);
+    const float d = half_to_float(blk + lay.d + 2 * o);
+    for (int e = 0; e < kSuper; ++e) {
+      const int j = e / 32, c = get_code(blk + j * lay.codes, o, e % 32, bits);
+      float& out = y[kSuper * u + e];
+      if (t == Q6_K) {
+        const float s = d * static_cast<float>(static_cast<int8_t>(blk[lay.scales + 16 * (e / 16) + o]));
+        out = s * static_cast<float>(c - 32);
+      } else {
+        const float s = d * static_cast<float>(blk[lay.scales + 16 * j + o]);
+        const float m = half_to_float(blk + lay.d + 32 + 2 * o) * static_cast<float>(blk[lay.scales + 128 + 32 * (j / 2) + 2 * o + j % 2]);
+        out = s * static_cast<float>(c) - m;
+      }
+    }
+  }
+}
+
+// rows `ids` of a packed [P, U, bytes] tensor with `cols` inputs -> [len(ids), cols] float32
+at::Tensor gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t t, int64_t cols) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == packed_bytes(t),
+              "gguf_rows: packed weights of type ", t, " expected");
+  const int64_t U = cols / file_block(t), P = w.size(0);
+  TORCH_CHECK(w.size(1) == U, "gguf_rows: ", cols, " inputs do not match the packed weights");
+  at::Tensor idx = ids.to(at::kLong).contiguous().view(-1);
+  const int64_t n = idx.numel();
+  at::Tensor y = at::empty({n, cols}, w.options().dtype(at::kFloat));
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < P * kPanel, "gguf_rows: row ", ip[i], " out of range");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) unpack_row(t, wp, U, ip[i], yp + i * cols);
+  });
+  return y;
+}
+
+// ---- activations rounded as ggml's Q8_K: per 256 inputs one scale, int8 codes, and the codes' sums per 16 ----
+
+struct Q8K {
+  const int8_t* q;     // [M, K]
+  const float* d;      // [M, S]
+  const int16_t* bs;   // [M, S, 16]
+  int64_t K, S;
+};
+
+inline float input_at(const char* row, int64_t i, at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(row)[i]);
+    case at::kHalf: return static_cast<float>(reinterpret_cast<const c10::Half*>(row)[i]);
+    default: return reinterpret_cast<const float*>(row)[i];
+  }
+}
+
+// quantize_row_q8_K_ref with the sign of the scale taken from the largest magnitude rather than the value
+// there: the codes and the scale both change sign where ggml's differ, so every product d * q and every sum
+// of them is the same number. Compiled once for every CPU, so every path rounds the same codes.
+__attribute__((optimize("fp-contract=off")))
+void quantize_q8k(const char* x, int64_t stride, at::ScalarType t, int64_t r0, int64_t r1, int8_t* q, float* d, int16_t* bs,
+                  int64_t K) {
+  const int64_t S = K / kSuper;
+  float v[kSuper];
+  for (int64_t r = r0; r < r1; ++r) {
+    const char* row = x + r * stride;
+    for (int64_t s = 0; s < S; ++s) {
+      float amax = 0.0f, total = 0.0f;
+      for (int i = 0; i < kSuper; ++i) {
+        v[i] = input_at(row, s * kSuper + i, t);
+        amax = std::max(amax, std::fabs(v[i]));
+        total += v[i];
+      }
+      int8_t* qs = q + r * K + s * kSuper;
+      int16_t* sums = bs + (r * S + s) * 16;
+      if (!std::isfinite(total) || amax == 0.0f) {
+        // zeros give zeros; a NaN or infinity reaches the scale, so the row's outputs are not finite and the
+        // sampler fails that request alone (never laundered into codes)
+        std::memset(qs, 0, kSuper);
+        std::memset(sums, 0, 16 * sizeof(int16_t));
+        d[r * S + s] = std::isfinite(total) ? 0.0f : total;
+        continue;
+      }
+      const float iscale = 127.0f / amax;
+      for (int g = 0; g < 16; ++g) {
+        int sum = 0;
+        for (int i = 16 * g; i < 16 * g + 16; ++i) {
+          const float f = iscale * v[i] + 12582912.0f;  // round to nearest even (ggml's nearest_int)
+          int32_t bits;
+          std::memcpy(&bits, &f, 4);
+          const int c = std::min(127, (bits & 0x007fffff) - 0x00400000);
+          qs[i] = static_cast<int8_t>(c);
+          sum += c;
+        }
+        sums[g] = static_cast<int16_t>(sum);
+      }
+      d[r * S + s] = 1.0f / iscale;
+    }
+  }
+}
+
+struct KArgs {
+  Q8K x;
+  const uint8_t* w;
+  float* y;
+  int64_t M, N, P;
+};
+
+// a pair of blocks' activation sums (blocks 2i and 2i + 1 of 32) as two int16 in one int32, for vpmaddwd
+inline int32_t sum_pair(const int16_t* bs, int i) {
+  const int a = bs[4 * i] + bs[4 * i + 1], b = bs[4 * i + 2] + bs[4 * i + 3];
+  return static_cast<int32_t>(static_cast<uint16_t>(a) | (static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16));
+}
+
+// ---- AVX-512 VNNI: a panel's 16 outputs in one vector; NP adjacent panels share each activation broadcast ----
+
+template <int Bits, int R, int NP>
+LOWBIT_VNNI void kpanel_vnni(const KArgs& a, int64_t p, int64_t r0) {
+  constexpr KLayout lay = k_layout(Bits);
+  const int64_t S = a.x.S, K = a.x.K;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10), two = _mm512_set1_epi8(0x30);
+  __m512 acc[NP][R];
+  for (int q = 0; q < NP; ++q)
+    for (int r = 0; r < R; ++r) acc[q][r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const uint8_t* sb[NP];
+    for (int q = 0; q < NP; ++q) sb[q] = a.w + ((p + q) * S + s) * lay.bytes;
+    __m512i isum[NP][R];
+    for (int q = 0; q < NP; ++q)
+      for (int r = 0; r < R; ++r) isum[q][r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i t[NP][R];
+      for (int L = 0; L < 4; ++L) {
+        if (Bits < 6 ? L == 0 : L % 2 == 0) {  // a block of 32 (Q6_K: of 16) starts: its sums start from zero
+          for (int r = 0; r < R; ++r) {
+            // Q6_K's codes are 32 above: start from -32 * sum(q_x) of the block of 16
+            const int32_t start = Bits == 6 ? -32 * a.x.bs[((r0 + r) * S + s) * 16 + 2 * j + L / 2] : 0;
+            for (int q = 0; q < NP; ++q) t[q][r] = _mm512_set1_epi32(start);
+          }
+        }
+        __m512i lo[NP], hi[NP];
+        for (int q = 0; q < NP; ++q) {
+          const uint8_t* cb = sb[q] + j * lay.codes;
+          if (L == 0)
+            for (int64_t l = 0; l < lay.codes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetch + l), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(cb + 64 * L);
+          lo[q] = _mm512_and_si512(v, low4);
+          hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          if constexpr (Bits == 5) {
+            const __m512i f = _mm512_loadu_si512(cb + 256);
+            const int sl = 4 - 2 * L, sh = 3 - 2 * L;
+            lo[q] = _mm512_or_si512(lo[q], _mm512_and_si512(sl >= 0 ? _mm512_slli_epi16(f, sl) : _mm512_srli_epi16(f, -sl), fifth));
+            hi[q] = _mm512_or_si512(hi[q], _mm512_and_si512(sh >= 0 ? _mm512_slli_epi16(f, sh) : _mm512_srli_epi16(f, -sh), fifth));
+          }
+          if constexpr (Bits == 6) {
+            const __m512i f = _mm512_loadu_si512(cb + 256 + 64 * (L / 2));
+            const int sl = 4 - 4 * (L % 2), sh = 2 - 4 * (L % 2);
+            lo[q] = _mm512_or_si512(lo[q], _mm512_and_si512(sl >= 0 ? _mm512_slli_epi16(f, sl) : _mm512_srli_epi16(f, -sl), two));
+            hi[q] = _mm512_or_si512(hi[q], _mm512_and_si512(sh >= 0 ? _mm512_slli_epi16(f, sh) : _mm512_srli_epi16(f, -sh), two));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = a.x.q + (r0 + r) * K + s * kSuper + 32 * j + 8 * L;
+          int32_t x0, x1;
+          std::memcpy(&x0, xq, 4);
+          std::memcpy(&x1, xq + 4, 4);
+          const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+          for (int q = 0; q < NP; ++q) {
+            t[q][r] = _mm512_dpbusd_epi32(t[q][r], lo[q], b0);
+            t[q][r] = _mm512_dpbusd_epi32(t[q][r], hi[q], b1);
+          }
+        }
+        if (Bits < 6 ? L == 3 : L % 2 == 1) {  // the block ends: times its scales
+          const int64_t sub = Bits < 6 ? j : 2 * j + L / 2;
+          for (int q = 0; q < NP; ++q) {
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb[q] + lay.scales + 16 * sub));
+            const __m512i sc = Bits == 6 ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+            for (int r = 0; r < R; ++r) isum[q][r] = _mm512_add_epi32(isum[q][r], _mm512_mullo_epi32(t[q][r], sc));
+          }
+        }
+      }
+    }
+    for (int q = 0; q < NP; ++q) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb[q] + lay.d)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * S + s;
+        const __m512 dx = _mm512_set1_ps(a.x.d[i]);
+        acc[q][r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[q][r]), acc[q][r]);
+        if constexpr (Bits < 6) {
+          __m512i msum = _mm512_setzero_si512();
+          for (int k = 0; k < 4; ++k) {
+            const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb[q] + lay.scales + 128 + 32 * k)));
+            msum = _mm512_add_epi32(msum, _mm512_madd_epi16(mn, _mm512_set1_epi32(sum_pair(a.x.bs + i * 16, k))));
+          }
+          const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb[q] + lay.d + 32)));
+          acc[q][r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum), acc[q][r]);
+        }
+      }
+    }
+  }
+  for (int q = 0; q < NP; ++q) {
+    const int64_t n = std::min(kPanel, a.N - (p + q) * kPanel);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(a.y + (r0 + r) * a.N + (p + q) * kPanel, static_cast<__mmask16>((1u << n) - 1), acc[q][r]);
+  }
+}
+
+// ---- AVX2: both halves of 8 outputs per activation broadcast; vpmaddubsw, then vpmaddwd with the scales ----
+// A pair sum of codes times activations is at most 2 * 63 * 127 = 16,002 (Q6_K), 7,874 (Q5_K), 3,810 (Q4_K): an
+// int16 sum holds 2, 4 and 8 of them, so Q6_K widens after every line, Q5_K after every two, Q4_K once a block.
+// The widening multiplies by the block's scale, both lanes of an output's pair holding it.
+
+LOWBIT_AVX2 inline __m256i shift_epi16(__m256i v, int s) { return s >= 0 ? _mm256_slli_epi16(v, s) : _mm256_srli_epi16(v, -s); }
+
+// the scales of outputs 8h..8h+7 (8 bytes at p) as int16 pairs [s0, s0, s1, s1, ...]
+LOWBIT_AVX2 inline __m256i scale_pairs(const uint8_t* p) {
+  const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), dup));
+}
+
+template <int Bits, int R>
+LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0) {
+  constexpr KLayout lay = k_layout(Bits);
+  constexpr int kWiden = Bits == 4 ? 4 : Bits == 5 ? 2 : 1;  // lines per int16 sum
+  const int64_t S = a.x.S, K = a.x.K;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), two = _mm256_set1_epi8(0x30);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const uint8_t* sb = a.w + (p * S + s) * lay.bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(sb + kPrefetch), _MM_HINT_T0);
+    __m256i isum[R][2];
+    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* cb = sb + j * lay.codes;
+      __m256i s16[R][2];
+      for (int L = 0; L < 4; ++L) {
+        if (L % kWiden == 0)
+          for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * L + 32 * h));
+          lo[h] = _mm256_and_si256(v, low4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (Bits == 5) {
+            const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + 32 * h));
+            lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(shift_epi16(f, 4 - 2 * L), fifth));
+            hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(shift_epi16(f, 3 - 2 * L), fifth));
+          }
+          if constexpr (Bits == 6) {
+            const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + 64 * (L / 2) + 32 * h));
+            lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(shift_epi16(f, 4 - 4 * (L % 2)), two));
+            hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(shift_epi16(f, 2 - 4 * (L % 2)), two));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = a.x.q + (r0 + r) * K + s * kSuper + 32 * j + 8 * L;
+          int32_t x0, x1;
+          std::memcpy(&x0, xq, 4);
+          std::memcpy(&x1, xq + 4, 4);
+          const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+          for (int h = 0; h < 2; ++h) {
+            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(lo[h], b0));
+            lowbit::in_register<R>(s16[r][h]);
+            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(hi[h], b1));
+            lowbit::in_register<R>(s16[r][h]);
+          }
+        }
+        if (L % kWiden == kWiden - 1) {
+          const int64_t sub = Bits < 6 ? j : 2 * j + L / 2;
+          for (int h = 0; h < 2; ++h) {
+            const __m256i sc = scale_pairs(sb + lay.scales + 16 * sub + 8 * h);
+            for (int r = 0; r < R; ++r) {
+              isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(s16[r][h], sc));
+              if (Bits == 6 && L % 2 == 1) {  // the block of 16 ends: take off sc * 32 * sum(q_x), as sc * (16 s + 16 s)
+                const int16_t bsum = a.x.bs[((r0 + r) * S + s) * 16 + sub];
+                isum[r][h] = _mm256_sub_epi32(isum[r][h], _mm256_madd_epi16(sc, _mm256_set1_epi16(static_cast<int16_t>(16 * bsum))));
+              }
+            }
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.d + 16 * h)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * S + s;
+        const __m256 dx = _mm256_set1_ps(a.x.d[i]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[r][h]), acc[r][h]);
+        if constexpr (Bits < 6) {
+          __m256i msum = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k) {
+            const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.scales + 128 + 32 * k + 16 * h)));
+            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mn, _mm256_set1_epi32(sum_pair(a.x.bs + i * 16, k))));
+          }
+          const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.d + 32 + 16 * h)));
+          acc[r][h] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum), acc[r][h]);
+        }
+      }
+    }
+  }
+  const int64_t n = std::min(kPanel, a.N - p * kPanel);
+  for (int r = 0; r < R; ++r) {
+    float out[kPanel];
+    _mm256_storeu_ps(out, acc[r][0]);
+    _mm256_storeu_ps(out + 8, acc[r][1]);
+    std::memcpy(a.y + (r0 + r) * a.N + p * kPanel, out, n * sizeof(float));
+  }
+}
+
+// ---- x86-64 baseline (SSE2): 16-bit products summed in pairs by pmaddwd, the scales in scalar code ----
+
+// [a0, a1, b0, b1], [c0, c1, e0, e1] (pairs of partial sums of outputs a, b, c, e) -> [a, b, c, e]
+inline __m128i pair_sums(__m128i ab, __m128i ce) {
+  const __m128 x = _mm_castsi128_ps(ab), y = _mm_castsi128_ps(ce);
+  return _mm_add_epi32(_mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0))),
+                       _mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+inline __m128i shift_epi16_sse(__m128i v, int s) { return s >= 0 ? _mm_slli_epi16(v, s) : _mm_srli_epi16(v, -s); }
+
+template <int Bits, int R>
+void kpanel_sse2(const KArgs& a, int64_t p, int64_t r0) {
+  constexpr KLayout lay = k_layout(Bits);
+  const int64_t S = a.x.S, K = a.x.K;
+  const __m128i low4 = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
+  const __m128i mask = _mm_set1_epi8(Bits == 5 ? 0x10 : 0x30);
+  float acc[R][kPanel] = {};
+  for (int64_t s = 0; s < S; ++s) {
+    const uint8_t* sb = a.w + (p * S + s) * lay.bytes;
+    int32_t isum[R][kPanel] = {};
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* cb = sb + j * lay.codes;
+      __m128i xs[R][8];  // per row, inputs 4k..4k+3 of the block as int16, twice: what one output's four codes meet
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.x.q + (r0 + r) * K + s * kSuper + 32 * j;
+        for (int h = 0; h < 2; ++h) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16 * h));
+          const __m128i lo = _mm_srai_epi16(_mm_unpacklo_epi8(v, v), 8), hi = _mm_srai_epi16(_mm_unpackhi_epi8(v, v), 8);
+          xs[r][4 * h] = _mm_unpacklo_epi64(lo, lo);
+          xs[r][4 * h + 1] = _mm_unpackhi_epi64(lo, lo);
+          xs[r][4 * h + 2] = _mm_unpacklo_epi64(hi, hi);
+          xs[r][4 * h + 3] = _mm_unpackhi_epi64(hi, hi);
+        }
+      }
+      for (int g = 0; g < 4; ++g) {  // outputs 4g..4g+3: bytes 16g..16g+15 of every line
+        __m128i s01[R][2], s23[R][2];  // per block of 16 (one for Q4_K and Q5_K's blocks of 32)
+        for (int r = 0; r < R; ++r) s01[r][0] = s01[r][1] = s23[r][0] = s23[r][1] = zero;
+        for (int L = 0; L < 4; ++L) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 64 * L + 16 * g));
+          __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+          if (Bits == 5) {
+            const __m128i f = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 256 + 16 * g));
+            lo = _mm_or_si128(lo, _mm_and_si128(shift_epi16_sse(f, 4 - 2 * L), mask));
+            hi = _mm_or_si128(hi, _mm_and_si128(shift_epi16_sse(f, 3 - 2 * L), mask));
+          }
+          if (Bits == 6) {
+            const __m128i f = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 256 + 64 * (L / 2) + 16 * g));
+            lo = _mm_or_si128(lo, _mm_and_si128(shift_epi16_sse(f, 4 - 4 * (L % 2)), mask));
+            hi = _mm_or_si128(hi, _mm_and_si128(shift_epi16_sse(f, 2 - 4 * (L % 2)), mask));
+          }
+          const __m128i lo01 = _mm_unpacklo_epi8(lo, zero), lo23 = _mm_unpackhi_epi8(lo, zero);
+          const __m128i hi01 = _mm_unpacklo_epi8(hi, zero), hi23 = _mm_unpackhi_epi8(hi, zero);
+          const int k = Bits == 6 ? L / 2 : 0;
+          for (int r = 0; r < R; ++r) {
+            s01[r][k] = _mm_add_epi32(s01[r][k], _mm_add_epi32(_mm_madd_epi16(lo01, xs[r][2 * L]), _mm_madd_epi16(hi01, xs[r][2 * L + 1])));
+            s23[r][k] = _mm_add_epi32(s23[r][k], _mm_add_epi32(_mm_madd_epi16(lo23, xs[r][2 * L]), _mm_madd_epi16(hi23, xs[r][2 * L + 1])));
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int k = 0; k < (Bits == 6 ? 2 : 1); ++k) {
+            int32_t dot[4];
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dot), pair_sums(s01[r][k], s23[r][k]));
+            const int64_t sub = Bits == 6 ? 2 * j + k : j;
+            const int32_t off = Bits == 6 ? 32 * a.x.bs[((r0 + r) * S + s) * 16 + sub] : 0;
+            for (int o = 0; o < 4; ++o) {
+              const uint8_t raw = sb[lay.scales + 16 * sub + 4 * g + o];
+              const int32_t sc = Bits == 6 ? static_cast<int8_t>(raw) : raw;
+              isum[r][4 * g + o] += sc * (dot[o] - off);
+            }
+          }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * S + s;
+      const float dx = a.x.d[i];
+      for (int o = 0; o < kPanel; ++o) {
+        const float d = half_to_float(sb + lay.d + 2 * o);
+        acc[r][o] = std::fma(d * dx, static_cast<float>(isum[r][o]), acc[r][o]);
+        if (Bits < 6) {
+          int32_t msum = 0;
+          for (int jj = 0; jj < 8; ++jj) {
+            const int16_t* b = a.x.bs + i * 16 + 2 * jj;
+            msum += sb[lay.scales + 128 + 32 * (jj / 2) + 2 * o + jj % 2] * (b[0] + b[1]);
+          }
+          const float dmin = half_to_float(sb + lay.d + 32 + 2 * o);
+          acc[r][o] = std::fma(-(dmin * dx), static_cast<float>(msum), acc[r][o]);
+        }
+      }
+    }
+  }
+  const int64_t n = std::min(kPanel, a.N - p * kPanel);
+  for (int r = 0; r < R; ++r) std::memcpy(a.y + (r0 + r) * a.N + p * kPanel, acc[r], n * sizeof(float));
+}
+
+template <int Bits, int NP>
+void kpanels_vnni(const KArgs& a, int64_t p, int64_t r0, int64_t nr) {
+  switch (nr) {
+    case 4: return kpanel_vnni<Bits, 4, NP>(a, p, r0);
+    case 3: return kpanel_vnni<Bits, 3, NP>(a, p, r0);
+    case 2: return kpanel_vnni<Bits, 2, NP>(a, p, r0);
+    default: return kpanel_vnni<Bits, 1, NP>(a, p, r0);
+  }
+}
+
+template <int Bits>
+void kpanel(const KArgs& a, int64_t p, int64_t r0, int64_t nr, int path) {
+  if (path == 2) {
+    switch (nr) {
+      case 4: return kpanel_avx2<Bits, 4>(a, p, r0);
+      case 3: return kpanel_avx2<Bits, 3>(a, p, r0);
+      case 2: return kpanel_avx2<Bits, 2>(a, p, r0);
+      default: return kpanel_avx2<Bits, 1>(a, p, r0);
+    }
+  }
+  switch (nr) {
+    case 4: return kpanel_sse2<Bits, 4>(a, p, r0);
+    case 3: return kpanel_sse2<Bits, 3>(a, p, r0);
+    case 2: return kpanel_sse2<Bits, 2>(a, p, r0);
+    default: return kpanel_sse2<Bits, 1>(a, p, r0);
+  }
+}
+
+// panels [p, p + np), np 1 or 2, for rows [r0, r0 + nr): on VNNI in one pass
+template <int Bits>
+void kpanels(const KArgs& a, int64_t p, int64_t np, int64_t r0, int64_t nr, int path) {
+  if (path == 3) return np == 2 ? kpanels_vnni<Bits, 2>(a, p, r0, nr) : kpanels_vnni<Bits, 1>(a, p, r0, nr);
+  for (int64_t q = 0; q < np; ++q) kpanel<Bits>(a, p + q, r0, nr, path);
+}
+
+at::Tensor k_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t t) {
+  const at::ScalarType st = x.scalar_type();
+  const int64_t M = x.size(0), K = x.size(1), S = K / kSuper, P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K % kSuper == 0, "gguf_linear: a K-quant's inputs must be a multiple of ", kSuper, ", not ", K);
+  TORCH_CHECK(w.size(1) == S, "gguf_linear: packed weights [", P, ", ", S, ", ", packed_bytes(t), "] expected");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y.to(st);
+  at::Tensor scratch = at::empty({M * S * (4 + 32) + M * K}, x.options().dtype(at::kByte));
+  float* xd = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
+  int16_t* xbs = reinterpret_cast<int16_t*>(xd + M * S);
+  int8_t* xq = reinterpret_cast<int8_t*>(xbs + M * S * 16);
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t stride = x.stride(0) * x.element_size();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { quantize_q8k(xp, stride, st, r0, r1, xq, xd, xbs, K); });
+  const KArgs a{{xq, xd, xbs, K, S}, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, P};
+  const int path = lowbit::matmul_path(), bits = bits_of(t);
+  // threads take pairs of panels (a thread's share stays contiguous in memory)
+  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t p = 2 * q0; p < std::min(P, 2 * q1); p += 2)
+      for (int64_t r = 0; r < M; r += kRows) {
+        const int64_t nr = std::min(kRows, M - r), np = std::min<int64_t>(2, P - p);
+        if (bits == 4) kpanels<4>(a, p, np, r, nr, path);
+        else if (bits == 5) kpanels<5>(a, p, np, r, nr, path);
+        else kpanels<6>(a, p, np, r, nr, path);
+      }
+  });
+  return st == at::kFloat ? y : y.to(st);
+}
+
+// x [M, K] (contiguous rows; float32, bfloat16 or float16), w packed by gguf_pack from GGUF type t -> [M, n] in x's dtype
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "gguf_linear: x must be [rows, inputs] with contiguous rows");
+  const at::ScalarType st = x.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "gguf_linear: float32, bfloat16 or float16 inputs, not ", st);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == (n + kPanel - 1) / kPanel &&
+                  w.size(2) == packed_bytes(t), "gguf_linear: packed weights of type ", t, " for ", n, " outputs expected");
+  if (is_k(t)) return k_linear(x, w, n, t);
+  return shoal_block32_linear(x, w, n, b_layout(t).kind);
+}
+
+int64_t gguf_packed_bytes(int64_t t) { return packed_bytes(t); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
+  m.def("gguf_linear(Tensor x, Tensor w, int n, int type) -> Tensor");
+  m.def("gguf_pack(Tensor raw, int type, int cols) -> Tensor");
+  m.def("gguf_rows(Tensor w, Tensor ids, int type, int cols) -> Tensor");
+  m.def("gguf_packed_bytes(int type) -> int", &gguf_packed_bytes);
+}
+
+TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_pack", &gguf_pack);
+  m.impl("gguf_rows", &gguf_rows);
+}

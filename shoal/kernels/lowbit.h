@@ -1,0 +1,46 @@
+// What shoal's low-bit matmuls share (lowbit.cpp: a GGUF's 32-weight blocks; kquants.cpp: its 256-weight
+// K-quant super-blocks): the panel of 16 outputs the packed weights keep side by side, the float16 scales,
+// and the choice of instruction set.
+#pragma once
+
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+int64_t shoal_isa_level();  // cpu.cpp: 3 AVX-512, 2 AVX2 with FMA, 1 baseline
+
+namespace lowbit {
+
+constexpr int64_t kBlock = 32;  // inputs per block: the codes' (and the activations') rounding unit
+constexpr int64_t kPanel = 16;  // outputs packed side by side (one zmm of int32 or float32)
+
+#define LOWBIT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define LOWBIT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// 3: AVX-512 VNNI, 2: AVX2, 1: SSE2 (the baseline); capped by the process's level (SHOAL_CPU_ISA)
+inline int matmul_path() {
+  const int64_t level = shoal_isa_level();
+  if (level >= 3 && __builtin_cpu_supports("avx512vnni")) return 3;
+  return level >= 2 ? 2 : 1;
+}
+
+// An empty asm that takes v in a register and gives it back. GCC cannot see through it, so a running sum stays
+// the chain of adds the code writes. Without it, GCC's reassociation regrouped a Q4 block of 4 rows into a tree
+// that computed its 64 products first, and they spilled: 440 instructions a block, 123 of them moves to and from
+// the stack. With it the sums stay in registers (the float accumulators go to L1 instead, one store a block), and
+// a layer's Q4 matmuls at 4 to 512 rows take 21-26% less time (benchmarks/NOTES.md, twenty-fourth round). The
+// integers are exact, so the order changes no bit. One row has registers to spare; there the tree is as fast.
+template <int R>
+LOWBIT_AVX2 inline __attribute__((always_inline)) void in_register(__m256i& v) {
+  if constexpr (R > 1) asm("" : "+x"(v));
+}
+
+}  // namespace lowbit
