@@ -32,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -140,15 +141,263 @@ def build_file(size: str, kind: str) -> Path:
     return target
 
 
+# ---------------------------------------------------------------- measuring
+
+
+CONTEXT = 4096  # shoal's --max-model-len: the trained 131,072 would not fit a 1 GiB pool (issue 56 sizes it itself)
+STREAMS = (1, 8, 32)
+PREFILL = 1536
+
+
+def scenarios(quick: bool) -> list:
+    from compare_peers import Scenario
+
+    n = 1 if quick else 2
+    out = [Scenario(f"c{c}", f"{c} stream{'s' * (c > 1)}, 128-token prompts, 64 output tokens",
+                    dict(workload="random", concurrency=[c], num_requests=max(2, c) * n, input_len=(128, 128), output_len=(64, 64)),
+                    exact_length=64) for c in STREAMS]
+    out.append(Scenario("prefill", f"one {PREFILL}-token prompt at a time, 1 output token",
+                        dict(workload="random", concurrency=[1], num_requests=2 * n, input_len=(PREFILL, PREFILL), output_len=(1, 1)),
+                        exact_length=1))
+    return out
+
+
+def peers(isa: str | None):
+    from compare_peers import THREADS, LlamaServer, Shoal
+
+    class Ours(Shoal):
+        def command(self, port, gguf):
+            return super().command(port, gguf) + ["--max-model-len", str(CONTEXT)]
+
+    class Theirs(LlamaServer):
+        def command(self, port, gguf):  # 32 slots of 2,048 tokens: every scenario's requests at once
+            return [str(self.binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS),
+                    "-tb", str(THREADS), "-np", "32", "-c", str(32 * 2048), "--log-disable"]
+
+    ours, theirs = Ours("shoal", isa=isa), Theirs(isa)
+    ours.settings = f"defaults but --max-model-len {CONTEXT}" + (f", SHOAL_CPU_ISA={isa}" if isa else "")
+    theirs.settings = f"-t {THREADS} -np 32 -c {32 * 2048}" + (" (built for AVX2 only)" if isa == "avx2" else "")
+    return [ours, theirs]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process and its children (shoal's ranks, if any)."""
+    total, pids = 0, [pid]
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    for p in pids + [int(k) for k in kids]:
+        try:
+            total += next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{p}/status").read_text().splitlines() if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def kv_pool_bytes(peer: str, log_path: Path, gguf: Path) -> int:
+    """The KV pool a server holds: shoal's start-up line; llama-server's cache from -c and the shape, float16."""
+    import re
+
+    from shoal.model.gguf_loader import GGUFFileReader
+
+    if peer == "shoal":
+        m = re.search(r"KV cache: .*?= \d+ tokens, ([\d.]+) MiB", log_path.read_text())
+        return int(float(m.group(1)) * 2**20) if m else 0
+    meta = GGUFFileReader(gguf).metadata
+    arch = meta["general.architecture"]
+    layers, kv_heads = meta[f"{arch}.block_count"], meta[f"{arch}.attention.head_count_kv"]
+    head = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // meta[f"{arch}.attention.head_count"]
+    return 32 * 2048 * layers * kv_heads * head * 2 * 2
+
+
+def bandwidth() -> float:
+    """GB/s of a 1 GiB numpy copy (read and write counted): the ceiling decode approaches at one stream."""
+    import numpy as np
+
+    a, b = np.ones(2**27), np.empty(2**27)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = max(best, 2 * a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def measure(gguf: Path, isa: str | None, rounds: int, quick: bool, log_dir: Path) -> dict:
+    """Every scenario on each server, the servers taking turns, `rounds` times."""
+    from compare_peers import Server, bench, warm_up
+
+    out: dict = {}
+    for rnd in range(rounds):
+        for peer in peers(isa):
+            server = Server(peer, gguf, log_dir)
+            try:
+                start = server.wait_ready()
+                warm_up(server)
+                time.sleep(1.0)
+                entry = {"cold_start_s": start, "idle_rss": rss_bytes(server.proc.pid), "kv_pool": kv_pool_bytes(peer.name, server.log_path, gguf)}
+                for s in scenarios(quick):
+                    r = bench(server, s, seed=rnd, progress=False)
+                    entry[s.name] = {"output_tok_s": r["output_throughput"], "ttft_p50_ms": r["ttft_ms"]["p50"],
+                                     "tpot_p50_ms": r["tpot_ms"]["p50"], "completed": r["completed"], "failed": r["failed"]}
+                    print(f"  round {rnd + 1} {peer.name:12s} {s.name:8s} {r['output_throughput']:8.1f} tok/s  "
+                          f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms", flush=True)
+                out.setdefault(peer.name, []).append(entry)
+            finally:
+                server.stop()
+    return out
+
+
+def summary(runs: list[dict], file_bytes: int) -> dict:
+    """The median over rounds of each figure, and footprint and bytes-per-token rates."""
+    import statistics
+
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    row = {"cold_start_s": med([r["cold_start_s"] for r in runs]),
+           "footprint_mb": med([(r["idle_rss"] - r["kv_pool"]) / 1e6 for r in runs])}
+    for c in STREAMS:
+        row[f"c{c}_tok_s"] = med([r[f"c{c}"]["output_tok_s"] for r in runs])
+    row["prefill_tok_s"] = med([PREFILL / (r["prefill"]["ttft_p50_ms"] / 1e3) for r in runs])
+    tpot = med([r["c1"]["tpot_p50_ms"] for r in runs])
+    row["c1_gb_s"] = file_bytes / (tpot / 1e3) / 1e9 if tpot else None
+    return row
+
+
+def report(doc: dict) -> list[str]:
+    from publish import machine_line, table
+
+    lines = ["# GGUF files at real sizes: shoal against llama-server", "",
+             f"On {machine_line(doc['machine'])}; {doc['isa_note']}. Memory bandwidth measured here (a numpy copy): "
+             f"{doc['bandwidth_gb_s']:.1f} GB/s. Rounds: {doc['rounds']}, the servers taking turns; figures are "
+             "medians over rounds, ratios shoal / llama-server (lower is better for footprint and cold start).", "",
+             f"- shoal: {doc['settings']['shoal']}", f"- llama-server: {doc['settings']['llama-server']}", ""]
+    head = ["file", "server", "cold start s", "footprint MB", "1 stream tok/s", "8 streams", "32 streams",
+            f"prefill {PREFILL} tok/s", "1 stream GB/s"]
+    rows = []
+    for name, f in doc["files"].items():
+        for peer in ("shoal", "llama-server"):
+            r = f["summary"].get(peer)
+            if r is None:
+                continue
+            rows.append([name if peer == "shoal" else "", peer, f"{r['cold_start_s']:.1f}", f"{r['footprint_mb']:.0f}",
+                         *(f"{r[f'c{c}_tok_s']:.1f}" for c in STREAMS), f"{r['prefill_tok_s']:.0f}", f"{r['c1_gb_s']:.1f}"])
+        ratio = f.get("ratios")
+        if ratio:
+            rows.append(["", "**ratio**", f"{ratio['cold_start_s']:.2f}x", f"{ratio['footprint_mb']:.2f}x",
+                         *(f"**{ratio[f'c{c}_tok_s']:.2f}x**" for c in STREAMS), f"**{ratio['prefill_tok_s']:.2f}x**", ""])
+    return lines + table(head, rows)
+
+
+# ---------------------------------------------------------------- quality on real weights
+
+
+QUALITY_PROMPTS = 40
+QUALITY_TOKENS = 200  # each prompt: a window of shoal's docs and source, as kv_quality.py takes its text
+
+
+def requantized_default(kind: str = "Q4_K_M") -> Path:
+    """The default model (SmolLM2-135M, Q4_1) requantized by llama-quantize --allow-requantize."""
+    from shoal.model.loader import resolve_model_path
+
+    target = MODELS / f"smollm2-135m-{kind}.gguf"
+    if not target.exists():
+        MODELS.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(quantize_binary()), "--allow-requantize", str(resolve_model_path("smollm2")), str(target), kind],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return target
+
+
+def first_tokens_llama_server(gguf: Path, prompts: list[list[int]], isa: str | None) -> list[int]:
+    """llama-server's greedy first token after each prompt (token ids in, /completion)."""
+    import httpx
+    from compare_peers import Server
+
+    server = Server(peers(isa)[1], gguf, Path(tempfile.mkdtemp()))
+    try:
+        server.wait_ready()
+        out = []
+        for ids in prompts:
+            r = httpx.post(f"http://127.0.0.1:{server.port}/completion", timeout=300, trust_env=False,
+                           json={"prompt": ids, "n_predict": 1, "temperature": 0, "cache_prompt": False, "return_tokens": True})
+            r.raise_for_status()
+            out.append(r.json()["tokens"][0])
+        return out
+    finally:
+        server.stop()
+
+
+def quality(isa: str | None) -> dict:
+    """The default model requantized to Q4_K_M: first-token agreement with llama-server on the same file, and the
+    KL divergence of shoal's next-token distributions against the model's float32 weights (its Q4_1 file
+    dequantized), over the last 256 positions of 2k tokens of real text, as kv_quality.py measures the cache."""
+    from kv_quality import compare, quality as kv_quality, real_text
+
+    from shoal import LLM, SamplingParams
+    from shoal.model.loader import resolve_model_path
+
+    q4km = requantized_default()
+    default = str(resolve_model_path("smollm2"))
+    firsts = {}
+    for name, kw in (("shoal", {}), ("shoal, float32 weights", {"quantization": "none", "dtype": "float32"})):
+        with LLM(str(q4km), max_model_len=4096, **kw) as llm:
+            text = real_text(llm)
+            prompts = [text[997 * i : 997 * i + QUALITY_TOKENS] for i in range(QUALITY_PROMPTS)]
+            firsts[name] = [o.outputs[0].token_ids[0] for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))]
+    theirs = first_tokens_llama_server(q4km, prompts, isa)
+    ref = kv_quality(default, "auto", [2048], "float32 weights")[2048]
+    kl = {name: compare(ref, kv_quality(path, "auto", [2048], weights)[2048])
+          for name, path, weights in (("Q4_1 (the shipped file) on shoal's kernels", default, "default"),
+                                      ("Q4_K_M on shoal's kernels", str(q4km), "default"),
+                                      ("Q4_K_M dequantized to float32 (no activation rounding)", str(q4km), "float32 weights"))}
+    agree = {name: sum(a == b for a, b in zip(ours, theirs)) / len(prompts) for name, ours in firsts.items()}
+    return {"file": q4km.name, "first_token_agreement": agree["shoal"], "agreement_by_path": agree, "prompts": len(prompts), "kl": kl}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from publish import cpu_kind, machine, publish, table
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["1b", "3b"], choices=sorted(SHAPES))
     ap.add_argument("--types", nargs="+", default=list(TYPES))
+    ap.add_argument("--isa", choices=("avx2",), help="shoal forced onto its AVX2 path, against llama-server built for AVX2 only")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="half the requests per scenario")
     ap.add_argument("--build-only", action="store_true", help="make the files, measure nothing")
+    ap.add_argument("--quality", action="store_true", help="only the quality check on the default model's real weights")
     args = ap.parse_args(argv)
-    for size in args.sizes:
-        for kind in args.types:
-            print(build_file(size, kind))
+    if args.quality:
+        doc = {"machine": machine(), "quality": quality(args.isa)}
+        q = doc["quality"]
+        lines = ["# The default model requantized to Q4_K_M: quality on real weights", "",
+                 f"First token after {q['prompts']} windows of real text, shoal and llama-server on the same file "
+                 f"({q['file']}): **{100 * q['first_token_agreement']:.0f}%** the same (shoal with the file dequantized to "
+                 f"float32 weights, no activation rounding: {100 * q['agreement_by_path']['shoal, float32 weights']:.0f}%).", "",
+                 "KL divergence of the next token against the float32 weights (the shipped Q4_1 file dequantized), over "
+                 "the last 256 positions of 2,048 tokens of real text:", "",
+                 *table(["served", "KL mean", "KL p99", "top-1 agreement"],
+                        [[k, f"{v['kl_mean']:.4f}", f"{v['kl_p99']:.3f}", f"{100 * v['top1_agreement']:.1f}%"] for k, v in q["kl"].items()])]
+        publish(f"gguf_quality-{args.isa or cpu_kind()}", doc, lines)
+        return 0
+    files = {f"{size} {kind}": build_file(size, kind) for size in args.sizes for kind in args.types}
+    if args.build_only:
+        return 0
+    doc = {"machine": machine(), "rounds": args.rounds, "isa": args.isa, "bandwidth_gb_s": bandwidth(), "files": {},
+           "isa_note": "shoal forced onto its AVX2 path against llama-server built for AVX2 only" if args.isa else
+           "each server on the best path this CPU has",
+           "settings": {p.name: p.settings for p in peers(args.isa)}}
+    with tempfile.TemporaryDirectory() as logs:
+        for name, path in files.items():
+            print(f"{name}: {path.name}, {path.stat().st_size / 1e6:.0f} MB", flush=True)
+            runs = measure(path, args.isa, args.rounds, args.quick, Path(logs))
+            summ = {peer: summary(r, path.stat().st_size) for peer, r in runs.items()}
+            entry = {"bytes": path.stat().st_size, "runs": runs, "summary": summ}
+            if len(summ) == 2:
+                a, b = summ["shoal"], summ["llama-server"]
+                entry["ratios"] = {k: a[k] / b[k] for k in a if a[k] and b.get(k)}
+            doc["files"][name] = entry
+    kind = args.isa or cpu_kind()
+    publish(f"gguf_formats-{kind}", doc, report(doc))
     return 0
 
 

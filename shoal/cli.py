@@ -69,8 +69,8 @@ ENGINE_OPTS = [
         "Qwen2.5-VL). With several models it goes with the first; a `models:` entry may set its own"),
     Opt("--dtype", "auto", str, "weights and KV cache dtype (auto: bfloat16 where the device has native bf16 math, else float32)",
         choices=("auto", "float32", "bfloat16", "float16")),
-    Opt("--quantization", "auto", str, "the projections' weight format: auto (default) serves a GGUF's own 4-bit or "
-        "8-bit weights as they are, none dequantizes them; int8/int4 round any weights",
+    Opt("--quantization", "auto", str, "the weights' format: auto (default) serves each tensor of a GGUF in its file's "
+        "own type (Q4_K, Q6_K, Q8_0...) on shoal's kernels, none dequantizes them; int8/int4 round any weights",
         choices=("auto", "none", "int8", "int4")),
     Opt("--device", "auto", str, "cpu, cuda or auto (default)"),
     Opt("--max-model-len", None, int, "context length (default: the model's)"),

@@ -205,9 +205,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
-    # the decoder projections' weight format. "auto": a GGUF's own (int4 from Q4_0/Q4_1, int8 from Q8_0) where the
-    # low-bit kernels run (CPU, bf16/fp16 activations), else float; "none": weights in `dtype`; "int8" / "int4":
-    # weight-only, rounded from float where the file has no such codes (None means "none")
+    # the weights' format. "auto": a GGUF's quantized tensors each in its file's own type on shoal's native kernels
+    # (model/formats.py; without them, torch's int4/int8 kernels for all-Q4 or all-Q8_0 files), else float; "none":
+    # weights in `dtype`; "int8" / "int4": weight-only, rounded from float where the file has no such codes (None: "none")
     quantization: str | None = "auto"
     check_integrity: bool = False  # run the pool's integrity check after every step (tests)
     # "sdpa": attention kernels picked by the step's shape (fast; a greedy answer may change with the load);

@@ -57,7 +57,8 @@ def random_blocks(t, rows: int, cols: int, seed: int = 0) -> QuantTensor:
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    halves = {T.Q6_K: (208,), T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2)}.get(t, (0,))
+    halves = {T.Q6_K: (208,), T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q3_K: (108,),
+              T.Q2_K: (80, 82)}.get(t, (0,))
     for offset in halves:
         raw[..., offset : offset + 2] = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     return QuantTensor(t, torch.from_numpy(raw.reshape(rows, -1)), cols)
@@ -270,3 +271,87 @@ def test_the_first_token_logprobs_follow_transformers(mixed):
         ref = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
     want = torch.tensor([ref[i - 1, ids[i]].item() for i in range(1, len(ids))])
     assert (ours - want).abs().max() < 0.05 * want.abs().max()
+
+
+# ---------------------------------------------------------------- memory
+
+_LOAD_PEAK = """
+import resource, sys
+from shoal import LLM
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+llm = LLM(sys.argv[1], num_blocks=16, max_model_len=64, speculative="off")
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+weights = sum(b.numel() for n, b in llm.engine.runner.model.named_buffers() if "packed" in n)
+print(before * 1024, after * 1024, weights)
+"""
+
+
+def write_random_llama(path: Path, hidden: int, layers: int, vocab: int, t=T.Q4_K) -> None:
+    """A Llama GGUF of random `t` blocks (sane float16 scales), written directly: no float model behind it."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    inter, heads = 4 * hidden, hidden // 64
+    for key, value in (("context_length", 64), ("embedding_length", hidden), ("block_count", layers),
+                       ("feed_forward_length", inter), ("attention.head_count", heads), ("attention.head_count_kv", heads)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    tokens = [chr(0x100 + i) if i >= 256 else bytes([i]).decode("latin-1") for i in range(vocab)]
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    writer.add_eos_token_id(0)
+
+    def add(name, rows, cols):
+        writer.add_tensor(name, random_blocks(t, rows, cols, seed=len(name) + rows).data.numpy(), raw_dtype=t)
+
+    add("token_embd.weight", vocab, hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", hidden, hidden), ("attn_v", hidden, hidden),
+                                 ("attn_output", hidden, hidden), ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden),
+                                 ("ffn_down", hidden, inter)):
+            add(f"blk.{i}.{name}.weight", rows, cols)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_load_peaks_near_the_file_size_with_no_float_copy(tmp_path):
+    """Peak RSS while a 76 MB Q4_K file loads grows by the packed weights and little more: each tensor's blocks are
+    read from the memory map once, packed, and their pages dropped (formats.release), and nothing is ever
+    dequantized to float. A float32 copy would be 7x the file; the file's pages held to the end, 2x."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "q4k.gguf"
+    write_random_llama(path, hidden=1024, layers=8, vocab=2048)
+    size = path.stat().st_size
+    out = subprocess.run([sys.executable, "-c", _LOAD_PEAK, str(path)], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after, weights = map(int, out.stdout.split()[-3:])
+    assert size < weights < 1.05 * size  # the weights held: the file's bytes
+    assert after - before < 1.3 * size, f"peak grew by {(after - before) / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"
+
+
+def test_a_type_without_a_kernel_loads_rounded_to_q8_0(tmp_path, caplog):
+    """Q2_K and Q3_K tensors load: dequantized by gguf-py one tensor at a time and rounded to Q8_0, within Q8_0's
+    rounding of the file's weights, with one log line naming them."""
+    import logging
+
+    for t in (T.Q3_K, T.Q2_K):
+        path = tmp_path / f"{t.name}.gguf"
+        write_random_llama(path, hidden=256, layers=1, vocab=256, t=t)
+        with caplog.at_level(logging.INFO, logger="shoal.loader"):
+            llm = LLM(str(path), num_blocks=16, max_model_len=64)
+        assert f"{t.name} x 8 have no kernel here" in caplog.text
+        model = llm.engine.runner.model
+        layer = model.model.layers[0].mlp.down_proj
+        assert layer.formats == ("Q8_0",) and model.logits_head.formats == ("Q8_0",)
+        stored = QuantTensor.of(next(x for x in gguf.GGUFReader(path).tensors if x.name == "blk.0.ffn_down.weight")).dequantized()
+        want = gguf.quants.dequantize(gguf.quants.quantize(stored.numpy(), T.Q8_0), T.Q8_0)  # ggml's own Q8_0 rounding
+        np.testing.assert_array_equal(_bits(layer.dequantized()), _bits(want))
+        assert (layer.dequantized() - stored).abs().max() < 0.01 * stored.abs().max()

@@ -708,3 +708,21 @@ def test_the_launcher_sizes_layers_and_stage_zero_for_the_memory_planner():
     assert round(head_bytes(c, "none", torch.float32) / layer_bytes(c, "none", torch.float32), 1) == 8.0
     free = free_memory(torch.device("cpu"))
     assert free is None or free > 0
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M"])
+def test_a_k_quant_file_over_two_ranks_answers_as_one_process(mix):
+    """A llama-quantize Q4_K_M file (tests/fixtures) split over two ranks by output rows: each rank packs its rows
+    of every tensor in the file's own type (Q4_K, Q6_K, Q5_0, Q8_0), and greedy tokens and logprobs are one
+    process's, bit for bit."""
+    from pathlib import Path
+
+    path = str(Path(__file__).parent / "fixtures" / f"tiny-llama-{mix}.gguf")
+    prompts = PROMPTS + [list(range(60, 95))]
+    with LLM(path, num_blocks=128, block_size=4) as one:
+        alone = _tokens(one.generate(prompts, GREEDY))
+    with LLM(path, num_blocks=128, block_size=4, tensor_parallel_size=2) as llm:
+        layer = llm.engine.runner.model.model.layers[2]
+        assert layer.self_attn.qkv_proj.formats == ("Q4_K", "Q6_K") and layer.mlp.down_proj.inner.formats == ("Q8_0",)
+        assert layer.mlp.gate_up_proj.out_features == 640  # half of 2 x 640 columns
+        assert _tokens(llm.generate(prompts, GREEDY)) == alone

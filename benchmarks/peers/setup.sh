@@ -7,6 +7,8 @@
 #                          vendored in the llama-cpp-python sdist (the same llama.cpp revision)
 #   .peers/llama-server-avx2  the same, built for AVX2 only (no native tuning, no AVX-512)
 #   .peers/llama-server-baseline  the same, built for the x86-64 baseline (SSE2)
+#   .peers/llama-quantize  llama.cpp's quantizer from the first build (benchmarks/gguf_formats.py makes its files
+#                          with it and with the sources' convert_hf_to_gguf.py)
 # Both builds compile llama.cpp; on a 2-core machine each takes several minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,7 +38,7 @@ LLAMA_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DB
              -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON)
 build_llama_server() {  # $1: the binary's name in .peers, then cmake flags
     local name=$1; shift
-    [ -x "$PEERS/$name" ] && return 0
+    [ -x "$PEERS/$name" ] && { [ "$name" != llama-server ] || [ -x "$PEERS/llama-quantize" ]; } && return 0
     if [ ! -d "$SRC" ] || ! ls "$SRC"/llama_cpp_python-*/vendor/llama.cpp >/dev/null 2>&1; then
         rm -rf "$SRC" && mkdir -p "$SRC"
         $VPY -m pip download -q --no-deps --no-binary :all: -d "$SRC" "llama-cpp-python==$LCP_VERSION"
@@ -47,6 +49,10 @@ build_llama_server() {  # $1: the binary's name in .peers, then cmake flags
     cmake -S "$llama" -B "$build" "${LLAMA_FLAGS[@]}" "$@"
     cmake --build "$build" --target llama-server -j "$JOBS"
     cp "$build/bin/llama-server" "$PEERS/$name"
+    if [ "$name" = llama-server ]; then  # llama.cpp's quantizer, for benchmarks/gguf_formats.py's files
+        cmake --build "$build" --target llama-quantize -j "$JOBS"
+        cp "$build/bin/llama-quantize" "$PEERS/llama-quantize"
+    fi
 }
 build_llama_server llama-server -DGGML_NATIVE=ON
 build_llama_server llama-server-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \

@@ -50,6 +50,7 @@ namespace {
 using lowbit::half_to_float;
 using lowbit::kBlock;
 using lowbit::kPanel;
+using lowbit::pair_sums;
 
 constexpr int64_t kSuper = 256;  // QK_K
 constexpr int64_t kRows = 4;     // rows of x sharing one pass over a panel
@@ -135,11 +136,14 @@ void k_codes(int64_t t, const uint8_t* b, uint8_t* c) {
     return;
   }
   const uint8_t* qs = b + (t == Q4_K ? 16 : 48);
-  for (int e = 0; e < kSuper; ++e) {
-    const int chunk = e / 64, l = e % 64;
-    c[e] = l < 32 ? qs[32 * chunk + l] & 0xF : qs[32 * chunk + l - 32] >> 4;
-    if (t == Q5_K) c[e] |= ((b[16 + e % 32] >> (e / 32)) & 1) << 4;
-  }
+  for (int chunk = 0; chunk < 4; ++chunk)  // 64 codes: 32 bytes' low nibbles, then their high nibbles
+    for (int l = 0; l < 32; ++l) {
+      c[64 * chunk + l] = qs[32 * chunk + l] & 0xF;
+      c[64 * chunk + 32 + l] = qs[32 * chunk + l] >> 4;
+    }
+  if (t == Q5_K)  // the fifth bits: bit j of byte l for code 32 j + l
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) c[32 * j + l] |= ((b[16 + l] >> j) & 1) << 4;
 }
 
 // the 32 codes of a block of 32 (Q8_0: the signed codes plus 128), and its d and m (m: 0 where none)
@@ -162,14 +166,24 @@ void b_codes(int64_t t, const uint8_t* b, uint8_t* c, float& d, float& m) {
   }
 }
 
-// 32 codes of output o into a block's nibble lines (and its high line(s): 5 = one bit, 6 = two bits)
+// 32 codes of output o into a block's nibble lines (and its high line(s): 5 = one bit, 6 = two bits). Line L's
+// byte 4o + i takes codes 8L + i (low nibble) and 8L + 4 + i (high); the high lines' bits as the kernels read them.
+template <int Bits>
+void put_codes(uint8_t* blk, int o, const uint8_t* c) {
+  for (int L = 0; L < 4; ++L)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t a = c[8 * L + i], b = c[8 * L + 4 + i];
+      blk[64 * L + 4 * o + i] = static_cast<uint8_t>((a & 0xF) | (b << 4));
+      if (Bits == 5) blk[256 + 4 * o + i] |= static_cast<uint8_t>((((a >> 4) & 1) | (((b >> 4) & 1) << 1)) << (2 * L));
+      if (Bits == 6)
+        blk[256 + 64 * (L / 2) + 4 * o + i] |= static_cast<uint8_t>((((a >> 4) & 3) | (((b >> 4) & 3) << 2)) << (4 * (L % 2)));
+    }
+}
+
 void put_codes(uint8_t* blk, int o, const uint8_t* c, int bits) {
-  for (int e = 0; e < 32; ++e) {
-    const int L = e / 8, h = (e % 8) / 4, i = e % 4, byte = 64 * L + 4 * o + i;
-    blk[byte] |= (c[e] & 0xF) << (4 * h);
-    if (bits == 5) blk[256 + 4 * o + i] |= ((c[e] >> 4) & 1) << (2 * L + h);
-    if (bits == 6) blk[256 + 64 * (L / 2) + 4 * o + i] |= ((c[e] >> 4) & 3) << (2 * (2 * (L % 2) + h));
-  }
+  if (bits == 4) return put_codes<4>(blk, o, c);
+  if (bits == 5) return put_codes<5>(blk, o, c);
+  put_codes<6>(blk, o, c);
 }
 
 // a block's code for output o, input e (the inverse of put_codes)
@@ -573,13 +587,6 @@ LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0) {
 }
 
 // ---- x86-64 baseline (SSE2): 16-bit products summed in pairs by pmaddwd, the scales in scalar code ----
-
-// [a0, a1, b0, b1], [c0, c1, e0, e1] (pairs of partial sums of outputs a, b, c, e) -> [a, b, c, e]
-inline __m128i pair_sums(__m128i ab, __m128i ce) {
-  const __m128 x = _mm_castsi128_ps(ab), y = _mm_castsi128_ps(ce);
-  return _mm_add_epi32(_mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0))),
-                       _mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1))));
-}
 
 inline __m128i shift_epi16_sse(__m128i v, int s) { return s >= 0 ? _mm_slli_epi16(v, s) : _mm_srli_epi16(v, -s); }
 

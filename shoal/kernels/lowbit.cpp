@@ -43,6 +43,7 @@ using lowbit::in_register;
 using lowbit::kBlock;
 using lowbit::kPanel;
 using lowbit::matmul_path;
+using lowbit::pair_sums;
 constexpr int64_t kQ4Bytes = 4 * 64 + 2 * kPanel * 2;
 constexpr int64_t kQ8Bytes = 8 * 64 + kPanel * 2;
 constexpr int64_t kRows = 4;         // rows of x sharing one pass over a panel's weights (two panels on VNNI)
@@ -143,13 +144,6 @@ INL void scale_block(float* acc, const int32_t* s, const float* d, const float* 
     acc[o] = std::fma(d[o] * dx, static_cast<float>(s[o]), acc[o]);
     if (m != nullptr) acc[o] = std::fma(m[o], xsum, acc[o]);
   }
-}
-
-// [a0, a1, b0, b1], [c0, c1, e0, e1] (pairs of partial sums of outputs a, b, c, e) -> [a, b, c, e]
-INL __m128i pair_sums(__m128i ab, __m128i ce) {
-  const __m128 x = _mm_castsi128_ps(ab), y = _mm_castsi128_ps(ce);
-  return _mm_add_epi32(_mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0))),
-                       _mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1))));
 }
 
 // v shifted left by s bits (right by -s) in 16-bit lanes: with a mask of one bit position per byte after it, a

@@ -43,4 +43,11 @@ LOWBIT_AVX2 inline __attribute__((always_inline)) void in_register(__m256i& v) {
   if constexpr (R > 1) asm("" : "+x"(v));
 }
 
+// SSE2: [a0, a1, b0, b1], [c0, c1, e0, e1] (pairs of partial sums of outputs a, b, c, e) -> [a, b, c, e]
+inline __m128i pair_sums(__m128i ab, __m128i ce) {
+  const __m128 x = _mm_castsi128_ps(ab), y = _mm_castsi128_ps(ce);
+  return _mm_add_epi32(_mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0))),
+                       _mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
 }  // namespace lowbit

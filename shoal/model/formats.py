@@ -18,8 +18,11 @@ every instruction set, so the matmuls are row-invariant and give the same bits o
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -153,6 +156,38 @@ class QuantTensor:
         return quantize(self.dequantized(), FALLBACK)
 
 
+# Read-only file mappings (a GGUF reader's), by the array that keeps each alive: the address ranges whose pages
+# `release` may drop.
+_MAPPINGS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
+def file_mapping(array: np.ndarray) -> None:
+    """Note `array` (a view of a whole read-only file mapping) as a range `release` may drop pages of."""
+    if not array.flags.writeable and array.size:
+        _MAPPINGS[array.ctypes.data] = array
+
+
+def release(data: torch.Tensor) -> None:
+    """Drop the pages of `data` that lie in a read-only file mapping from this process's memory (madvise
+    DONTNEED; they stay in the page cache, and a later read maps them again). A tensor's blocks are read once,
+    to pack them: without this every page of the file stayed resident until the load ended, doubling the
+    weights' share of peak RSS. Anything not in such a mapping (a copy, a heap tensor) is left alone."""
+    start, end = data.data_ptr(), data.data_ptr() + data.numel() * data.element_size()
+    for base, array in list(_MAPPINGS.items()):
+        if base <= start and end <= base + array.nbytes:
+            first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first and _LIBC is not None:
+                _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+            return
+
+
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+except (OSError, AttributeError):  # not Linux: pages stay until the mapping closes
+    _LIBC = None
+
+
 def quantize(weight: torch.Tensor, fmt: Format) -> QuantTensor:
     """A float weight [rows, cols] rounded to `fmt` by gguf-py (ggml's reference rounding; Q8_0 and Q4_0/Q4_1)."""
     blocks = gguf.quants.quantize(weight.detach().float().numpy(), fmt.type)
@@ -214,6 +249,8 @@ class GGUFLinear(Layer):
             data = run[0].data if n == 1 else torch.cat([p.data for p in run])
             self.register_buffer(f"packed{len(self.runs)}", fmt.pack(data, self.in_features))
             self.runs.append((fmt, data.shape[0]))
+            for p in run:
+                release(p.data)
 
     @property
     def formats(self) -> tuple[str, ...]:

@@ -36,7 +36,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tqdm.auto import tqdm
 
 from shoal import kernels
-from shoal.model.formats import NATIVE, QuantTensor, is_quantized, type_counts
+from shoal.model.formats import NATIVE, QuantTensor, file_mapping, is_quantized, type_counts
 from shoal.model.quant import Q4Codes
 
 log = logging.getLogger("shoal.loader")
@@ -144,6 +144,7 @@ class GGUFFileReader(gguf.GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._array = value.view(np.ndarray)
+        file_mapping(self._array)  # its pages may be dropped once a tensor is packed (formats.release)
 
     @functools.cached_property
     def metadata(self) -> dict[str, Any]:

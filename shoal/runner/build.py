@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -80,14 +81,17 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     model = model.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them for real on the device.
     model.model.rotary = model.rotary(model.config, max_model_len).to(device)
+    packing = time.perf_counter()
     load_weights(model, ckpt.state_dict)
+    packing = time.perf_counter() - packing
     model = model.to(dtype).eval()
     head = rank == 0 or model.vocab is not None  # rank 0 computes the logits, or every rank its slice of them
     weights.finish_head(model, logits=head)
     if weights.name == "gguf" and rank == 0:
         kinds = Counter(f for m in model.modules() if isinstance(m, GGUFLinear) for f in m.formats)
         log.info("GGUF weights in their file's types on shoal's low-bit kernels (--quantization %s): %s; the embedding "
-                 "and the logits head too", config.quantization, ", ".join(f"{n} x {k}" for n, k in kinds.most_common()))
+                 "and the logits head too; packed in %.2f s", config.quantization,
+                 ", ".join(f"{n} x {k}" for n, k in kinds.most_common()), packing)
     elif weights.name != "none" and rank == 0:
         linears = [m for m in model.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
         exact = sum(getattr(m, "from_codes", False) for m in linears)
