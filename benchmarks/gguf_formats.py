@@ -175,9 +175,13 @@ def peers(isa: str | None):
                     "-tb", str(THREADS), "-np", "32", "-c", str(32 * 2048), "--log-disable"]
 
     ours, theirs = Ours("shoal", isa=isa), Theirs(isa)
+    # the physical limit: one stream reading the weights once a token (speculation reads them once for several)
+    plain = Ours("shoal-no-spec", ("--speculative", "off"), isa=isa)
+    plain.only = {"c1"}
     ours.settings = f"defaults but --max-model-len {CONTEXT}" + (f", SHOAL_CPU_ISA={isa}" if isa else "")
+    plain.settings = ours.settings + ", --speculative off (one stream only: what a token's read of the weights costs)"
     theirs.settings = f"-t {THREADS} -np 32 -c {32 * 2048}" + (" (built for AVX2 only)" if isa == "avx2" else "")
-    return [ours, theirs]
+    return [ours, theirs, plain]
 
 
 def rss_bytes(pid: int) -> int:
@@ -238,6 +242,8 @@ def measure(gguf: Path, isa: str | None, rounds: int, quick: bool, log_dir: Path
                 time.sleep(1.0)
                 entry = {"cold_start_s": start, "idle_rss": rss_bytes(server.proc.pid), "kv_pool": kv_pool_bytes(peer.name, server.log_path, gguf)}
                 for s in scenarios(quick):
+                    if s.name not in getattr(peer, "only", {s.name}):
+                        continue
                     r = bench(server, s, seed=rnd, progress=False)
                     entry[s.name] = {"output_tok_s": r["output_throughput"], "ttft_p50_ms": r["ttft_ms"]["p50"],
                                      "tpot_p50_ms": r["tpot_ms"]["p50"], "completed": r["completed"], "failed": r["failed"]}
@@ -257,8 +263,8 @@ def summary(runs: list[dict], file_bytes: int) -> dict:
     row = {"cold_start_s": med([r["cold_start_s"] for r in runs]),
            "footprint_mb": med([(r["idle_rss"] - r["kv_pool"]) / 1e6 for r in runs])}
     for c in STREAMS:
-        row[f"c{c}_tok_s"] = med([r[f"c{c}"]["output_tok_s"] for r in runs])
-    row["prefill_tok_s"] = med([PREFILL / (r["prefill"]["ttft_p50_ms"] / 1e3) for r in runs])
+        row[f"c{c}_tok_s"] = med([r[f"c{c}"]["output_tok_s"] for r in runs if f"c{c}" in r])
+    row["prefill_tok_s"] = med([PREFILL / (r["prefill"]["ttft_p50_ms"] / 1e3) for r in runs if "prefill" in r])
     tpot = med([r["c1"]["tpot_p50_ms"] for r in runs])
     row["c1_gb_s"] = file_bytes / (tpot / 1e3) / 1e9 if tpot else None
     return row
@@ -275,13 +281,16 @@ def report(doc: dict) -> list[str]:
     head = ["file", "server", "cold start s", "footprint MB", "1 stream tok/s", "8 streams", "32 streams",
             f"prefill {PREFILL} tok/s", "1 stream GB/s"]
     rows = []
+    cell = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
     for name, f in doc["files"].items():
-        for peer in ("shoal", "llama-server"):
+        for peer in ("shoal", "llama-server", "shoal-no-spec"):
             r = f["summary"].get(peer)
             if r is None:
                 continue
-            rows.append([name if peer == "shoal" else "", peer, f"{r['cold_start_s']:.1f}", f"{r['footprint_mb']:.0f}",
-                         *(f"{r[f'c{c}_tok_s']:.1f}" for c in STREAMS), f"{r['prefill_tok_s']:.0f}", f"{r['c1_gb_s']:.1f}"])
+            partial = peer == "shoal-no-spec"  # started for one scenario: its start and memory are shoal's
+            rows.append([name if peer == "shoal" else "", peer, cell(None if partial else r["cold_start_s"], ".1f"),
+                         cell(None if partial else r["footprint_mb"], ".0f"),
+                         *(cell(r[f"c{c}_tok_s"], ".1f") for c in STREAMS), cell(r["prefill_tok_s"], ".0f"), cell(r["c1_gb_s"], ".1f")])
         ratio = f.get("ratios")
         if ratio:
             rows.append(["", "**ratio**", f"{ratio['cold_start_s']:.2f}x", f"{ratio['footprint_mb']:.2f}x",
@@ -392,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = measure(path, args.isa, args.rounds, args.quick, Path(logs))
             summ = {peer: summary(r, path.stat().st_size) for peer, r in runs.items()}
             entry = {"bytes": path.stat().st_size, "runs": runs, "summary": summ}
-            if len(summ) == 2:
+            if "shoal" in summ and "llama-server" in summ:
                 a, b = summ["shoal"], summ["llama-server"]
                 entry["ratios"] = {k: a[k] / b[k] for k in a if a[k] and b.get(k)}
             doc["files"][name] = entry

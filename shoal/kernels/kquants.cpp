@@ -496,39 +496,47 @@ LOWBIT_AVX2 inline __m256i scale_pairs(const uint8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), dup));
 }
 
-template <int Bits, int R>
-LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0) {
+// NH halves of the panel from half h0: both in one pass (each broadcast feeds two vpmaddubsw) or one (fewer
+// registers: with the block sums, the super-block's integer sums and the float accumulators of both halves, four
+// rows spill).
+template <int Bits, int R, int NH>
+LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0, int h0) {
   constexpr KLayout lay = k_layout(Bits);
   constexpr int kWiden = Bits == 4 ? 4 : Bits == 5 ? 2 : 1;  // lines per int16 sum
   const int64_t S = a.x.S, K = a.x.K;
   const __m256i low4 = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), two = _mm256_set1_epi8(0x30);
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[R][NH];
+  for (int r = 0; r < R; ++r)
+    for (int hh = 0; hh < NH; ++hh) acc[r][hh] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     const uint8_t* sb = a.w + (p * S + s) * lay.bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(sb + kPrefetch), _MM_HINT_T0);
-    __m256i isum[R][2];
-    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+    if (R > 1 && h0 == 0)  // several rows' first pass over this super-block: ask for all that comes next (one row: as fast without)
+      for (int64_t l = 0; l < lay.bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(sb + kPrefetch + l), _MM_HINT_T0);
+    __m256i isum[R][NH];
+    for (int r = 0; r < R; ++r)
+      for (int hh = 0; hh < NH; ++hh) isum[r][hh] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
       const uint8_t* cb = sb + j * lay.codes;
-      __m256i s16[R][2];
+      __m256i s16[R][NH];
       for (int L = 0; L < 4; ++L) {
         if (L % kWiden == 0)
-          for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
-        __m256i lo[2], hi[2];
-        for (int h = 0; h < 2; ++h) {
+          for (int r = 0; r < R; ++r)
+            for (int hh = 0; hh < NH; ++hh) s16[r][hh] = _mm256_setzero_si256();
+        __m256i lo[NH], hi[NH];
+        for (int hh = 0; hh < NH; ++hh) {
+          const int h = h0 + hh;
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * L + 32 * h));
-          lo[h] = _mm256_and_si256(v, low4);
-          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          lo[hh] = _mm256_and_si256(v, low4);
+          hi[hh] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           if constexpr (Bits == 5) {
             const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + 32 * h));
-            lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(shift_epi16(f, 4 - 2 * L), fifth));
-            hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(shift_epi16(f, 3 - 2 * L), fifth));
+            lo[hh] = _mm256_or_si256(lo[hh], _mm256_and_si256(shift_epi16(f, 4 - 2 * L), fifth));
+            hi[hh] = _mm256_or_si256(hi[hh], _mm256_and_si256(shift_epi16(f, 3 - 2 * L), fifth));
           }
           if constexpr (Bits == 6) {
             const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + 64 * (L / 2) + 32 * h));
-            lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(shift_epi16(f, 4 - 4 * (L % 2)), two));
-            hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(shift_epi16(f, 2 - 4 * (L % 2)), two));
+            lo[hh] = _mm256_or_si256(lo[hh], _mm256_and_si256(shift_epi16(f, 4 - 4 * (L % 2)), two));
+            hi[hh] = _mm256_or_si256(hi[hh], _mm256_and_si256(shift_epi16(f, 2 - 4 * (L % 2)), two));
           }
         }
         for (int r = 0; r < R; ++r) {
@@ -537,34 +545,35 @@ LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0) {
           std::memcpy(&x0, xq, 4);
           std::memcpy(&x1, xq + 4, 4);
           const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
-          for (int h = 0; h < 2; ++h) {
-            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(lo[h], b0));
-            lowbit::in_register<R>(s16[r][h]);
-            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(hi[h], b1));
-            lowbit::in_register<R>(s16[r][h]);
+          for (int hh = 0; hh < NH; ++hh) {
+            s16[r][hh] = _mm256_add_epi16(s16[r][hh], _mm256_maddubs_epi16(lo[hh], b0));
+            lowbit::in_register<R>(s16[r][hh]);
+            s16[r][hh] = _mm256_add_epi16(s16[r][hh], _mm256_maddubs_epi16(hi[hh], b1));
+            lowbit::in_register<R>(s16[r][hh]);
           }
         }
         if (L % kWiden == kWiden - 1) {
           const int64_t sub = Bits < 6 ? j : 2 * j + L / 2;
-          for (int h = 0; h < 2; ++h) {
-            const __m256i sc = scale_pairs(sb + lay.scales + 16 * sub + 8 * h);
+          for (int hh = 0; hh < NH; ++hh) {
+            const __m256i sc = scale_pairs(sb + lay.scales + 16 * sub + 8 * (h0 + hh));
             for (int r = 0; r < R; ++r) {
-              isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(s16[r][h], sc));
+              isum[r][hh] = _mm256_add_epi32(isum[r][hh], _mm256_madd_epi16(s16[r][hh], sc));
               if (Bits == 6 && L % 2 == 1) {  // the block of 16 ends: take off sc * 32 * sum(q_x), as sc * (16 s + 16 s)
                 const int16_t bsum = a.x.bs[((r0 + r) * S + s) * 16 + sub];
-                isum[r][h] = _mm256_sub_epi32(isum[r][h], _mm256_madd_epi16(sc, _mm256_set1_epi16(static_cast<int16_t>(16 * bsum))));
+                isum[r][hh] = _mm256_sub_epi32(isum[r][hh], _mm256_madd_epi16(sc, _mm256_set1_epi16(static_cast<int16_t>(16 * bsum))));
               }
             }
           }
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {
+    for (int hh = 0; hh < NH; ++hh) {
+      const int h = h0 + hh;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.d + 16 * h)));
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * S + s;
         const __m256 dx = _mm256_set1_ps(a.x.d[i]);
-        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[r][h]), acc[r][h]);
+        acc[r][hh] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[r][hh]), acc[r][hh]);
         if constexpr (Bits < 6) {
           __m256i msum = _mm256_setzero_si256();
           for (int k = 0; k < 4; ++k) {
@@ -572,17 +581,16 @@ LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0) {
             msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mn, _mm256_set1_epi32(sum_pair(a.x.bs + i * 16, k))));
           }
           const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.d + 32 + 16 * h)));
-          acc[r][h] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum), acc[r][h]);
+          acc[r][hh] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum), acc[r][hh]);
         }
       }
     }
   }
-  const int64_t n = std::min(kPanel, a.N - p * kPanel);
-  for (int r = 0; r < R; ++r) {
-    float out[kPanel];
-    _mm256_storeu_ps(out, acc[r][0]);
-    _mm256_storeu_ps(out + 8, acc[r][1]);
-    std::memcpy(a.y + (r0 + r) * a.N + p * kPanel, out, n * sizeof(float));
+  const int64_t n = std::min<int64_t>(8 * NH, a.N - p * kPanel - 8 * h0);  // the valid outputs of these halves
+  for (int r = 0; r < R && n > 0; ++r) {
+    float out[8 * NH];
+    for (int hh = 0; hh < NH; ++hh) _mm256_storeu_ps(out + 8 * hh, acc[r][hh]);
+    std::memcpy(a.y + (r0 + r) * a.N + p * kPanel + 8 * h0, out, n * sizeof(float));
   }
 }
 
@@ -687,11 +695,11 @@ void kpanels_vnni(const KArgs& a, int64_t p, int64_t r0, int64_t nr) {
 template <int Bits>
 void kpanel(const KArgs& a, int64_t p, int64_t r0, int64_t nr, int path) {
   if (path == 2) {
-    switch (nr) {
-      case 4: return kpanel_avx2<Bits, 4>(a, p, r0);
-      case 3: return kpanel_avx2<Bits, 3>(a, p, r0);
-      case 2: return kpanel_avx2<Bits, 2>(a, p, r0);
-      default: return kpanel_avx2<Bits, 1>(a, p, r0);
+    switch (nr) {  // one row: both halves at once; more: a half at a time (registers)
+      case 4: return kpanel_avx2<Bits, 4, 1>(a, p, r0, 0), kpanel_avx2<Bits, 4, 1>(a, p, r0, 1);
+      case 3: return kpanel_avx2<Bits, 3, 1>(a, p, r0, 0), kpanel_avx2<Bits, 3, 1>(a, p, r0, 1);
+      case 2: return kpanel_avx2<Bits, 2, 1>(a, p, r0, 0), kpanel_avx2<Bits, 2, 1>(a, p, r0, 1);
+      default: return kpanel_avx2<Bits, 1, 2>(a, p, r0, 0);
     }
   }
   switch (nr) {
