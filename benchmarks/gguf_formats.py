@@ -275,10 +275,12 @@ def report(doc: dict) -> list[str]:
 
     lines = ["# GGUF files at real sizes: shoal against llama-server", "",
              f"On {machine_line(doc['machine'])}; {doc['isa_note']}. Memory bandwidth measured here (a numpy copy): "
-             f"{doc['bandwidth_gb_s']:.1f} GB/s. Rounds: {doc['rounds']}, the servers taking turns; figures are "
-             "medians over rounds, ratios shoal / llama-server (lower is better for footprint and cold start).", "",
+             f"{doc['bandwidth_gb_s']:.1f} GB/s. The servers take turns; figures are medians over a file's rounds, "
+             "ratios shoal / llama-server (lower is better for footprint and cold start). Output tok/s includes the "
+             "streams' own prefill; GB/s is the file's bytes over one stream's time per output token (with "
+             "speculation, several tokens share a read of the weights: shoal-no-spec is the physical figure).", "",
              f"- shoal: {doc['settings']['shoal']}", f"- llama-server: {doc['settings']['llama-server']}", ""]
-    head = ["file", "server", "cold start s", "footprint MB", "1 stream tok/s", "8 streams", "32 streams",
+    head = ["file (date, rounds)", "server", "cold start s", "footprint MB", "1 stream tok/s", "8 streams", "32 streams",
             f"prefill {PREFILL} tok/s", "1 stream GB/s"]
     rows = []
     cell = lambda v, fmt: "–" if v is None else format(v, fmt)  # noqa: E731
@@ -288,7 +290,8 @@ def report(doc: dict) -> list[str]:
             if r is None:
                 continue
             partial = peer == "shoal-no-spec"  # started for one scenario: its start and memory are shoal's
-            rows.append([name if peer == "shoal" else "", peer, cell(None if partial else r["cold_start_s"], ".1f"),
+            label = f"{name} ({f.get('date', '?')}, {f.get('rounds', '?')})" if peer == "shoal" else ""
+            rows.append([label, peer, cell(None if partial else r["cold_start_s"], ".1f"),
                          cell(None if partial else r["footprint_mb"], ".0f"),
                          *(cell(r[f"c{c}_tok_s"], ".1f") for c in STREAMS), cell(r["prefill_tok_s"], ".0f"), cell(r["c1_gb_s"], ".1f")])
         ratio = f.get("ratios")
@@ -364,7 +367,7 @@ def quality(isa: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from publish import cpu_kind, machine, publish, table
+    from publish import RESULTS, cpu_kind, machine, publish, table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["1b", "3b"], choices=sorted(SHAPES))
@@ -398,15 +401,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as logs:
         for name, path in files.items():
             print(f"{name}: {path.name}, {path.stat().st_size / 1e6:.0f} MB", flush=True)
+            # in the page cache before either server starts: a cold start is the process's, not the disk's
+            subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
             runs = measure(path, args.isa, args.rounds, args.quick, Path(logs))
             summ = {peer: summary(r, path.stat().st_size) for peer, r in runs.items()}
-            entry = {"bytes": path.stat().st_size, "runs": runs, "summary": summ}
+            entry = {"bytes": path.stat().st_size, "runs": runs, "summary": summ, "date": time.strftime("%Y-%m-%d"),
+                     "rounds": args.rounds}
             if "shoal" in summ and "llama-server" in summ:
                 a, b = summ["shoal"], summ["llama-server"]
                 entry["ratios"] = {k: a[k] / b[k] for k in a if a[k] and b.get(k)}
             doc["files"][name] = entry
-    kind = args.isa or cpu_kind()
-    publish(f"gguf_formats-{kind}", doc, report(doc))
+    name = f"gguf_formats-{args.isa or cpu_kind()}"
+    if (RESULTS / f"{name}.json").exists():  # files measured in earlier runs stay, each with its own date and rounds
+        for f, entry in json.loads((RESULTS / f"{name}.json").read_text())["files"].items():
+            doc["files"].setdefault(f, entry)
+    publish(name, doc, report(doc))
     return 0
 
 

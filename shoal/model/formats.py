@@ -311,6 +311,5 @@ def served_bytes(tensors) -> int:
 
 
 def type_counts(tensors) -> str:
-    """'Q4_K x 97, Q6_K x 17' for the types of some ReaderTensors (or QuantTensors)."""
-    counts = Counter(gguf.GGMLQuantizationType(getattr(t, "tensor_type", getattr(t, "type", None))).name for t in tensors)
-    return ", ".join(f"{name} x {n}" for name, n in counts.most_common())
+    """'Q4_K x 97, Q6_K x 17' for some QuantTensors' types."""
+    return ", ".join(f"{name} x {n}" for name, n in Counter(t.type.name for t in tensors).most_common())
