@@ -276,8 +276,12 @@ def test_the_first_token_logprobs_follow_transformers(mixed):
 # ---------------------------------------------------------------- memory
 
 _LOAD_PEAK = """
-import resource, sys
+import gc, resource, sys
 from shoal import LLM
+# a first, tiny load: what any first load imports and allocates once (transformers' config and tokenizer modules,
+# the BLAS's buffers) is then in the baseline, not in the figure
+LLM(sys.argv[2], num_blocks=16, max_model_len=64, speculative="off").close()
+gc.collect()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 llm = LLM(sys.argv[1], num_blocks=16, max_model_len=64, speculative="off")
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -320,21 +324,22 @@ def write_random_llama(path: Path, hidden: int, layers: int, vocab: int, t=T.Q4_
 
 
 def test_a_load_peaks_near_the_file_size_with_no_float_copy(tmp_path):
-    """Peak RSS while a 76 MB Q4_K file loads grows by the packed weights and little more: each tensor's blocks are
+    """Peak RSS while a 77 MB Q4_K file loads grows by the packed weights and little more: each tensor's blocks are
     read from the memory map once, packed, and their pages dropped (formats.release), and nothing is ever
-    dequantized to float. A float32 copy would be 7x the file; the file's pages held to the end, 2x."""
+    dequantized to float. Measured: 1.2x the file under pytest, 1.6x in a plain shell (the allocator's kept
+    temporaries differ); with the file's pages held to the end, 2.0x and 2.6x; a float32 copy would be 7x."""
     import subprocess
     import sys
 
     path = tmp_path / "q4k.gguf"
     write_random_llama(path, hidden=1024, layers=8, vocab=2048)
     size = path.stat().st_size
-    out = subprocess.run([sys.executable, "-c", _LOAD_PEAK, str(path)], capture_output=True, text=True, timeout=600,
+    out = subprocess.run([sys.executable, "-c", _LOAD_PEAK, str(path), str(MIXES["Q4_K_M"])], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     before, after, weights = map(int, out.stdout.split()[-3:])
     assert size < weights < 1.05 * size  # the weights held: the file's bytes
-    assert after - before < 1.3 * size, f"peak grew by {(after - before) / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"
+    assert after - before < 1.75 * size, f"peak grew by {(after - before) / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"
 
 
 def test_a_type_without_a_kernel_loads_rounded_to_q8_0(tmp_path, caplog):
