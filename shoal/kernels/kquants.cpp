@@ -51,6 +51,7 @@ using lowbit::half_to_float;
 using lowbit::kBlock;
 using lowbit::kPanel;
 using lowbit::pair_sums;
+using lowbit::shift_epi16;
 
 constexpr int64_t kSuper = 256;  // QK_K
 constexpr int64_t kRows = 4;     // rows of x sharing one pass over a panel
@@ -324,14 +325,6 @@ struct Q8K {
   int64_t K, S;
 };
 
-inline float input_at(const char* row, int64_t i, at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(row)[i]);
-    case at::kHalf: return static_cast<float>(reinterpret_cast<const c10::Half*>(row)[i]);
-    default: return reinterpret_cast<const float*>(row)[i];
-  }
-}
-
 // quantize_row_q8_K_ref with the sign of the scale taken from the largest magnitude rather than the value
 // there: the codes and the scale both change sign where ggml's differ, so every product d * q and every sum
 // of them is the same number. Compiled once for every CPU, so every path rounds the same codes.
@@ -345,7 +338,7 @@ void quantize_q8k(const char* x, int64_t stride, at::ScalarType t, int64_t r0, i
     for (int64_t s = 0; s < S; ++s) {
       float amax = 0.0f, total = 0.0f;
       for (int i = 0; i < kSuper; ++i) {
-        v[i] = input_at(row, s * kSuper + i, t);
+        v[i] = lowbit::input(row, s * kSuper + i, t);
         amax = std::max(amax, std::fabs(v[i]));
         total += v[i];
       }
@@ -426,15 +419,13 @@ LOWBIT_VNNI void kpanel_vnni(const KArgs& a, int64_t p, int64_t r0) {
           hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
           if constexpr (Bits == 5) {
             const __m512i f = _mm512_loadu_si512(cb + 256);
-            const int sl = 4 - 2 * L, sh = 3 - 2 * L;
-            lo[q] = _mm512_or_si512(lo[q], _mm512_and_si512(sl >= 0 ? _mm512_slli_epi16(f, sl) : _mm512_srli_epi16(f, -sl), fifth));
-            hi[q] = _mm512_or_si512(hi[q], _mm512_and_si512(sh >= 0 ? _mm512_slli_epi16(f, sh) : _mm512_srli_epi16(f, -sh), fifth));
+            lo[q] = _mm512_or_si512(lo[q], _mm512_and_si512(shift_epi16(f, 4 - 2 * L), fifth));
+            hi[q] = _mm512_or_si512(hi[q], _mm512_and_si512(shift_epi16(f, 3 - 2 * L), fifth));
           }
           if constexpr (Bits == 6) {
             const __m512i f = _mm512_loadu_si512(cb + 256 + 64 * (L / 2));
-            const int sl = 4 - 4 * (L % 2), sh = 2 - 4 * (L % 2);
-            lo[q] = _mm512_or_si512(lo[q], _mm512_and_si512(sl >= 0 ? _mm512_slli_epi16(f, sl) : _mm512_srli_epi16(f, -sl), two));
-            hi[q] = _mm512_or_si512(hi[q], _mm512_and_si512(sh >= 0 ? _mm512_slli_epi16(f, sh) : _mm512_srli_epi16(f, -sh), two));
+            lo[q] = _mm512_or_si512(lo[q], _mm512_and_si512(shift_epi16(f, 4 - 4 * (L % 2)), two));
+            hi[q] = _mm512_or_si512(hi[q], _mm512_and_si512(shift_epi16(f, 2 - 4 * (L % 2)), two));
           }
         }
         for (int r = 0; r < R; ++r) {
@@ -487,8 +478,6 @@ LOWBIT_VNNI void kpanel_vnni(const KArgs& a, int64_t p, int64_t r0) {
 // A pair sum of codes times activations is at most 2 * 63 * 127 = 16,002 (Q6_K), 7,874 (Q5_K), 3,810 (Q4_K): an
 // int16 sum holds 2, 4 and 8 of them, so Q6_K widens after every line, Q5_K after every two, Q4_K once a block.
 // The widening multiplies by the block's scale, both lanes of an output's pair holding it.
-
-LOWBIT_AVX2 inline __m256i shift_epi16(__m256i v, int s) { return s >= 0 ? _mm256_slli_epi16(v, s) : _mm256_srli_epi16(v, -s); }
 
 // the scales of outputs 8h..8h+7 (8 bytes at p) as int16 pairs [s0, s0, s1, s1, ...]
 LOWBIT_AVX2 inline __m256i scale_pairs(const uint8_t* p) {
@@ -596,8 +585,6 @@ LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0, int h0) {
 
 // ---- x86-64 baseline (SSE2): 16-bit products summed in pairs by pmaddwd, the scales in scalar code ----
 
-inline __m128i shift_epi16_sse(__m128i v, int s) { return s >= 0 ? _mm_slli_epi16(v, s) : _mm_srli_epi16(v, -s); }
-
 template <int Bits, int R>
 void kpanel_sse2(const KArgs& a, int64_t p, int64_t r0) {
   constexpr KLayout lay = k_layout(Bits);
@@ -611,17 +598,7 @@ void kpanel_sse2(const KArgs& a, int64_t p, int64_t r0) {
     for (int j = 0; j < 8; ++j) {
       const uint8_t* cb = sb + j * lay.codes;
       __m128i xs[R][8];  // per row, inputs 4k..4k+3 of the block as int16, twice: what one output's four codes meet
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = a.x.q + (r0 + r) * K + s * kSuper + 32 * j;
-        for (int h = 0; h < 2; ++h) {
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16 * h));
-          const __m128i lo = _mm_srai_epi16(_mm_unpacklo_epi8(v, v), 8), hi = _mm_srai_epi16(_mm_unpackhi_epi8(v, v), 8);
-          xs[r][4 * h] = _mm_unpacklo_epi64(lo, lo);
-          xs[r][4 * h + 1] = _mm_unpackhi_epi64(lo, lo);
-          xs[r][4 * h + 2] = _mm_unpacklo_epi64(hi, hi);
-          xs[r][4 * h + 3] = _mm_unpackhi_epi64(hi, hi);
-        }
-      }
+      for (int r = 0; r < R; ++r) lowbit::widen_block(a.x.q + (r0 + r) * K + s * kSuper + 32 * j, xs[r]);
       for (int g = 0; g < 4; ++g) {  // outputs 4g..4g+3: bytes 16g..16g+15 of every line
         __m128i s01[R][2], s23[R][2];  // per block of 16 (one for Q4_K and Q5_K's blocks of 32)
         for (int r = 0; r < R; ++r) s01[r][0] = s01[r][1] = s23[r][0] = s23[r][1] = zero;
@@ -630,13 +607,13 @@ void kpanel_sse2(const KArgs& a, int64_t p, int64_t r0) {
           __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
           if (Bits == 5) {
             const __m128i f = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 256 + 16 * g));
-            lo = _mm_or_si128(lo, _mm_and_si128(shift_epi16_sse(f, 4 - 2 * L), mask));
-            hi = _mm_or_si128(hi, _mm_and_si128(shift_epi16_sse(f, 3 - 2 * L), mask));
+            lo = _mm_or_si128(lo, _mm_and_si128(shift_epi16(f, 4 - 2 * L), mask));
+            hi = _mm_or_si128(hi, _mm_and_si128(shift_epi16(f, 3 - 2 * L), mask));
           }
           if (Bits == 6) {
             const __m128i f = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 256 + 64 * (L / 2) + 16 * g));
-            lo = _mm_or_si128(lo, _mm_and_si128(shift_epi16_sse(f, 4 - 4 * (L % 2)), mask));
-            hi = _mm_or_si128(hi, _mm_and_si128(shift_epi16_sse(f, 2 - 4 * (L % 2)), mask));
+            lo = _mm_or_si128(lo, _mm_and_si128(shift_epi16(f, 4 - 4 * (L % 2)), mask));
+            hi = _mm_or_si128(hi, _mm_and_si128(shift_epi16(f, 2 - 4 * (L % 2)), mask));
           }
           const __m128i lo01 = _mm_unpacklo_epi8(lo, zero), lo23 = _mm_unpackhi_epi8(lo, zero);
           const __m128i hi01 = _mm_unpacklo_epi8(hi, zero), hi23 = _mm_unpackhi_epi8(hi, zero);

@@ -40,10 +40,12 @@ namespace {
 
 using lowbit::half_to_float;
 using lowbit::in_register;
+using lowbit::input;
 using lowbit::kBlock;
 using lowbit::kPanel;
 using lowbit::matmul_path;
 using lowbit::pair_sums;
+using lowbit::shift_epi16;
 constexpr int64_t kQ4Bytes = 4 * 64 + 2 * kPanel * 2;
 constexpr int64_t kQ8Bytes = 8 * 64 + kPanel * 2;
 constexpr int64_t kRows = 4;         // rows of x sharing one pass over a panel's weights (two panels on VNNI)
@@ -77,14 +79,6 @@ struct Args {
   int64_t M, N, P;
   int kind;
 };
-
-inline float input(const void* x, int64_t i, at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(x)[i]);
-    case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(x)[i]);
-    default: return static_cast<const float*>(x)[i];
-  }
-}
 
 // One row's blocks: amax / 127 as the scale, codes rounded to nearest even, the block's float sum
 // as (x[i] + x[i + 16]) added across lanes by one fixed tree. Compiled once for every CPU, on the
@@ -146,10 +140,6 @@ INL void scale_block(float* acc, const int32_t* s, const float* d, const float* 
   }
 }
 
-// v shifted left by s bits (right by -s) in 16-bit lanes: with a mask of one bit position per byte after it, a
-// byte's own bit s places lower (higher) lands there, and no bit of its neighbour does, for |s| < 8
-INL __m128i shift_bits(__m128i v, int s) { return s >= 0 ? _mm_slli_epi16(v, s) : _mm_srli_epi16(v, -s); }
-
 template <int R>
 void panel_sse2(const Args& a, int64_t p, int64_t r0) {
   const int64_t B = a.x.B, K = a.x.K;
@@ -161,17 +151,7 @@ void panel_sse2(const Args& a, int64_t p, int64_t r0) {
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* blk = a.w + (p * B + b) * lay.bytes;
     __m128i xs[R][8];  // per row, inputs 4j..4j+3 as int16, twice: what one output's four codes meet
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xq = a.x.q + (r0 + r) * K + b * kBlock;
-      for (int h = 0; h < 2; ++h) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16 * h));
-        const __m128i lo = _mm_srai_epi16(_mm_unpacklo_epi8(v, v), 8), hi = _mm_srai_epi16(_mm_unpackhi_epi8(v, v), 8);
-        xs[r][4 * h] = _mm_unpacklo_epi64(lo, lo);
-        xs[r][4 * h + 1] = _mm_unpackhi_epi64(lo, lo);
-        xs[r][4 * h + 2] = _mm_unpacklo_epi64(hi, hi);
-        xs[r][4 * h + 3] = _mm_unpackhi_epi64(hi, hi);
-      }
-    }
+    for (int r = 0; r < R; ++r) lowbit::widen_block(a.x.q + (r0 + r) * K + b * kBlock, xs[r]);
     for (int g = 0; g < 4; ++g) {  // outputs 4g..4g+3: bytes 16g..16g+15 of every line
       __m128i s01[R], s23[R];  // pairs of partial sums of outputs 4g, 4g+1 and of 4g+2, 4g+3
       for (int r = 0; r < R; ++r) s01[r] = s23[r] = zero;
@@ -181,8 +161,8 @@ void panel_sse2(const Args& a, int64_t p, int64_t r0) {
           __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
           if (q5) {  // the fifth bits: bit 2L (low nibbles' inputs) and 2L + 1 (high) of the line after the four
             const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * g));
-            lo = _mm_or_si128(lo, _mm_and_si128(shift_bits(h, 4 - 2 * L), fifth));
-            hi = _mm_or_si128(hi, _mm_and_si128(shift_bits(h, 3 - 2 * L), fifth));
+            lo = _mm_or_si128(lo, _mm_and_si128(shift_epi16(h, 4 - 2 * L), fifth));
+            hi = _mm_or_si128(hi, _mm_and_si128(shift_epi16(h, 3 - 2 * L), fifth));
           }
           const __m128i lo01 = _mm_sub_epi16(_mm_unpacklo_epi8(lo, zero), offset), lo23 = _mm_sub_epi16(_mm_unpackhi_epi8(lo, zero), offset);
           const __m128i hi01 = _mm_sub_epi16(_mm_unpacklo_epi8(hi, zero), offset), hi23 = _mm_sub_epi16(_mm_unpackhi_epi8(hi, zero), offset);
@@ -221,8 +201,6 @@ void panel_sse2(const Args& a, int64_t p, int64_t r0) {
 // ---- AVX2 (and AVX-512 CPUs without VNNI): two halves of 8 outputs ----
 
 #define AVX2_TARGET LOWBIT_AVX2
-
-AVX2_TARGET INL __m256i shift_bits256(__m256i v, int s) { return s >= 0 ? _mm256_slli_epi16(v, s) : _mm256_srli_epi16(v, -s); }
 
 AVX2_TARGET inline __m256i dot4_u8s8(__m256i u, __m256i s) {  // per 32-bit lane: sum of 4 u8 * s8 products, exact here
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -278,8 +256,8 @@ AVX2_TARGET void panel_avx2_q4(const Args& a, int64_t p, int64_t r0) {
         hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         if constexpr (Q5) {
           const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256 + 32 * h));
-          lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(shift_bits256(f, 4 - 2 * L), fifth));
-          hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(shift_bits256(f, 3 - 2 * L), fifth));
+          lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(shift_epi16(f, 4 - 2 * L), fifth));
+          hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(shift_epi16(f, 3 - 2 * L), fifth));
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -391,9 +369,8 @@ VNNI_TARGET void panel_vnni(const Args& a, int64_t p, int64_t r0) {
           hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
           if (q5) {  // the fifth bits: bit 2L (low nibbles' inputs) and 2L + 1 (high) of the line after the four
             const __m512i f = _mm512_loadu_si512(blk[q] + 256);
-            const int sl = 4 - 2 * L, sh = 3 - 2 * L;
-            lo[q] = _mm512_or_si512(lo[q], _mm512_and_si512(sl >= 0 ? _mm512_slli_epi16(f, sl) : _mm512_srli_epi16(f, -sl), fifth));
-            hi[q] = _mm512_or_si512(hi[q], _mm512_and_si512(sh >= 0 ? _mm512_slli_epi16(f, sh) : _mm512_srli_epi16(f, -sh), fifth));
+            lo[q] = _mm512_or_si512(lo[q], _mm512_and_si512(shift_epi16(f, 4 - 2 * L), fifth));
+            hi[q] = _mm512_or_si512(hi[q], _mm512_and_si512(shift_epi16(f, 3 - 2 * L), fifth));
           }
         }
         for (int r = 0; r < R; ++r) {

@@ -3,6 +3,8 @@
 // and the choice of instruction set.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -23,6 +25,28 @@ inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// element i of a row of float32, bfloat16 or float16 activations, as float32
+inline float input(const void* x, int64_t i, c10::ScalarType t) {
+  switch (t) {
+    case c10::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(x)[i]);
+    case c10::kHalf: return static_cast<float>(static_cast<const c10::Half*>(x)[i]);
+    default: return static_cast<const float*>(x)[i];
+  }
+}
+
+// v shifted left by s bits (right by -s) in 16-bit lanes, per instruction set. With a mask of one bit position per
+// byte after it, a byte's own bit s places lower (higher) lands there and no bit of its neighbour does, for |s| < 8:
+// how the kernels put a code's fifth (and sixth) bits back beside its low nibble.
+inline __attribute__((always_inline)) __m128i shift_epi16(__m128i v, int s) {
+  return s >= 0 ? _mm_slli_epi16(v, s) : _mm_srli_epi16(v, -s);
+}
+LOWBIT_AVX2 inline __attribute__((always_inline)) __m256i shift_epi16(__m256i v, int s) {
+  return s >= 0 ? _mm256_slli_epi16(v, s) : _mm256_srli_epi16(v, -s);
+}
+LOWBIT_VNNI inline __attribute__((always_inline)) __m512i shift_epi16(__m512i v, int s) {
+  return s >= 0 ? _mm512_slli_epi16(v, s) : _mm512_srli_epi16(v, -s);
 }
 
 // 3: AVX-512 VNNI, 2: AVX2, 1: SSE2 (the baseline); capped by the process's level (SHOAL_CPU_ISA)
@@ -48,6 +72,19 @@ inline __m128i pair_sums(__m128i ab, __m128i ce) {
   const __m128 x = _mm_castsi128_ps(ab), y = _mm_castsi128_ps(ce);
   return _mm_add_epi32(_mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0))),
                        _mm_castps_si128(_mm_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+// SSE2: a block's 32 int8 activations as int16, each group of four inputs twice in one register (xs[j]: inputs
+// 4j..4j+3): what one output's four codes meet in pmaddwd
+inline void widen_block(const int8_t* xq, __m128i* xs) {
+  for (int h = 0; h < 2; ++h) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16 * h));
+    const __m128i lo = _mm_srai_epi16(_mm_unpacklo_epi8(v, v), 8), hi = _mm_srai_epi16(_mm_unpackhi_epi8(v, v), 8);
+    xs[4 * h] = _mm_unpacklo_epi64(lo, lo);
+    xs[4 * h + 1] = _mm_unpackhi_epi64(lo, lo);
+    xs[4 * h + 2] = _mm_unpacklo_epi64(hi, hi);
+    xs[4 * h + 3] = _mm_unpackhi_epi64(hi, hi);
+  }
 }
 
 }  // namespace lowbit
