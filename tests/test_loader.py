@@ -569,3 +569,34 @@ def test_auto_quantization_picks_the_files_own_format(tmp_path):
         want = native if kernels.available() else torch_kernels
         assert load_checkpoint(tmp_path / f"{name}.gguf", progress=False, quantization="auto").weight_format == want, name
     assert load_checkpoint(folder, progress=False, quantization="auto").weight_format == "none"  # safetensors
+
+@pytest.mark.parametrize("fixture", ["tiny-llama-Q4_K_M.gguf", "tiny-llama-Q5_K_M.gguf"])
+def test_gguf_metadata_parse_equals_gguf_py(fixture):
+    """GGUFFileReader reads arrays in bulk: every key's value, and the tensor index, as gguf-py's own reader gives them."""
+    from pathlib import Path
+
+    from shoal.model.gguf_loader import GGUFFileReader, read_metadata
+
+    path = Path(__file__).parent / "fixtures" / fixture
+    ours, theirs = GGUFFileReader(path), gguf.GGUFReader(path)
+    assert read_metadata(ours) == {name: field.contents() for name, field in theirs.fields.items()}
+    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) >= 400  # arrays of strings and numbers
+    assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in theirs.tensors]
+
+
+def test_gguf_cut_inside_its_metadata_is_refused(tmp_path):
+    from pathlib import Path
+
+    from shoal.model.gguf_loader import GGUFFileReader
+
+    whole = (Path(__file__).parent / "fixtures" / "tiny-llama-Q4_K_M.gguf").read_bytes()
+    tokens = whole.index(b"tokenizer.ggml.tokens")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:tokens + 2000])  # inside the vocabulary's strings
+    with pytest.raises(ValueError, match="the file ends inside its metadata"):
+        GGUFFileReader(cut)
+    scores = whole.index(b"tokenizer.ggml.token_type")
+    cut.write_bytes(whole[:scores + 100])  # inside an array of numbers
+    with pytest.raises(ValueError, match="the file ends inside its metadata"):
+        GGUFFileReader(cut)

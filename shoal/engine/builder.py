@@ -129,7 +129,7 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def time_steps(runner, k: int, repeats: int = 5) -> tuple[float, float]:
+def time_steps(runner, k: int, repeats: int = 3) -> tuple[float, float]:
     """Seconds of a one-token decode step, and of one that verifies a draft of k tokens (k + 1 positions, each
     sampled), on this host: the median of `repeats` after a warm-up, in the pool's first blocks (nothing holds
     them at start)."""

@@ -46,9 +46,11 @@ log = logging.getLogger("shoal.loader")
 
 @dataclass(frozen=True)
 class ArchSpec:
-    config_class: str  # transformers config class name
+    model_type: str  # transformers' model_type of the decoder's config
     model_class: str  # what config.architectures names
     qk_permuted: bool  # convert_hf_to_gguf.py applied LlamaModel.permute to q/k rows
+    fixed_qkv_bias: bool = False  # q/k/v always carry biases: the family's config has no attention_bias flag
+    config_class: str | None = None  # the transformers config class built, where a plain config will not do (below)
 
 
 # llama.cpp writes Llama *and* Mistral checkpoints as arch "llama" (convert_hf_to_gguf's
@@ -56,18 +58,19 @@ class ArchSpec:
 # Qwen3Model are plain TextModels, which write q/k rows as they are.
 # The decoder of Qwen2-VL *and* Qwen2.5-VL is arch "qwen2vl" (Qwen2VLModel, a plain TextModel
 # registered for both, that leaves the visual.* tensors to the mmproj file): Qwen2's tensors plus
-# `qwen2vl.rope.dimension_sections`. Only the mmproj's projector type tells the two apart, so the
-# config names Qwen2-VL until the caller reads it (model/mmproj.py).
+# `qwen2vl.rope.dimension_sections` (M-RoPE). Only the mmproj's projector type tells the two apart, so the
+# config names Qwen2-VL until the caller reads it (model/mmproj.py). Its vision side builds transformers'
+# own modules, which read the family's config class.
 ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec("LlamaConfig", "LlamaForCausalLM", qk_permuted=True),
-    "qwen2": ArchSpec("Qwen2Config", "Qwen2ForCausalLM", qk_permuted=False),
-    "qwen3": ArchSpec("Qwen3Config", "Qwen3ForCausalLM", qk_permuted=False),
-    "qwen2vl": ArchSpec("Qwen2VLTextConfig", "Qwen2VLForConditionalGeneration", qk_permuted=False),
+    "llama": ArchSpec("llama", "LlamaForCausalLM", qk_permuted=True),
+    "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", qk_permuted=False, fixed_qkv_bias=True),
+    "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qk_permuted=False),
+    "qwen2vl": ArchSpec("qwen2_vl_text", "Qwen2VLForConditionalGeneration", qk_permuted=False, fixed_qkv_bias=True,
+                        config_class="Qwen2VLTextConfig"),
 }
-# Families whose q/k/v always carry biases: their configs have no attention_bias flag.
-FIXED_QKV_BIAS = {"Qwen2Config", "Qwen2VLTextConfig"}
-# Families with multimodal rotary positions (M-RoPE): their rope parameters carry `mrope_section`.
-MROPE = {"Qwen2VLTextConfig"}
+# What the families' transformers configs default to where a file says nothing: the decoders all use SiLU,
+# and transformers' Llama, Qwen2 and Qwen3 configs all take 1e-6 for a missing epsilon.
+CONFIG_DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "rms_norm_eps": 1e-6}
 
 # `{arch}.<key>` metadata -> config attribute.
 HPARAMS: dict[str, str] = {
@@ -126,6 +129,8 @@ class GGUFCheckpoint:
 
 # ---------------------------------------------------------------- reading
 
+ORDER_SWAPPED = {"little": "big", "big": "little"}
+
 
 class GGUFFileReader(gguf.GGUFReader):
     """`gguf.GGUFReader`, parsing over a plain-ndarray view of its memory map.
@@ -137,6 +142,12 @@ class GGUFFileReader(gguf.GGUFReader):
     The view keeps the mapping alive (it is the view's base) and read-only.
     """
 
+    def __init__(self, path: str | Path) -> None:
+        self.seconds: dict[str, float] = {}  # what parsing, the tokenizer and the config took, for the load's log line
+        t0 = time.perf_counter()
+        super().__init__(path)
+        self.seconds["metadata"] = time.perf_counter() - t0
+
     @property
     def data(self) -> np.ndarray:
         return self._array
@@ -146,14 +157,44 @@ class GGUFFileReader(gguf.GGUFReader):
         self._array = value.view(np.ndarray)
         file_mapping(self._array)  # its pages may be dropped once a tensor is packed (formats.release)
 
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list[gguf.GGUFValueType]]:
+        """gguf-py's, but an array in bulk: gguf-py parses it an entry at a time, with three numpy views per string
+        (0.7 s of a 1B model's start for a vocabulary of 49k tokens, their types and scores, and 49k merges).
+        Here an array of numbers is one view (so `contents()` reads it whole, as read_metadata does), and an
+        array of strings one memoryview slice per string."""
+        if raw_type != gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        parts: list = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+        item, count, offs = gguf.GGUFValueType(parts[0][0]), int(parts[1][0]), orig_offs + 12
+        types = [gguf.GGUFValueType.ARRAY, item]
+        if (numbers := self.gguf_scalar_to_np.get(item)) is not None:
+            if offs + count * np.dtype(numbers).itemsize > len(self._array):
+                raise ValueError(f"the file ends inside its metadata (an array of {count} numbers at byte {orig_offs})")
+            parts.append(self._get(offs, numbers, count))
+            return 12 + parts[2].nbytes, parts, [2], types
+        if item != gguf.GGUFValueType.STRING:  # arrays of arrays: gguf-py's way
+            return super()._get_field_parts(orig_offs, raw_type)
+        data, order = memoryview(self._array), sys.byteorder if self.byte_order == "I" else ORDER_SWAPPED[sys.byteorder]
+        end = len(data)
+        for _ in range(count):
+            length = int.from_bytes(data[offs:offs + 8], order)
+            parts.append(data[offs + 8:offs + 8 + length])  # .tobytes(), as ReaderField.contents reads a part
+            offs += 8 + length
+            if offs > end:
+                raise ValueError(f"the file ends inside its metadata (an array of {count} strings at byte {orig_offs})")
+        return offs - orig_offs, parts, list(range(2, 2 + count)), types
+
     @functools.cached_property
     def metadata(self) -> dict[str, Any]:
         return read_metadata(self)
 
     @functools.cached_property
     def tokenizer(self) -> transformers.PreTrainedTokenizerFast:
-        """Built once (~0.5 s for SmolLM2's vocabulary), whether the config is read before the load or by it."""
-        return build_tokenizer(self.metadata)
+        """Built once (~0.2 s for SmolLM2's vocabulary), whether the config is read before the load or by it."""
+        t0 = time.perf_counter()
+        tokenizer = build_tokenizer(self.metadata)
+        self.seconds["tokenizer"] = time.perf_counter() - t0
+        return tokenizer
 
     @functools.cached_property
     def hf_config(self) -> transformers.PretrainedConfig:
@@ -185,24 +226,21 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     quantization blocks, else the tensor is read whole and the model slices it.
     reader: the file already parsed (loader.open_gguf), so that decisions made before the load share its parse.
     """
-    t0 = time.perf_counter()
     reader = reader if reader is not None else GGUFFileReader(path)
     meta = reader.metadata
-    t1 = time.perf_counter()
     try:
         config = reader.hf_config
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     tokenizer = reader.tokenizer
-    t2 = time.perf_counter()
+    t0 = time.perf_counter()
     fmt = planned_weight_format(quantization, reader)
     state_dict = load_state_dict(reader.tensors, ARCHS[meta["general.architecture"]], config, dtype, progress, fmt, select)
-    t3 = time.perf_counter()
     kept = [v for v in state_dict.values() if isinstance(v, (Q4Codes, QuantTensor))]
     log.info(
         "GGUF %s: read metadata %.2f s, tokenizer %.2f s, %d tensors %.2f s (%d kept in their file's types, not dequantized%s)",
-        Path(path).name, t1 - t0, t2 - t1, len(state_dict), t3 - t2, len(kept),
-        f": {type_counts(kept)}" if fmt == "gguf" else "",
+        Path(path).name, reader.seconds["metadata"], reader.seconds["tokenizer"], len(state_dict),
+        time.perf_counter() - t0, len(kept), f": {type_counts(kept)}" if fmt == "gguf" else "",
     )
     other = [v for v in kept if isinstance(v, QuantTensor) and v.type not in NATIVE]
     if other:
@@ -424,14 +462,26 @@ def build_config(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if spec.config_class in MROPE:
+    if arch == "qwen2vl":
         kwargs["rope_parameters"]["mrope_section"] = mrope_section(meta, arch)
-    if spec.config_class not in FIXED_QKV_BIAS:
+    if not spec.fixed_qkv_bias:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if spec.config_class == "LlamaConfig":
+    if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-    config = getattr(transformers, spec.config_class)(**kwargs)
+    if spec.config_class is not None:
+        config = getattr(transformers, spec.config_class)(**kwargs)
+    else:  # see plain_config
+        config = plain_config(spec.model_type, **CONFIG_DEFAULTS | kwargs)
     config.architectures = [spec.model_class]
+    return config
+
+
+def plain_config(model_type: str, **fields) -> transformers.PretrainedConfig:
+    """A transformers config holding `fields`, of the base class. The decoder reads fields only (ModelConfig.from_hf,
+    the rope functions), and importing a family's own config module pulls in transformers' activations and,
+    through them, torch.distributed.tensor: a second of every start."""
+    config = transformers.PretrainedConfig(**fields)
+    config.model_type = model_type
     return config
 
 
@@ -458,7 +508,8 @@ def rope_parameters(
     elif scaling != "none":
         log.warning("GGUF rope scaling %r is not supported; using plain rope", scaling)
     if "rope_freqs.weight" in tensors:
-        params = llama3_rope_parameters(dequantize(tensors["rope_freqs.weight"]), theta, head_dim) or params
+        positions = int(meta.get(f"{arch}.context_length", 131072))
+        params = llama3_rope_parameters(dequantize(tensors["rope_freqs.weight"]), theta, head_dim, positions) or params
     return params
 
 
@@ -477,7 +528,7 @@ def mrope_section(meta: dict[str, Any], arch: str) -> list[int]:
     return sections[:3]
 
 
-def llama3_rope_parameters(freq_factors: torch.Tensor, theta: float, head_dim: int) -> dict[str, Any] | None:
+def llama3_rope_parameters(freq_factors: torch.Tensor, theta: float, head_dim: int, positions: int) -> dict[str, Any] | None:
     """HF "llama3" rope parameters that reproduce llama.cpp's `rope_freqs.weight`, or None.
 
     llama.cpp stores Llama 3.1-style scaling as one divisor per rotary frequency
@@ -495,7 +546,7 @@ def llama3_rope_parameters(freq_factors: torch.Tensor, theta: float, head_dim: i
     }
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = transformers.LlamaConfig(head_dim=head_dim, rope_parameters=params)
+    config = plain_config("llama", head_dim=head_dim, rope_parameters=params, max_position_embeddings=positions)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     if torch.allclose(plain / scaled, freq_factors.float(), rtol=1e-4):

@@ -47,6 +47,12 @@ def float_linear(in_features: int, out_features: int, bias: bool, parts: tuple[i
     return Linear(in_features, out_features, bias=bias)
 
 
+def embedding(rows: int, hidden: int) -> nn.Embedding:
+    """An embedding table left uninitialized: its rows are always loaded from the checkpoint, and nn.Embedding's
+    own random init (normal_) imports torch._dynamo, some 0.6 s of a server's start."""
+    return nn.Embedding(rows, hidden, _weight=torch.empty(rows, hidden))
+
+
 def bind_attributes(model: nn.Module) -> None:
     """Copy every module's submodules, parameters and buffers into its instance dict.
 
@@ -81,6 +87,11 @@ class Rotary(Layer):
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":  # a model built before its weights (runner/build.py): shapes
+            # only; the tables are computed after to_empty (and torch's meta arange would import torch._dynamo, ~0.6 s)
+            for name in ("cos", "sin"):
+                self.register_buffer(name, torch.empty(max_positions, config.head_dim), persistent=False)
+            return
         inv_freq, scaling = rope_inv_freq(config)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
@@ -204,7 +215,7 @@ class DecoderModel(Layer):
         the embedding lives on the first stage, the final norm is applied on the last. rotary: the class of
         the position tables (the family's)."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else None
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size) if first else None
         self.rotary = rotary(config, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(config, linear) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

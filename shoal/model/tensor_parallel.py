@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shoal.model.layers import MLP, Attention, Layer, Linear
+from shoal.model.layers import MLP, Attention, Layer, Linear, embedding
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def shard_model(model, tp: TensorParallel, linear) -> None:
     if shard.vocab is not None:
         rows = shard.vocab[1] - shard.vocab[0]
         if model.model.embed_tokens is not None:
-            model.model.embed_tokens = nn.Embedding(rows, c.hidden_size)
+            model.model.embed_tokens = embedding(rows, c.hidden_size)
         if hasattr(model, "lm_head"):
             model.lm_head = Linear(c.hidden_size, rows, bias=False)
     model.config, model.tp, model.shard, model.vocab = c, tp, shard, shard.vocab
