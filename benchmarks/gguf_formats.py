@@ -206,8 +206,8 @@ def kv_pool_bytes(peer: str, log_path: Path, gguf: Path) -> int:
     from shoal.model.gguf_loader import GGUFFileReader
 
     if peer == "shoal":
-        m = re.search(r"KV cache: .*?= \d+ tokens, ([\d.]+) MiB", log_path.read_text())
-        return int(float(m.group(1)) * 2**20) if m else 0
+        m = re.search(r"KV pool .*? = (\d+) tokens of \w+ at (\d+) bytes a token", log_path.read_text())
+        return int(m.group(1)) * int(m.group(2)) if m else 0
     meta = GGUFFileReader(gguf).metadata
     arch = meta["general.architecture"]
     layers, kv_heads = meta[f"{arch}.block_count"], meta[f"{arch}.attention.head_count_kv"]

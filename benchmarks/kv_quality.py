@@ -9,6 +9,8 @@ Then one stream's decode rate at 4k and 8k of context, and 32 streams' at 4k, pe
 ratios hold on a shared machine). Results: benchmarks/results/kv_quality-<CPU kind>.md.
 
     python benchmarks/kv_quality.py [--contexts 2048 4096 8000] [--dtypes bfloat16 float16 int8] [--no-speed]
+    SHOAL_CPU_ISA=avx2 python benchmarks/kv_quality.py --no-quality --quality-from kv_quality-avx512-vnni-bf16 \
+        --speed-dtypes bfloat16 float16 int8 --one-stream --out kv_quality-avx2   # a CPU without native bfloat16
 """
 
 from __future__ import annotations
@@ -170,6 +172,10 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16", "int8"])
     p.add_argument("--speed-dtypes", nargs="+", default=["bfloat16", "int8"])
     p.add_argument("--no-speed", action="store_true", help="quality only (the last run's speed figures are kept)")
+    p.add_argument("--no-quality", action="store_true", help="speed only (quality is the same bits on every "
+                   "instruction set: the last run's figures are kept, or --quality-from's)")
+    p.add_argument("--quality-from", default=None, help="a results name whose quality figures this run shows")
+    p.add_argument("--one-stream", action="store_true", help="speed at one stream only (32 streams of 4k take long on 2 cores)")
     p.add_argument("--out", default=None, help="results name (default: kv_quality-<CPU kind>)")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -177,9 +183,12 @@ def main() -> None:
     doc = {"machine": machine(), "model": a.model, "contexts": a.contexts, "quality": {}, "speed": {}}
     if a.no_speed and (RESULTS / f"{out}.json").exists():
         doc["speed"] = load(out).get("speed", {})
-    bar = tqdm(total=len(WEIGHTS) * (1 + len(a.dtypes)) + (0 if a.no_speed else 3 * (1 + len(a.speed_dtypes))),
+    if a.no_quality and (RESULTS / f"{a.quality_from or out}.json").exists():
+        doc["quality"] = load(a.quality_from or out).get("quality", {})
+    cases = 2 if a.one_stream else 3
+    bar = tqdm(total=(0 if a.no_quality else len(WEIGHTS) * (1 + len(a.dtypes))) + (0 if a.no_speed else cases * (1 + len(a.speed_dtypes))),
                desc="kv_quality", unit="run")
-    for weights in WEIGHTS:
+    for weights in [] if a.no_quality else WEIGHTS:
         ref = quality(a.model, "float32", a.contexts, weights)
         bar.update()
         doc["quality"][weights] = {}
@@ -189,7 +198,7 @@ def main() -> None:
             bar.update()
     publish(out, doc, markdown(doc))  # the quality part, kept if the speed part fails
     if not a.no_speed:
-        for context, streams in ((4096, 1), (8000, 1), (4096, 32)):
+        for context, streams in ((4096, 1), (8000, 1), *(() if a.one_stream else ((4096, 32),))):
             key = f"{streams} × {context}"
             doc["speed"][key] = {}
             for kv in ["float32", *a.speed_dtypes]:

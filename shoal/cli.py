@@ -35,6 +35,7 @@ from shoal.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    auto_int,
     parse_bytes,
 )
 from shoal.types import GenerationRequest, SamplingParams
@@ -73,8 +74,11 @@ ENGINE_OPTS = [
         "own type (Q4_K, Q6_K, Q8_0...) on shoal's kernels, none dequantizes them; int8/int4 round any weights",
         choices=("auto", "none", "int8", "int4")),
     Opt("--device", "auto", str, "cpu, cuda or auto (default)"),
-    Opt("--max-model-len", None, int, "context length (default: the model's)"),
-    Opt("--kv-cache-memory", "1GiB", str, "KV cache budget on CPU, e.g. 2GiB or 512MiB"),
+    Opt("--max-model-len", None, auto_int, "context length (default auto: the model's trained length, capped to what "
+        "the KV pool holds for one sequence)"),
+    Opt("--kv-cache-memory", "auto", str, "KV cache budget, e.g. 2GiB or 512MiB (default auto: what the machine has "
+        "available after the weights, less a margin, and no more than --max-num-seqs sequences of the context use; "
+        "on CUDA a fraction of the free memory)"),
     Opt("--kv-cache-dtype", "auto", str, "what the KV cache holds: auto (the activations' dtype), float32, bfloat16, "
         "float16, int8 (a scale per token and head: about half of bfloat16's bytes) or fp8 (CUDA)", choices=KV_CACHE_DTYPES),
     Opt("--encoder-cache-memory", "256MiB", str, "a vision model's image embeddings kept by content, so an image "
@@ -295,7 +299,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
     v = vars(a) if isinstance(a, argparse.Namespace) else a
     cache = dict(
         block_size=v["block_size"],
-        kv_cache_memory=parse_bytes(v["kv_cache_memory"]),
+        kv_cache_memory=None if str(v["kv_cache_memory"]).strip().lower() == "auto" else parse_bytes(v["kv_cache_memory"]),
         kv_cache_dtype=v.get("kv_cache_dtype", "auto"),
         enable_prefix_cache=bool(v.get("prefix_cache", True)),
         prefix_cache_ttl=v.get("prefix_cache_ttl"),
@@ -310,7 +314,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
         mmproj=v.get("mmproj"),
         dtype=v["dtype"],
         device=v["device"],
-        max_model_len=v["max_model_len"],
+        max_model_len=None if v["max_model_len"] is None else auto_int(v["max_model_len"]),
         num_threads=v["threads"],
         quantization=v.get("quantization"),
         attention="invariant" if v.get("deterministic") else v.get("attention", "auto"),

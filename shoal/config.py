@@ -29,6 +29,13 @@ def parse_bytes(value: str | int | float) -> int:
     return int(number * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
 
 
+def auto_int(value: str | int) -> int | None:
+    """'auto' -> None (the engine decides), else a whole number: what --max-model-len takes."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    return int(value)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # 32 in flight keeps a 2-core CPU busy on decode; more mostly adds latency.
@@ -67,8 +74,10 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # KV-cache budget in bytes on CPU; on CUDA a fraction of free memory.
-    kv_cache_memory: int = 1 * GiB
+    # KV-cache budget in bytes; None: auto, sized from the machine (runner/kv_sizing.py), on CUDA a fraction of free memory
+    kv_cache_memory: int | None = None
+    kv_cache_memory_cap: int | None = None  # the most an auto pool takes (what a server's --models-memory leaves a model)
+    kv_share: float = 1.0  # the part of the machine's room an auto pool takes (a draft model's target leaves it the rest)
     gpu_memory_fraction: float = 0.8
     num_blocks: int | None = None  # overrides the budget (tests use tiny pools)
     enable_prefix_cache: bool = True
@@ -97,7 +106,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.kv_cache_memory < 1:
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.prefix_cache_ttl is not None and self.prefix_cache_ttl <= 0:
             raise ValueError(f"prefix_cache_ttl must be positive, got {self.prefix_cache_ttl}")
@@ -201,7 +210,7 @@ class EngineConfig:
     # auto: bfloat16 where the device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX), else float32
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # cpu | cuda | auto
-    max_model_len: int | None = None  # None: the model's own limit
+    max_model_len: int | None = None  # None: auto, the model's trained length capped to the KV pool (runner/kv_sizing.py)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default

@@ -183,7 +183,8 @@ def test_context_limit_finishes_with_length(model_path):
 
 
 def test_kv_budget_too_small_for_one_sequence_refuses_to_start(model_path):
-    with pytest.raises(ValueError, match="one sequence of max_model_len=512 needs 32"):
+    with pytest.raises(ValueError, match=r"^--max-model-len 512 needs .* for one sequence, and the pool holds .* \(128 tokens; "
+                       r"8 blocks, as configured\): lower --max-model-len to at most 128"):
         LLM(model_path, dtype="float32", num_blocks=8, block_size=16, max_model_len=512)
 
 

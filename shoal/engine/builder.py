@@ -17,7 +17,7 @@ from shoal.engine.scheduler import chunk_cost
 from shoal.engine.speculative import DRAFT_COST, NgramProposer, Speculator
 from shoal.engine.stats import EngineFacts
 from shoal.executor import LocalExecutor
-from shoal.runner.build import build_part
+from shoal.runner.build import build_part, with_draft_share
 
 log = logging.getLogger("shoal.engine")
 
@@ -29,6 +29,7 @@ def build_engine(config: EngineConfig) -> Engine:
 
         executor, part = start_rank0(config)
     else:
+        config = with_draft_share(config)
         part = build_part(config)
         executor = LocalExecutor(part.runner)
     runner, ckpt = part.runner, part.checkpoint
@@ -110,7 +111,7 @@ def build_speculator(config: EngineConfig, runner, tokenizer, max_model_len: int
     if method == "draft":
         from shoal.engine.draft import DraftProposer  # noqa: PLC0415 (loads a second model)
 
-        proposer = DraftProposer.load(spec.model, config, tokenizer, max_model_len)
+        proposer = DraftProposer.load(spec.model, config, tokenizer, max_model_len, runner.num_blocks)
         cost += time_steps(proposer.runner, 0)[0] / step  # each drafted token is a step of the draft model
     else:
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)

@@ -8,9 +8,10 @@ the first drafted token; each further drafted token is a batched one-token decod
 thereby computes its whole prompt on the draft model; a long one is computed CATCH_UP_TOKENS a step, without
 drafting, so that no step stalls on it.
 
-The draft's blocks come from its own KVBlockPool, with the target's byte budget (`kv_cache_memory`; a
-draft model is smaller, so it holds more tokens than the target's). A sequence that does not fit gets no
-draft in that step; a finished or preempted one's blocks go back at the next proposal.
+The draft's blocks come from its own KVBlockPool: with an explicit `kv_cache_memory`, the target's byte budget (a
+draft model is smaller, so it holds more tokens than the target's); with an auto one, as many blocks as the
+target's pool (the target left it the room, runner/build.with_draft_share). A sequence that does not fit gets
+no draft in that step; a finished or preempted one's blocks go back at the next proposal.
 """
 
 from __future__ import annotations
@@ -45,14 +46,16 @@ class DraftProposer:
         self._seqs: dict[int, tuple[object, _DraftSeq]] = {}
 
     @classmethod
-    def load(cls, model: str, config, tokenizer, max_model_len: int) -> DraftProposer:
+    def load(cls, model: str, config, tokenizer, max_model_len: int, target_blocks: int) -> DraftProposer:
         """Build the draft model's runner from `model`, with the target's engine settings (dtype, device, weight
-        format) and a pool of its own, and check that it reads the target's tokens."""
+        format) and a pool of its own, and check that it reads the target's tokens. target_blocks: the target's
+        pool, which an auto-sized draft pool matches."""
         from shoal.config import CacheConfig  # noqa: PLC0415
         from shoal.runner.build import build_part  # noqa: PLC0415
 
-        cache = CacheConfig(block_size=config.cache.block_size, enable_prefix_cache=False,
-                            kv_cache_memory=config.cache.kv_cache_memory, num_blocks=config.cache.num_blocks)
+        memory, blocks = config.cache.kv_cache_memory, config.cache.num_blocks
+        cache = CacheConfig(block_size=config.cache.block_size, enable_prefix_cache=False, kv_cache_memory=memory,
+                            num_blocks=blocks if blocks is not None or memory is not None else target_blocks)
         draft_config = replace(config, model=model, cache=cache, max_model_len=max_model_len, parallel=type(config.parallel)())
         part = build_part(draft_config)
         check_same_vocabulary(part.checkpoint.tokenizer, tokenizer)

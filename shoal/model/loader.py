@@ -122,12 +122,25 @@ def _alias_path(alias: str) -> Path:
 # ---------------------------------------------------------------- loading
 
 
-def open_gguf(name_or_path: str | Path) -> GGUFFileReader | None:
+def open_gguf(name_or_path: str | Path, keep: bool = False) -> GGUFFileReader | None:
     """A GGUF checkpoint parsed (metadata and tensor index; no tensor is read), None for a Hugging Face folder.
-    Parsing the default model's takes ~0.5 s (its tokenizer), so what is decided before loading
-    (planned_weight_format) and the load (`load_checkpoint(gguf_reader=...)`) share one parse."""
+    Parsing the default model's takes ~0.2 s, and its tokenizer as much, so what is decided before loading
+    (planned_weight_format) and the load (`load_checkpoint(gguf_reader=...)`) share one parse. keep: hand this
+    parse to the next open of the file (a server's estimate before a load, runner/build.planned_pool_bytes, is
+    the load's parse); only that one, so no parse outlives its model."""
     path = resolve_model_path(str(name_or_path))
-    return GGUFFileReader(path) if path.suffix == ".gguf" else None
+    if path.suffix != ".gguf":
+        return None
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    reader = _KEPT.pop(key, None) or GGUFFileReader(path)
+    if keep:
+        _KEPT.clear()
+        _KEPT[key] = reader
+    return reader
+
+
+_KEPT: dict[tuple, GGUFFileReader] = {}  # open_gguf(keep=True)'s parse, by (path, size, mtime), until the next open
 
 
 def read_config(name_or_path: str | Path, gguf_reader: GGUFFileReader | None = None) -> transformers.PretrainedConfig:

@@ -25,7 +25,16 @@ from shoal.model.vision import build_tower
 from shoal.model.tensor_parallel import TensorParallel, connect_ranks, shard_model
 from shoal.model.weights import load_weights, shard_slice, stage_name
 from shoal.runner.host import keep_freed_memory
-from shoal.runner.model_runner import ModelRunner, plan_kv_cache, resolve_device, resolve_dtype, resolve_kv_dtype
+from shoal.model.attention.common import kv_bytes_per_token
+from shoal.runner.kv_sizing import WORKSPACE, KVShape, served_context, size_pool, size_words
+from shoal.runner.model_runner import (
+    ModelRunner,
+    machine_memory,
+    plan_kv_cache,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from shoal.runner.shard_plan import plan_pipeline, plan_tensor_parallel
 
 log = logging.getLogger("shoal.engine")
@@ -65,22 +74,20 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     ckpt = load_checkpoint(config.model, dtype=dtype, quantization=quantization, progress=rank == 0, select=select, gguf_reader=gguf,
                            mmproj=config.mmproj)
     hf = ckpt.hf_config
-    positions = hf.get_text_config().max_position_embeddings
-    max_model_len = config.max_model_len or positions
-    if config.max_model_len and config.max_model_len > positions:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {positions} positions")
+    trained = hf.get_text_config().max_position_embeddings
+    if config.max_model_len and config.max_model_len > trained:
+        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's {trained} positions")
+    longest = config.max_model_len or trained  # the context, until the pool's size caps an auto one
     if ckpt.vision_state_dict is not None and group is not None:
         raise ValueError("a vision-language model runs on one rank for now: tensor and pipeline parallelism take text-only models")
 
     weights = WeightFormat(ckpt.weight_format, dtype)
     with torch.device("meta"):
-        model = model_class(hf.architectures)(hf, max_model_len, weights.linear, layers)
+        model = model_class(hf.architectures)(hf, longest, weights.linear, layers)
         if split is not None:
             shard_model(model, split, weights.linear)
         weights.prepare(model)
-    model = model.to_empty(device=device)
-    # Rotary tables are buffers computed at construction: rebuild them for real on the device.
-    model.model.rotary = model.rotary(model.config, max_model_len).to(device)
+    model = model.to_empty(device=device)  # the rotary tables are computed once the context is known (below)
     packing = time.perf_counter()
     load_weights(model, ckpt.state_dict)
     packing = time.perf_counter() - packing
@@ -112,9 +119,17 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         connect_ranks(model)  # the gathers wrap the final layers: loading, the head and the swap saw plain ones
     bind_attributes(model)  # last: the model is final now
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
-    spec = plan_kv_cache(model.config, config.cache, device, max_model_len, kv_dtype)
+    spec, pool = plan_kv_cache(model.config, config.cache, device, kv_dtype, context=longest,
+                               max_num_seqs=config.scheduler.max_num_seqs, ranks_here=_ranks_here(config))
     if group is not None:
         spec = replace(spec, num_blocks=group.agree_min(spec.num_blocks))
+    shape = KVShape(spec.bytes_per_block // spec.block_size, spec.block_size)
+    max_model_len, why = served_context(shape, spec.num_blocks, trained=trained, requested=config.max_model_len, pool=pool)
+    model.model.rotary = model.rotary(model.config, max_model_len).to(device)  # buffers computed at construction
+    if rank == 0:
+        log.info("context %d tokens (%s); KV pool %s = %d tokens of %s at %d bytes a token (%s); %s attention",
+                 max_model_len, why, size_words(spec.num_blocks * spec.bytes_per_block), spec.num_blocks * spec.block_size,
+                 str(kv_dtype).removeprefix("torch."), shape.bytes_per_token, pool.why, attention)
     tower = None
     if ckpt.vision_state_dict is not None:
         tower = build_tower(type(model), hf, ckpt.vision_state_dict, device, dtype)
@@ -157,7 +172,7 @@ def plan_part(whole: ModelConfig, config: EngineConfig, rank: int, group, weight
             plan["stage0_work"] = head_work / one_layer
             free = group.gather(free_memory(device))
             if all(f is not None for f in free):
-                kv = config.cache.kv_cache_memory if device.type == "cpu" else 0
+                kv = (config.cache.kv_cache_memory or 0) if device.type == "cpu" else 0  # auto: the pool takes what stages leave
                 head = stage0_bytes(whole, dtype) if weight_format != "gguf" else served_bytes(
                     t for t in gguf.tensors if t.name in ("token_embd.weight", "output.weight"))
                 # a stage's room: its tightest rank's, each rank holding 1/tp of every layer
@@ -203,6 +218,50 @@ def _threads_per_rank(ranks_here: int) -> int:
     """Tensor-parallel ranks on one machine share its cores: each gets an equal part (at least one)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // ranks_here)
+
+
+def kv_shape(config: EngineConfig, device: torch.device, gguf=None) -> tuple[KVShape, int]:
+    """Before loading: what one token of the whole model costs in the pool, and the model's trained length."""
+    hf = read_config(config.model, gguf_reader=gguf)
+    c = ModelConfig.from_hf(hf)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, engine_dtype(config, device, gguf), device)
+    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
+    return KVShape(per_token, config.cache.block_size), hf.get_text_config().max_position_embeddings
+
+
+def planned_pool_bytes(config: EngineConfig, weights: int) -> int:
+    """The KV pool a load of `config` will take, before it: the load's own sizing (kv_sizing.size_pool), with the
+    weights' `weights` bytes taken off what the machine has now. A GGUF parsed here is the load's (open_gguf)."""
+    cache, device = config.cache, resolve_device(config.device)
+    shape, trained = kv_shape(config, device, open_gguf(config.model, keep=True))
+    if cache.num_blocks is not None:
+        return cache.num_blocks * shape.bytes_per_block
+    machine = machine_memory(device)
+    if machine.available is not None:
+        machine = replace(machine, available=max(0, machine.available - weights))
+    pool = size_pool(shape, machine, pool_bytes=cache.kv_cache_memory, context=config.max_model_len or trained,
+                     max_num_seqs=config.scheduler.max_num_seqs, workspace=WORKSPACE, gpu_fraction=cache.gpu_memory_fraction,
+                     cap_bytes=cache.kv_cache_memory_cap, ranks_here=_ranks_here(config), share=cache.kv_share)
+    return pool.num_blocks * shape.bytes_per_block
+
+
+def with_draft_share(config: EngineConfig) -> EngineConfig:
+    """A speculative draft model's pool holds as many tokens as the target's (engine/draft.py), at its own bytes a
+    token: an auto target pool leaves it that room, taking t / (t + d) of the machine's, t and d the two models'
+    bytes a token. Anything else: the config as it is."""
+    spec, cache = config.speculative, config.cache
+    if (not spec.model or spec.method not in ("auto", "draft") or cache.kv_cache_memory is not None
+            or cache.num_blocks is not None or config.parallel.world_size > 1):
+        return config
+    device = resolve_device(config.device)
+    target = kv_shape(config, device, open_gguf(config.model, keep=True))[0].bytes_per_token
+    draft = kv_shape(replace(config, model=spec.model), device, open_gguf(spec.model))[0].bytes_per_token
+    return replace(config, cache=replace(cache, kv_share=target / (target + draft)))
+
+
+def _ranks_here(config: EngineConfig) -> int:
+    """The ranks sharing this machine's memory."""
+    return config.parallel.ranks_per_node if config.parallel.world_size > 1 else 1
 
 
 def engine_dtype(config: EngineConfig, device: torch.device, gguf=None) -> torch.dtype:

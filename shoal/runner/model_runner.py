@@ -15,6 +15,8 @@ runs on rank 0 alone, where the requests' parameters and histories are;
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -27,6 +29,7 @@ from shoal.model.layers import DecoderForCausalLM
 from shoal.model.qwen2_vl import MRotary
 from shoal.multimodal import mrope_positions
 from shoal.runner.encoder_cache import EncoderCache
+from shoal.runner.kv_sizing import WORKSPACE, KVShape, Machine, PoolSize, read_meminfo, size_pool
 from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, process_logits, sample
 from shoal.types import Logprob, SampledToken, ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
 
@@ -121,25 +124,38 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
     return KV_DTYPES[name]
 
 
-def plan_kv_cache(config, cache: CacheConfig, device: torch.device, max_model_len: int, kv_dtype: torch.dtype) -> KVCacheSpec:
-    """How many blocks of `kv_dtype` fit the budget (config: the model's ModelConfig, or this rank's part of it);
-    refuse when one max_model_len sequence does not fit."""
-    per_block = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype) * cache.block_size
+def machine_memory(device: torch.device) -> Machine:
+    """Where the pool will live, and the room it has now: a CUDA device's free and total memory, else the
+    kernel's MemAvailable and MemTotal."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return Machine("cuda", free, total)
+    return read_meminfo()
+
+
+def plan_kv_cache(config, cache: CacheConfig, device: torch.device, kv_dtype: torch.dtype, *, context: int,
+                  max_num_seqs: int, ranks_here: int = 1) -> tuple[KVCacheSpec, PoolSize]:
+    """The pool's blocks of `kv_dtype` (config: the model's ModelConfig, or this rank's part of it): as many as
+    --kv-cache-memory, or sized from the machine (kv_sizing.size_pool); `cache.num_blocks` overrides both.
+    context: the longest a sequence may be, for the auto size's cap."""
+    shape = KVShape(kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype), cache.block_size)
     if cache.num_blocks is not None:
-        num_blocks = cache.num_blocks
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        num_blocks = int(free * cache.gpu_memory_fraction) // per_block
+        pool = PoolSize(cache.num_blocks, f"{cache.num_blocks} blocks, as configured")
     else:
-        num_blocks = cache.kv_cache_memory // per_block
-    needed = -(-max_model_len // cache.block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens ({num_blocks * per_block / 2**20:.1f} MiB), "
-            f"but one sequence of max_model_len={max_model_len} needs {needed} "
-            f"({needed * per_block / 2**20:.1f} MiB): raise --kv-cache-memory or lower --max-model-len"
-        )
-    return KVCacheSpec(num_blocks, cache.block_size, per_block, kv_dtype)
+        pool = size_pool(shape, machine_memory(device), pool_bytes=cache.kv_cache_memory, context=context, max_num_seqs=max_num_seqs,
+                         workspace=WORKSPACE, gpu_fraction=cache.gpu_memory_fraction, cap_bytes=cache.kv_cache_memory_cap,
+                         ranks_here=ranks_here, share=cache.kv_share)
+    return KVCacheSpec(pool.num_blocks, cache.block_size, shape.bytes_per_block, kv_dtype), pool
+
+
+def kv_pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The pool, zero. On the CPU it is an anonymous mapping: its pages are the kernel's zero page until a block
+    is written, so a pool sized to the machine costs no start-up time and no memory until it fills."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    mapping = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)  # the tensors keep the mapping
 
 
 class ModelRunner:
@@ -174,12 +190,12 @@ class ModelRunner:
         # pads block tables with it and reads zeros.
         # An int8 cache holds each block's codes, then a float32 scale per token (attention/common.py).
         row = cache_row(c.head_dim, spec.dtype)
-        self.kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, spec.num_blocks + 1, spec.block_size, row, dtype=spec.dtype, device=device)
+        self.kv = kv_pool_tensor((c.num_layers, 2, c.num_kv_heads, spec.num_blocks + 1, spec.block_size, row), spec.dtype, device)
         self.kv_caches = list(self.kv)  # per layer: [2, Hkv, blocks + 1, block_size, D (int8: D + 4)]
         self.attention = make_attention_backend(attention, c, block_size=spec.block_size, null_block=spec.num_blocks, device=device, dtype=dtype)
         self.encoder = EncoderCache(vision_tower, encoder_cache_memory) if vision_tower is not None else None
         self.mrope = isinstance(model.model.rotary, MRotary)
-        log.info(
+        log.debug(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",
             spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, self.kv.numel() * self.kv.element_size() / 2**20,
             str(spec.dtype).removeprefix("torch."), spec.bytes_per_block // spec.block_size, self.attention.name,

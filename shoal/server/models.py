@@ -39,13 +39,13 @@ from functools import lru_cache
 from pathlib import Path
 
 from shoal.config import EngineConfig
+from shoal.runner.kv_sizing import WORKSPACE
 from shoal.server.errors import APIError, bad_request, unavailable
 
 log = logging.getLogger("shoal.server")
 
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's 5 minutes
 RETRY_LOADING_S = 5  # Retry-After (seconds) while a model loads
-WORKSPACE_BYTES = 256 << 20  # activations, logits and scratch of one step, before a load measures nothing better
 # Per-model settings a config may give besides the engine's: the ServerSettings fields they replace.
 MODEL_SERVER_FIELDS = ("chat_template", "reasoning_parser", "tool_call_parser")
 # A model's name in a URL or a body: what a name can be (a Hugging Face id like org/name included), and nothing
@@ -148,21 +148,47 @@ def _is_mmproj(path: Path) -> bool:
     return "mmproj" in path.name.lower()
 
 
-def estimate_bytes(config: EngineConfig) -> int:
-    """Memory a model will take before it was ever loaded: its checkpoint's weight files, its KV pool, a workspace."""
+def weight_file_bytes(config: EngineConfig) -> int | None:
+    """The checkpoint's weight files (and a vision tower's), in bytes; None where the model cannot be found."""
     from shoal.model.loader import resolve_model_path
 
     try:
         path = resolve_model_path(config.model)
     except (ValueError, FileNotFoundError):
-        return 0  # it will fail to load, and say why
+        return None  # it will fail to load, and say why
     if path.is_file():
         weights = path.stat().st_size
     else:
         weights = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
     if config.mmproj and Path(config.mmproj).is_file():
         weights += Path(config.mmproj).stat().st_size
-    return weights + config.cache.kv_cache_memory + WORKSPACE_BYTES
+    return weights
+
+
+def within_budget(config: EngineConfig, budget: int | None) -> EngineConfig:
+    """A model's config under a server's memory budget (--models-memory): an auto KV pool takes at most what the
+    budget leaves once its weights and workspace are in, so the model alone always fits."""
+    weights = weight_file_bytes(config)
+    if budget is None or config.cache.kv_cache_memory is not None or weights is None:
+        return config
+    cap = max(0, budget - weights - WORKSPACE)
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_memory_cap=cap))
+
+
+def estimate_bytes(config: EngineConfig) -> int:
+    """Memory a model will take before it was ever loaded: its checkpoint's weight files, the KV pool its load
+    will size (the load's own sizing, runner/build.planned_pool_bytes), a workspace."""
+    from shoal.runner.build import planned_pool_bytes
+
+    weights = weight_file_bytes(config)
+    if weights is None:
+        return 0
+    try:
+        pool = planned_pool_bytes(config, weights)
+    except Exception as e:  # noqa: BLE001 (a file the load will refuse, and say why; until then, the weights)
+        log.debug("model %s: no KV pool estimate before its load (%s)", config.model, e)
+        pool = 0
+    return weights + pool + WORKSPACE
 
 
 @dataclass
@@ -181,10 +207,10 @@ class ServedModel:
     """One offered model: what handlers read of it (the same names a single-model server always had), and its
     life-cycle state, which only ModelManager changes."""
 
-    def __init__(self, spec: ModelSpec, server) -> None:
+    def __init__(self, spec: ModelSpec, server, budget: int | None = None) -> None:
         self.spec = spec
         self.name = spec.name
-        self.config = spec.config
+        self.config = within_budget(spec.config, budget)
         self.names = frozenset({spec.name, *spec.aliases})
         self.settings = dataclasses.replace(server.settings, **spec.overrides)  # this model's server settings
         self.counters = ServerCounters()  # this model's requests
@@ -202,7 +228,7 @@ class ServedModel:
         self.last_used = 0.0  # the manager's clock
         self.expires = math.inf  # when it unloads if idle (the manager's clock)
         self.ttl = math.inf  # seconds idle before it unloads, as the last request asked (ModelManager._touch)
-        self.memory = estimate_bytes(spec.config)
+        self.memory = estimate_bytes(self.config)
         self.measured = False  # memory is measured (after a load), not estimated
         self.loaded_at: float | None = None  # time.time() of the last load
         self.loads = 0  # loads that succeeded
@@ -235,7 +261,7 @@ class ServedModel:
         self.loads += 1
         world = engine.config.parallel.world_size
         snap = engine.snapshot
-        self.memory = engine.facts.weight_bytes * world + snap.kv_total_bytes * world + WORKSPACE_BYTES
+        self.memory = engine.facts.weight_bytes * world + snap.kv_total_bytes * world + WORKSPACE
         self.measured = True
         log.info("model %s: chat template %s", self.name, self.renderer.source)
 
@@ -324,7 +350,7 @@ class ModelManager:
         for spec in specs:
             if spec.name in self.models:
                 raise ValueError(f"two models are named {spec.name!r}: give one another name (alias)")
-            m = ServedModel(spec, server)
+            m = ServedModel(spec, server, lifecycle.memory)
             self.models[spec.name] = m
         for m in self.models.values():  # the names given win over the file names derived from them
             self._by_name[m.name] = m
@@ -456,6 +482,8 @@ class ModelManager:
                 await asyncio.sleep(0.01)
             if m.loaded:
                 return
+            if not m.measured:  # what the machine has changed since the last estimate (other models came and went)
+                m.memory = await asyncio.to_thread(estimate_bytes, m.config)
             await self._make_room(m)  # refused: the model stays as it was, and the caller hears why
             m.status, m.error = "loading", None
             self._emit(m)
