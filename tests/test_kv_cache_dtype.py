@@ -200,3 +200,18 @@ def test_a_tiny_model_over_an_int8_or_bfloat16_cache_keeps_its_prompt_logprobs_c
     for kv in ("bfloat16", "int8"):
         diff = (logprobs[kv] - logprobs["float32"]).abs().max().item()
         assert 0 < diff < 0.05, (kv, diff)
+
+
+def test_auto_cache_by_the_weights_where_dtype_auto_gives_float32_on_the_cpu(default_gguf_path):
+    """kv_cache_dtype auto (runner/model_runner.resolve_kv_dtype): int8 beside a GGUF's low-bit weights (the default
+    configuration), bfloat16 beside float weights, and the activations' dtype where --dtype was given."""
+    from shoal.runner.model_runner import resolve_kv_dtype
+
+    cpu = torch.device("cpu")
+    default = LLM(str(default_gguf_path), num_blocks=64, max_model_len=1024)
+    assert (default.engine.runner.dtype, default.engine.runner.kv.dtype) == (torch.float32, torch.int8)
+    assert default.engine.snapshot.kv_bytes_per_token == 30 * 2 * 3 * (64 + 4)  # codes and a float32 scale per head
+    assert resolve_kv_dtype("auto", torch.float32, cpu, low_bit=False, chosen=False) == torch.bfloat16
+    assert resolve_kv_dtype("auto", torch.float32, cpu, low_bit=True, chosen=True) == torch.float32
+    assert resolve_kv_dtype("auto", torch.bfloat16, cpu, low_bit=False, chosen=False) == torch.bfloat16
+    assert resolve_kv_dtype("float16", torch.float32, cpu, low_bit=True, chosen=False) == torch.float16

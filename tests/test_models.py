@@ -127,10 +127,13 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkey
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
         assert resolve_dtype("auto", cpu) == expected
         assert resolve_dtype("float32", cpu) == torch.float32 and resolve_dtype("bfloat16", cpu) == torch.bfloat16
-        # the engine builds its weights and KV cache in the resolved dtype
+        # the engine builds its weights in the resolved dtype, and its KV cache too, but in bfloat16 where that is
+        # float32 (float weights: kv_cache_dtype auto, runner/model_runner.resolve_kv_dtype)
         llm = LLM(str(tiny_llama_path), device="cpu", num_blocks=16, block_size=4, max_model_len=32)
-        assert llm.engine.runner.kv.dtype == expected
+        assert llm.engine.runner.kv.dtype == torch.bfloat16
         assert next(llm.engine.runner.model.parameters()).dtype == expected
+        explicit = LLM(str(tiny_llama_path), device="cpu", dtype="float32", num_blocks=16, block_size=4, max_model_len=32)
+        assert explicit.engine.runner.kv.dtype == torch.float32  # a --dtype given keeps its cache
     # a process forced onto the AVX2 path runs as an AVX2 CPU does: float32, though this one has bf16 (shoal/kernels)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setenv("SHOAL_CPU_ISA", "avx2")

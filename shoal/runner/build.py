@@ -118,7 +118,8 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     if split is not None:
         connect_ranks(model)  # the gathers wrap the final layers: loading, the head and the swap saw plain ones
     bind_attributes(model)  # last: the model is final now
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device, low_bit=weights.name != "none",
+                                chosen=config.dtype != "auto")
     spec, pool = plan_kv_cache(model.config, config.cache, device, kv_dtype, context=longest,
                                max_num_seqs=config.scheduler.max_num_seqs, ranks_here=_ranks_here(config))
     if group is not None:
@@ -224,7 +225,9 @@ def kv_shape(config: EngineConfig, device: torch.device, gguf=None) -> tuple[KVS
     """Before loading: what one token of the whole model costs in the pool, and the model's trained length."""
     hf = read_config(config.model, gguf_reader=gguf)
     c = ModelConfig.from_hf(hf)
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, engine_dtype(config, device, gguf), device)
+    dtype = engine_dtype(config, device, gguf)
+    low_bit = planned_weight_format(config.quantization or "none", gguf) != "none"
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device, low_bit=low_bit, chosen=config.dtype != "auto")
     per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
     return KVShape(per_token, config.cache.block_size), hf.get_text_config().max_position_embeddings
 
