@@ -11,8 +11,9 @@ Random weights give honest speed and memory figures; quality comes from real wei
 
 Per file, each server in turn (so they never share the cores), in its default configuration:
 - cold start: the process started to its first 200 on /health;
-- footprint: idle RSS after a warm-up, less the KV pool each reports (shoal's log; llama-server's from its
-  `-c` and the model's shape, float16);
+- footprint: idle RSS after a warm-up, less the KV pool's resident part (shoal's pool is a mapping committed as it
+  fills: its resident pages, from /proc/PID/smaps; llama-server clears its whole cache at start: its `-c` and the
+  model's shape, float16);
 - 1, 8 and 32 streams of 128-token prompts and 64 output tokens (output tok/s), and one 1.5k-token prompt
   (prefill tok/s from its time to first token);
 - the physical limit at one stream: the file's bytes read once a token, in GB/s, against a memory bandwidth
@@ -144,7 +145,6 @@ def build_file(size: str, kind: str) -> Path:
 # ---------------------------------------------------------------- measuring
 
 
-CONTEXT = 4096  # shoal's --max-model-len: the trained 131,072 would not fit a 1 GiB pool (issue 56 sizes it itself)
 STREAMS = (1, 8, 32)
 PREFILL = 1536
 
@@ -165,23 +165,31 @@ def scenarios(quick: bool) -> list:
 def peers(isa: str | None):
     from compare_peers import THREADS, LlamaServer, Shoal
 
-    class Ours(Shoal):
-        def command(self, port, gguf):
-            return super().command(port, gguf) + ["--max-model-len", str(CONTEXT)]
-
     class Theirs(LlamaServer):
         def command(self, port, gguf):  # 32 slots of 2,048 tokens: every scenario's requests at once
             return [str(self.binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS),
                     "-tb", str(THREADS), "-np", "32", "-c", str(32 * 2048), "--log-disable"]
 
-    ours, theirs = Ours("shoal", isa=isa), Theirs(isa)
+    ours, theirs = Shoal("shoal", isa=isa), Theirs(isa)
     # the physical limit: one stream reading the weights once a token (speculation reads them once for several)
-    plain = Ours("shoal-no-spec", ("--speculative", "off"), isa=isa)
+    plain = Shoal("shoal-no-spec", ("--speculative", "off"), isa=isa)
     plain.only = {"c1"}
-    ours.settings = f"defaults but --max-model-len {CONTEXT}" + (f", SHOAL_CPU_ISA={isa}" if isa else "")
+    ours.settings = "defaults (the context and KV pool sized by shoal: the log's line)" + (f", SHOAL_CPU_ISA={isa}" if isa else "")
     plain.settings = ours.settings + ", --speculative off (one stream only: what a token's read of the weights costs)"
     theirs.settings = f"-t {THREADS} -np 32 -c {32 * 2048}" + (" (built for AVX2 only)" if isa == "avx2" else "")
     return [ours, theirs, plain]
+
+
+def resident_mapping(pid: int, size: int) -> int:
+    """Rss of the process's mapping of `size` bytes (give or take one KV block and a page)."""
+    rss, found = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == "Size":
+            found = abs(int(value.split()[0]) * 1024 - size) <= max(1 << 20, size // 100)
+        elif key == "Rss" and found:
+            rss = max(rss, int(value.split()[0]) * 1024)
+    return rss
 
 
 def rss_bytes(pid: int) -> int:
@@ -199,15 +207,16 @@ def rss_bytes(pid: int) -> int:
     return total
 
 
-def kv_pool_bytes(peer: str, log_path: Path, gguf: Path) -> int:
-    """The KV pool a server holds: shoal's start-up line; llama-server's cache from -c and the shape, float16."""
+def kv_pool_bytes(peer: str, log_path: Path, gguf: Path, pid: int) -> int:
+    """The KV pool's resident bytes: shoal's pool is the mapping of the size its start-up line gives, committed as
+    it fills (its Rss in /proc/PID/smaps); llama-server's cache, cleared at start, from -c and the shape, float16."""
     import re
 
     from shoal.model.gguf_loader import GGUFFileReader
 
-    if peer == "shoal":
+    if peer.startswith("shoal"):
         m = re.search(r"KV pool .*? = (\d+) tokens of \w+ at (\d+) bytes a token", log_path.read_text())
-        return int(m.group(1)) * int(m.group(2)) if m else 0
+        return resident_mapping(pid, int(m.group(1)) * int(m.group(2))) if m else 0
     meta = GGUFFileReader(gguf).metadata
     arch = meta["general.architecture"]
     layers, kv_heads = meta[f"{arch}.block_count"], meta[f"{arch}.attention.head_count_kv"]
@@ -240,7 +249,7 @@ def measure(gguf: Path, isa: str | None, rounds: int, quick: bool, log_dir: Path
                 start = server.wait_ready()
                 warm_up(server)
                 time.sleep(1.0)
-                entry = {"cold_start_s": start, "idle_rss": rss_bytes(server.proc.pid), "kv_pool": kv_pool_bytes(peer.name, server.log_path, gguf)}
+                entry = {"cold_start_s": start, "idle_rss": rss_bytes(server.proc.pid), "kv_pool": kv_pool_bytes(peer.name, server.log_path, gguf, server.proc.pid)}
                 for s in scenarios(quick):
                     if s.name not in getattr(peer, "only", {s.name}):
                         continue
