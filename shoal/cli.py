@@ -35,6 +35,7 @@ from shoal.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    auto_bytes,
     auto_int,
     parse_bytes,
 )
@@ -299,7 +300,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
     v = vars(a) if isinstance(a, argparse.Namespace) else a
     cache = dict(
         block_size=v["block_size"],
-        kv_cache_memory=None if str(v["kv_cache_memory"]).strip().lower() == "auto" else parse_bytes(v["kv_cache_memory"]),
+        kv_cache_memory=auto_bytes(v["kv_cache_memory"]),
         kv_cache_dtype=v.get("kv_cache_dtype", "auto"),
         enable_prefix_cache=bool(v.get("prefix_cache", True)),
         prefix_cache_ttl=v.get("prefix_cache_ttl"),

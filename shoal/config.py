@@ -29,6 +29,13 @@ def parse_bytes(value: str | int | float) -> int:
     return int(number * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
 
 
+def auto_bytes(value: str | int | None) -> int | None:
+    """'auto' (or None) -> None (sized by the engine), else parse_bytes: what --kv-cache-memory takes."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return parse_bytes(value)
+
+
 def auto_int(value: str | int) -> int | None:
     """'auto' -> None (the engine decides), else a whole number: what --max-model-len takes."""
     if isinstance(value, str) and value.strip().lower() == "auto":

@@ -131,3 +131,20 @@ def test_a_draft_models_pool_holds_the_targets_tokens_beside_it(long_llama, tmp_
     assert engine.runner.num_blocks == blocks == 5120
     assert engine.speculator.proposer.runner.num_blocks == blocks  # as many tokens, at a third of the bytes
     assert engine.max_model_len == blocks * 8
+
+
+def test_the_device_side_reads_cudas_free_memory(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GiB, 80 * GiB))
+    assert model_runner.machine_memory(torch.device("cuda")) == Machine("cuda", 30 * GiB, 80 * GiB)
+
+
+def test_the_python_api_takes_auto_and_sizes_in_words(long_llama, machine):
+    from shoal import LLM
+
+    llm = LLM(str(long_llama), dtype="float32", kv_cache_memory="auto", max_model_len="auto")
+    assert llm.engine.max_model_len == LONG
+    sized = LLM(str(long_llama), dtype="float32", kv_cache_memory="32MiB")
+    assert sized.engine.snapshot.kv_capacity_tokens == 32 * MiB // (PER_TOKEN * 16) * 16
+    assert sized.engine.max_model_len == sized.engine.snapshot.kv_capacity_tokens  # the trained 128k capped to the pool

@@ -128,3 +128,12 @@ def test_size_words():
     assert (size_words(GiB + GiB // 20), size_words(GiB + GiB // 20, up=True)) == ("1.0 GiB", "1.1 GiB")
     assert (size_words(MiB + 1), size_words(MiB + 1, up=True)) == ("1 MiB", "2 MiB")
     assert (size_words(1500), size_words(1500, up=True)) == ("1 KiB", "2 KiB")
+
+
+def test_auto_values_of_the_flags():
+    from shoal.config import auto_bytes, auto_int
+
+    assert (auto_bytes("auto"), auto_bytes(None), auto_bytes("2GiB"), auto_bytes(512)) == (None, None, 2 * GiB, 512)
+    assert (auto_int("auto"), auto_int(" AUTO "), auto_int("4096"), auto_int(4096)) == (None, None, 4096, 4096)
+    with pytest.raises(ValueError):
+        auto_int("long")

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from shoal import multimodal
-from shoal.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from shoal.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, auto_bytes, auto_int
 from shoal.engine.builder import build_engine
 from shoal.server.chat.template import ChatRenderer
 from shoal.server.media import pixel_digest
@@ -154,6 +154,10 @@ def _engine_config(model: str, kwargs: dict[str, Any]) -> EngineConfig:
         top["speculative"] = SpeculativeConfig(method=top["speculative"])
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
     cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
+    if "kv_cache_memory" in cache:  # LLM(..., kv_cache_memory="2GiB" or "auto" or bytes)
+        cache["kv_cache_memory"] = auto_bytes(cache["kv_cache_memory"])
+    if isinstance(top.get("max_model_len"), str):  # LLM(..., max_model_len="auto")
+        top["max_model_len"] = auto_int(top["max_model_len"])
     parallel = {k: kwargs.pop(k) for k in list(kwargs) if k in ParallelConfig.__dataclass_fields__}
     if kwargs:
         raise TypeError(f"unknown LLM arguments: {', '.join(sorted(kwargs))}")
