@@ -17,7 +17,8 @@ from shoal.engine.scheduler import chunk_cost
 from shoal.engine.speculative import DRAFT_COST, NgramProposer, Speculator
 from shoal.engine.stats import EngineFacts
 from shoal.executor import LocalExecutor
-from shoal.runner.build import build_part, with_draft_share
+from shoal.runner.build import build_part, planned_pool_bytes, with_draft_share  # noqa: F401 (planned_pool_bytes:
+# the server's estimate before a load, server/models.py, reaches the builder here)
 
 log = logging.getLogger("shoal.engine")
 

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GiB = 1 << 30
-MiB = 1 << 20
+from shoal.config import GiB, MiB
 FALLBACK_POOL = 1 * GiB  # where the machine's memory cannot be read
 MARGIN_SHARE = 0.10  # of the machine's memory, left to the system and other programs
 MIN_MARGIN = 1 * GiB

@@ -178,7 +178,7 @@ def within_budget(config: EngineConfig, budget: int | None) -> EngineConfig:
 def estimate_bytes(config: EngineConfig) -> int:
     """Memory a model will take before it was ever loaded: its checkpoint's weight files, the KV pool its load
     will size (the load's own sizing, runner/build.planned_pool_bytes), a workspace."""
-    from shoal.runner.build import planned_pool_bytes
+    from shoal.engine.builder import planned_pool_bytes
 
     weights = weight_file_bytes(config)
     if weights is None:
