@@ -28,7 +28,7 @@ def create_app():
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
-    state = {"bodies": [], "arrivals": [], "fail_every": None}
+    state = {"bodies": [], "arrivals": [], "fail_every": None, "in_flight": 0, "overlaps": []}
 
     @app.get("/v1/models")
     async def models():
@@ -36,11 +36,11 @@ def create_app():
 
     @app.get("/_test/log")
     async def log():
-        return {"bodies": state["bodies"], "arrivals": state["arrivals"]}
+        return {"bodies": state["bodies"], "arrivals": state["arrivals"], "overlaps": state["overlaps"]}
 
     @app.post("/_test/reset")
     async def reset(request: Request):
-        state["bodies"], state["arrivals"] = [], []
+        state["bodies"], state["arrivals"], state["overlaps"] = [], [], []
         state["fail_every"] = (await request.json()).get("fail_every")
         return {"ok": True}
 
@@ -49,9 +49,11 @@ def create_app():
         body = await request.json()
         state["bodies"].append(body)
         state["arrivals"].append(arrived)
+        state["overlaps"].append(state["in_flight"])  # requests still being answered when this one arrived
         n = len(state["bodies"])
         if state["fail_every"] and n % state["fail_every"] == 0:
             return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+        state["in_flight"] += 1  # until its stream ends (gen)
 
         def event(piece: str | None, finish=None) -> str:
             if chat:
@@ -62,16 +64,19 @@ def create_app():
             return "data: " + json.dumps({"id": f"r{n}", "object": "chunk", "model": body["model"], "choices": [choice]}) + "\n\n"
 
         async def gen():
-            yield event(None)  # empty content: not the first token
-            for i, piece in enumerate(CHUNKS):
-                # sleep until the chunk's due time (from the arrival), so delays do not accumulate
-                due = arrived + FIRST_DELAY + GAP * i
-                await asyncio.sleep(max(0.0, due - time.perf_counter()))
-                yield event(piece)
-            yield event("", finish="length")
-            usage = {"prompt_tokens": USAGE_IN, "completion_tokens": USAGE_OUT, "total_tokens": USAGE_IN + USAGE_OUT}
-            yield "data: " + json.dumps({"id": f"r{n}", "choices": [], "usage": usage}) + "\n\n"
-            yield "data: [DONE]\n\n"
+            try:
+                yield event(None)  # empty content: not the first token
+                for i, piece in enumerate(CHUNKS):
+                    # sleep until the chunk's due time (from the arrival), so delays do not accumulate
+                    due = arrived + FIRST_DELAY + GAP * i
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                    yield event(piece)
+                yield event("", finish="length")
+                usage = {"prompt_tokens": USAGE_IN, "completion_tokens": USAGE_OUT, "total_tokens": USAGE_IN + USAGE_OUT}
+                yield "data: " + json.dumps({"id": f"r{n}", "choices": [], "usage": usage}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                state["in_flight"] -= 1
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 

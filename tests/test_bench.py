@@ -25,7 +25,6 @@ from fake_openai_server import CHUNKS, FIRST_DELAY, GAP, USAGE_IN, USAGE_OUT
 from shoal.bench import RequestResult, percentile, run, summarize, tpot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MARGIN = 0.040
 
 
 class FakeServer:
@@ -54,6 +53,11 @@ class FakeServer:
     @property
     def arrivals(self) -> list[float]:
         return self._log()["arrivals"]
+
+    @property
+    def overlaps(self) -> list[int]:
+        """Per request, how many others the server was still answering when it arrived."""
+        return self._log()["overlaps"]
 
     def reset(self, fail_every: int | None = None) -> None:
         self.http.post("/_test/reset", json={"fail_every": fail_every}).raise_for_status()
@@ -130,22 +134,24 @@ def test_summarize_exact():
 
 
 def _check_latencies(r: dict) -> None:
-    # TTFT: never below the server's first delay; the median within a scheduling margin of it. The tail gets a
-    # wider margin: on a 2-core machine, connecting and parsing 4 requests at once in two Python processes
-    # was measured to add up to ~45 ms now and then.
-    ttft = r["ttft_ms"]
-    assert FIRST_DELAY * 1000 <= ttft["p50"] <= (FIRST_DELAY + MARGIN) * 1000, ttft
-    assert FIRST_DELAY * 1000 <= ttft["p90"] <= (FIRST_DELAY + 3 * MARGIN) * 1000, ttft
-    # ITL: the chunks come GAP apart on the server; on the client a chunk can be read late (a longer gap) and
-    # the next on time (a shorter one), so the lower bound allows a little.
-    assert (GAP - 0.005) * 1000 <= r["itl_ms"]["p50"] <= (GAP + MARGIN) * 1000, r["itl_ms"]
-    for req in r["requests"]:
-        if req["ok"]:
-            assert len(req["itl"]) == len(CHUNKS) - 1  # one gap per content chunk after the first
-            assert req["ttft"] >= FIRST_DELAY
-            expected_e2e = FIRST_DELAY + GAP * (len(CHUNKS) - 1)
-            assert expected_e2e <= req["e2e"] <= expected_e2e + 5 * MARGIN
-            assert tpot(req["e2e"], req["ttft"], req["output_tokens"]) == pytest.approx((req["e2e"] - req["ttft"]) / (USAGE_OUT - 1))
+    """What the bench measured against what the fake server does, with no upper bound on time: a busy machine
+    delays the client, never the server's schedule earlier (a timing bound here failed CI with a build beside it).
+    The server sends the first content chunk FIRST_DELAY after a request arrives and the others GAP apart, so no
+    client can see them sooner; on the client a chunk can be read late (a longer gap) and the next on time (a
+    shorter one), so the gaps' lower bound allows a little. The summaries are the per-request figures'."""
+    ok = [q for q in r["requests"] if q["ok"]]
+    for name, key, scale in (("ttft_ms", "ttft", 1000), ("e2e_ms", "e2e", 1000)):
+        for p in (50, 90):
+            assert r[name][f"p{p}"] == pytest.approx(percentile([q[key] for q in ok], p) * scale), name
+    assert r["ttft_ms"]["p50"] >= FIRST_DELAY * 1000
+    assert r["itl_ms"]["p50"] == pytest.approx(percentile([g for q in ok for g in q["itl"]], 50) * 1000)
+    assert r["itl_ms"]["p50"] >= (GAP - 0.005) * 1000, r["itl_ms"]
+    for req in ok:
+        assert len(req["itl"]) == len(CHUNKS) - 1  # one gap per content chunk after the first
+        assert req["ttft"] >= FIRST_DELAY
+        assert req["e2e"] >= FIRST_DELAY + GAP * (len(CHUNKS) - 1)
+        assert req["e2e"] >= req["ttft"] + sum(req["itl"]) - 1e-9  # the stream ends after its last chunk
+        assert tpot(req["e2e"], req["ttft"], req["output_tokens"]) == pytest.approx((req["e2e"] - req["ttft"]) / (USAGE_OUT - 1))
     assert r["tpot_ms"]["p50"] == pytest.approx(
         percentile([(q["e2e"] - q["ttft"]) / (USAGE_OUT - 1) for q in r["requests"] if q["ok"]], 50) * 1000
     )
@@ -175,10 +181,11 @@ def test_random_workload_counts_and_latencies(fake):
         assert r["total_token_throughput"] == pytest.approx((r["output_tokens"] + r["prompt_tokens"]) / r["duration_s"])
         assert r["request_throughput"] == pytest.approx(8 / r["duration_s"])
         _check_latencies(r)
-    # concurrency 4 really overlaps requests: 8 requests of ~130 ms in about two waves, not eight
+    # one at a time takes at least 8 requests' time; concurrency 4 really overlaps them: the server was answering
+    # others when some of them arrived (counted by the server, not timed)
     one = FIRST_DELAY + GAP * (len(CHUNKS) - 1)
     assert result["runs"][0]["duration_s"] >= 8 * one
-    assert result["runs"][1]["duration_s"] < 5 * one
+    assert max(fake.overlaps[8:]) >= 1
 
 
 def test_completions_endpoint_and_request_rate(fake):
