@@ -1,9 +1,11 @@
 """Attention backends: each turns a step's sequences into its own metadata once
 (`prepare`), then every layer calls `metadata.forward(q, k, v, kv_cache, scale)`.
 
-- `sdpa` (the default): SDPA/eager kernels picked by the step's shape.
-- `invariant` (`--deterministic`): a query's attention is computed the same way
-  whatever else is in the step, so answers do not change with the load.
+- `sdpa`: SDPA/eager kernels picked by the step's shape; what `--attention auto`
+  gives beside float weights.
+- `invariant`: a query's attention is computed the same way whatever else is in
+  the step, so answers do not change with the load; what `--attention auto` gives
+  beside low-bit weights (runner/build.py), and `--deterministic`.
 
 The backend is chosen once, when the runner is built; the model never branches on it.
 """
