@@ -185,8 +185,9 @@ def main() -> None:
         doc["speed"] = load(out).get("speed", {})
     if a.no_quality and (RESULTS / f"{a.quality_from or out}.json").exists():
         doc["quality"] = load(a.quality_from or out).get("quality", {})
-    cases = 2 if a.one_stream else 3
-    bar = tqdm(total=(0 if a.no_quality else len(WEIGHTS) * (1 + len(a.dtypes))) + (0 if a.no_speed else cases * (1 + len(a.speed_dtypes))),
+    speed_cases = [(4096, 1), (8000, 1)] + ([] if a.one_stream else [(4096, 32)])  # (context, streams)
+    bar = tqdm(total=(0 if a.no_quality else len(WEIGHTS) * (1 + len(a.dtypes)))
+               + (0 if a.no_speed else len(speed_cases) * (1 + len(a.speed_dtypes))),
                desc="kv_quality", unit="run")
     for weights in [] if a.no_quality else WEIGHTS:
         ref = quality(a.model, "float32", a.contexts, weights)
@@ -198,7 +199,7 @@ def main() -> None:
             bar.update()
     publish(out, doc, markdown(doc))  # the quality part, kept if the speed part fails
     if not a.no_speed:
-        for context, streams in ((4096, 1), (8000, 1), *(() if a.one_stream else ((4096, 32),))):
+        for context, streams in speed_cases:
             key = f"{streams} × {context}"
             doc["speed"][key] = {}
             for kv in ["float32", *a.speed_dtypes]:

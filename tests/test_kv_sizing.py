@@ -87,6 +87,8 @@ def test_explicit_and_unknown_machines():
     unknown = pool(Machine("cpu", None))
     assert unknown.num_blocks == FALLBACK_POOL // SMOL.bytes_per_block
     assert unknown.why == "auto: 1.0 GiB, as this machine's free memory is unknown"
+    budgeted = pool(Machine("cpu", None), cap_bytes=256 * MiB)  # a memory budget caps the fallback too
+    assert budgeted == PoolSize(256 * MiB // SMOL.bytes_per_block, "auto: 256 MiB, what the memory budget leaves the model")
 
 
 def test_a_machine_with_no_room_gives_no_blocks():
@@ -94,34 +96,43 @@ def test_a_machine_with_no_room_gives_no_blocks():
 
 
 def test_auto_context_is_the_trained_length_when_it_fits():
-    assert served_context(SMOL, 1000, trained=8192, requested=None, pool=PoolSize(1000, "x")) == (8192, "the model's trained length")
+    assert served_context(SMOL, 1000, trained=8192, requested=None, pool=PoolSize(1000, "x"), cache="float32") == (8192, "the model's trained length")
 
 
 def test_auto_context_is_capped_to_one_sequence_of_the_pool():
-    got, why = served_context(SMOL, 300, trained=131072, requested=None, pool=PoolSize(300, "x"))
+    got, why = served_context(SMOL, 300, trained=131072, requested=None, pool=PoolSize(300, "x"), cache="float32")
     assert got == 300 * 16 == 4800
     assert why == "the model's trained length is 131072; the pool holds one sequence of 4800"
 
 
 def test_auto_context_refuses_below_the_smallest_and_says_what_would_fit():
     with pytest.raises(ValueError) as e:
-        served_context(SMOL, 100, trained=131072, requested=None, pool=PoolSize(100, "auto: 0.1 GiB"))
+        served_context(SMOL, 100, trained=131072, requested=None, pool=PoolSize(100, "auto: 0.1 GiB"), cache="float32")
     msg = str(e.value)
     assert msg.startswith(f"not even a context of {MIN_CONTEXT} tokens fits the KV cache: the pool holds 1600 tokens (70 MiB; auto: 0.1 GiB)")
     assert f"{MIN_CONTEXT} tokens need 90 MiB" in msg and "(131072 tokens, the model's trained length, 5.7 GiB)" in msg
     assert "--kv-cache-memory" in msg
     # a model trained on fewer tokens than MIN_CONTEXT needs only its own length
-    assert served_context(SMOL, 8, trained=128, requested=None, pool=PoolSize(8, "x")) == (128, "the model's trained length")
+    assert served_context(SMOL, 8, trained=128, requested=None, pool=PoolSize(8, "x"), cache="float32") == (128, "the model's trained length")
 
 
 def test_explicit_context_that_does_not_fit_names_the_flags():
     with pytest.raises(ValueError) as e:
-        served_context(SMOL, 256, trained=8192, requested=8192, pool=PoolSize(256, "--kv-cache-memory 180 MiB"))
+        served_context(SMOL, 256, trained=8192, requested=8192, pool=PoolSize(256, "--kv-cache-memory 180 MiB"), cache="float32")
     assert str(e.value) == (
         "--max-model-len 8192 needs 360 MiB of KV cache for one sequence, and the pool holds 180 MiB (4096 tokens; "
         "--kv-cache-memory 180 MiB): lower --max-model-len to at most 4096, give --kv-cache-memory 360 MiB or more, "
         "or halve the cache's bytes with --kv-cache-dtype int8")
-    assert served_context(SMOL, 256, trained=8192, requested=4096, pool=PoolSize(256, "x")) == (4096, "--max-model-len")
+    assert served_context(SMOL, 256, trained=8192, requested=4096, pool=PoolSize(256, "x"), cache="float32") == (4096, "--max-model-len")
+
+
+def test_an_int8_cache_is_not_told_to_become_int8():
+    with pytest.raises(ValueError) as e:
+        served_context(SMOL, 256, trained=8192, requested=8192, pool=PoolSize(256, "x"), cache="int8")
+    assert str(e.value).endswith("give --kv-cache-memory 360 MiB or more") and "int8" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        served_context(SMOL, 100, trained=131072, requested=None, pool=PoolSize(100, "x"), cache="int8")
+    assert str(e.value).endswith("(131072 tokens, the model's trained length, 5.7 GiB): free memory or give --kv-cache-memory")
 
 
 def test_size_words():

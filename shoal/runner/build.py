@@ -26,7 +26,7 @@ from shoal.model.tensor_parallel import TensorParallel, connect_ranks, shard_mod
 from shoal.model.weights import load_weights, shard_slice, stage_name
 from shoal.runner.host import keep_freed_memory
 from shoal.model.attention.common import kv_bytes_per_token
-from shoal.runner.kv_sizing import WORKSPACE, KVShape, served_context, size_pool, size_words
+from shoal.runner.kv_sizing import KVShape, served_context, size_words
 from shoal.runner.model_runner import (
     ModelRunner,
     machine_memory,
@@ -125,7 +125,8 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     if group is not None:
         spec = replace(spec, num_blocks=group.agree_min(spec.num_blocks))
     shape = KVShape(spec.bytes_per_block // spec.block_size, spec.block_size)
-    max_model_len, why = served_context(shape, spec.num_blocks, trained=trained, requested=config.max_model_len, pool=pool)
+    max_model_len, why = served_context(shape, spec.num_blocks, trained=trained, requested=config.max_model_len, pool=pool,
+                                        cache=str(kv_dtype).removeprefix("torch."))
     model.model.rotary = model.rotary(model.config, max_model_len).to(device)  # buffers computed at construction
     if rank == 0:
         log.info("context %d tokens (%s); KV pool %s = %d tokens of %s at %d bytes a token (%s); %s attention",
@@ -221,31 +222,26 @@ def _threads_per_rank(ranks_here: int) -> int:
     return max(1, cores // ranks_here)
 
 
-def kv_shape(config: EngineConfig, device: torch.device, gguf=None) -> tuple[KVShape, int]:
-    """Before loading: what one token of the whole model costs in the pool, and the model's trained length."""
+def planned_kv(config: EngineConfig, device: torch.device, gguf=None) -> tuple[ModelConfig, torch.dtype, int]:
+    """Before loading: the whole model's shape, the KV cache's dtype, and the model's trained length."""
     hf = read_config(config.model, gguf_reader=gguf)
-    c = ModelConfig.from_hf(hf)
-    dtype = engine_dtype(config, device, gguf)
     low_bit = planned_weight_format(config.quantization or "none", gguf) != "none"
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device, low_bit=low_bit, chosen=config.dtype != "auto")
-    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
-    return KVShape(per_token, config.cache.block_size), hf.get_text_config().max_position_embeddings
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, engine_dtype(config, device, gguf), device, low_bit=low_bit,
+                                chosen=config.dtype != "auto")
+    return ModelConfig.from_hf(hf), kv_dtype, hf.get_text_config().max_position_embeddings
 
 
 def planned_pool_bytes(config: EngineConfig, weights: int) -> int:
-    """The KV pool a load of `config` will take, before it: the load's own sizing (kv_sizing.size_pool), with the
-    weights' `weights` bytes taken off what the machine has now. A GGUF parsed here is the load's (open_gguf)."""
-    cache, device = config.cache, resolve_device(config.device)
-    shape, trained = kv_shape(config, device, open_gguf(config.model, keep=True))
-    if cache.num_blocks is not None:
-        return cache.num_blocks * shape.bytes_per_block
+    """The KV pool a load of `config` will take, before it: the load's own plan (plan_kv_cache), with the weights'
+    `weights` bytes taken off what the machine has now. A GGUF parsed here is the load's (open_gguf)."""
+    device = resolve_device(config.device)
+    c, kv_dtype, trained = planned_kv(config, device, open_gguf(config.model, keep=True))
     machine = machine_memory(device)
     if machine.available is not None:
         machine = replace(machine, available=max(0, machine.available - weights))
-    pool = size_pool(shape, machine, pool_bytes=cache.kv_cache_memory, context=config.max_model_len or trained,
-                     max_num_seqs=config.scheduler.max_num_seqs, workspace=WORKSPACE, gpu_fraction=cache.gpu_memory_fraction,
-                     cap_bytes=cache.kv_cache_memory_cap, ranks_here=_ranks_here(config), share=cache.kv_share)
-    return pool.num_blocks * shape.bytes_per_block
+    spec, _ = plan_kv_cache(c, config.cache, device, kv_dtype, context=config.max_model_len or trained,
+                            max_num_seqs=config.scheduler.max_num_seqs, ranks_here=_ranks_here(config), machine=machine)
+    return spec.num_blocks * spec.bytes_per_block
 
 
 def with_draft_share(config: EngineConfig) -> EngineConfig:
@@ -257,8 +253,12 @@ def with_draft_share(config: EngineConfig) -> EngineConfig:
             or cache.num_blocks is not None or config.parallel.world_size > 1):
         return config
     device = resolve_device(config.device)
-    target = kv_shape(config, device, open_gguf(config.model, keep=True))[0].bytes_per_token
-    draft = kv_shape(replace(config, model=spec.model), device, open_gguf(spec.model))[0].bytes_per_token
+
+    def per_token(c: ModelConfig, kv_dtype: torch.dtype, _trained: int) -> int:
+        return kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
+
+    target = per_token(*planned_kv(config, device, open_gguf(config.model, keep=True)))
+    draft = per_token(*planned_kv(replace(config, model=spec.model), device, open_gguf(spec.model)))
     return replace(config, cache=replace(cache, kv_share=target / (target + draft)))
 
 

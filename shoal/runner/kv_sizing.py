@@ -93,47 +93,49 @@ def size_pool(shape: KVShape, machine: Machine, *, pool_bytes: int | None, conte
     per_block = shape.bytes_per_block
     if pool_bytes is not None:
         return PoolSize(pool_bytes // per_block, f"--kv-cache-memory {size_words(pool_bytes)}")
-    budget = cap_bytes // per_block if cap_bytes is not None else None
     if machine.available is None:
-        if budget is not None and budget < FALLBACK_POOL // per_block:
-            return PoolSize(budget, f"auto: {size_words(cap_bytes)}, what the memory budget leaves the model")
-        return PoolSize(FALLBACK_POOL // per_block, f"auto: {size_words(FALLBACK_POOL)}, as this machine's free memory is unknown")
-    if machine.device == "cuda":  # the device is the server's: the pool takes the room
-        room = int(machine.available * gpu_fraction * share)
-        where = f"{gpu_fraction:.0%} of the {size_words(machine.available)} free on the device"
-        aim, aim_why = None, ""
+        blocks, why, where = FALLBACK_POOL // per_block, f"auto: {size_words(FALLBACK_POOL)}, as this machine's free memory is unknown", ""
     else:
-        margin = max(MIN_MARGIN, int(MARGIN_SHARE * (machine.total or 0)))
-        room = int(max(0, machine.available - margin - workspace) // max(1, ranks_here) * share)
-        where = (f"{size_words(machine.available)} available after the weights, less {size_words(margin)} for the "
-                 f"system and {size_words(workspace)} of workspace" + (f", shared by {ranks_here} ranks" if ranks_here > 1 else ""))
-        aim_tokens = min(max(context, max_num_seqs * TYPICAL_TOKENS), max_num_seqs * context)
-        aim = shape.blocks_for(aim_tokens)
-        aim_why = ("one sequence of the context" if aim_tokens == context
-                   else f"{max_num_seqs} sequences of {aim_tokens // max_num_seqs} tokens")
-    if share < 1:
-        where += f"; {share:.0%} of that, the draft model's pool beside"
-    blocks, why = room // per_block, f"auto: the room, {where}"
-    if aim is not None and aim < blocks:
-        blocks, why = aim, f"auto: {aim_why}, within the room ({where})"
-    if budget is not None and budget < blocks:
-        blocks, why = budget, f"auto: {size_words(cap_bytes)}, what the memory budget leaves the model ({where})"
+        if machine.device == "cuda":  # the device is the server's: the pool takes the room
+            room = int(machine.available * gpu_fraction * share)
+            where = f"{gpu_fraction:.0%} of the {size_words(machine.available)} free on the device"
+            aim = None
+        else:
+            margin = max(MIN_MARGIN, int(MARGIN_SHARE * (machine.total or 0)))
+            room = int(max(0, machine.available - margin - workspace) // max(1, ranks_here) * share)
+            where = (f"{size_words(machine.available)} available after the weights, less {size_words(margin)} for the "
+                     f"system and {size_words(workspace)} of workspace" + (f", shared by {ranks_here} ranks" if ranks_here > 1 else ""))
+            aim_tokens = min(max(context, max_num_seqs * TYPICAL_TOKENS), max_num_seqs * context)
+            aim = shape.blocks_for(aim_tokens)
+        if share < 1:
+            where += f"; {share:.0%} of that, the draft model's pool beside"
+        blocks, why = room // per_block, f"auto: the room, {where}"
+        if aim is not None and aim < blocks:
+            aim_why = ("one sequence of the context" if aim_tokens == context
+                       else f"{max_num_seqs} sequences of {aim_tokens // max_num_seqs} tokens")
+            blocks, why = aim, f"auto: {aim_why}, within the room ({where})"
+    if cap_bytes is not None and cap_bytes // per_block < blocks:
+        blocks, why = cap_bytes // per_block, (f"auto: {size_words(cap_bytes)}, what the memory budget leaves the model"
+                                               + (f" ({where})" if where else ""))
     return PoolSize(blocks, why)
 
 
-def served_context(shape: KVShape, num_blocks: int, *, trained: int, requested: int | None, pool: PoolSize) -> tuple[int, str]:
+def served_context(shape: KVShape, num_blocks: int, *, trained: int, requested: int | None, pool: PoolSize,
+                   cache: str) -> tuple[int, str]:
     """The context the engine serves, and why: an explicit --max-model-len if the pool holds one sequence of it,
     else the model's trained length capped to the pool. Raises ValueError, in words a user acts on, where
-    nothing sensible fits."""
+    nothing sensible fits. cache: what the cache holds ("int8", "float32"...), so int8 is offered only where it
+    would halve something."""
     held = num_blocks * shape.block_size  # tokens
+    smaller = cache != "int8"
     if requested is not None:  # (runner/build.py refuses one past the trained length before loading the weights)
         if shape.blocks_for(requested) > num_blocks:
             raise ValueError(
                 f"--max-model-len {requested} needs {size_words(shape.blocks_for(requested) * shape.bytes_per_block)} of KV cache "
                 f"for one sequence, and the pool holds {size_words(num_blocks * shape.bytes_per_block)} ({held} tokens; "
                 f"{pool.why}): lower --max-model-len to at most {held}, give --kv-cache-memory "
-                f"{size_words(shape.blocks_for(requested) * shape.bytes_per_block, up=True)} or more, or halve the cache's "
-                f"bytes with --kv-cache-dtype int8")
+                f"{size_words(shape.blocks_for(requested) * shape.bytes_per_block, up=True)} or more"
+                + (", or halve the cache's bytes with --kv-cache-dtype int8" if smaller else ""))
         return requested, "--max-model-len"
     least = min(trained, MIN_CONTEXT)
     if held < least:
@@ -141,8 +143,8 @@ def served_context(shape: KVShape, num_blocks: int, *, trained: int, requested: 
             f"not even a context of {least} tokens fits the KV cache: the pool holds {held} tokens "
             f"({size_words(num_blocks * shape.bytes_per_block)}; {pool.why}), and {least} tokens need "
             f"{size_words(shape.blocks_for(least) * shape.bytes_per_block, up=True)} ({trained} tokens, the model's trained "
-            f"length, {size_words(shape.blocks_for(trained) * shape.bytes_per_block, up=True)}): free memory, give "
-            f"--kv-cache-memory, or use --kv-cache-dtype int8")
+            f"length, {size_words(shape.blocks_for(trained) * shape.bytes_per_block, up=True)}): free memory"
+            + (", give --kv-cache-memory, or use --kv-cache-dtype int8" if smaller else " or give --kv-cache-memory"))
     if held >= trained:
         return trained, "the model's trained length"
     return held, f"the model's trained length is {trained}; the pool holds one sequence of {held}"

@@ -141,15 +141,17 @@ def machine_memory(device: torch.device) -> Machine:
 
 
 def plan_kv_cache(config, cache: CacheConfig, device: torch.device, kv_dtype: torch.dtype, *, context: int,
-                  max_num_seqs: int, ranks_here: int = 1) -> tuple[KVCacheSpec, PoolSize]:
+                  max_num_seqs: int, ranks_here: int = 1, machine: Machine | None = None) -> tuple[KVCacheSpec, PoolSize]:
     """The pool's blocks of `kv_dtype` (config: the model's ModelConfig, or this rank's part of it): as many as
     --kv-cache-memory, or sized from the machine (kv_sizing.size_pool); `cache.num_blocks` overrides both.
-    context: the longest a sequence may be, for the auto size's cap."""
+    context: the longest a sequence may be, for the auto size's cap. machine: what the pool has room in (by
+    default read now; a server's estimate before a load passes the room less the weights to come)."""
     shape = KVShape(kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype), cache.block_size)
     if cache.num_blocks is not None:
         pool = PoolSize(cache.num_blocks, f"{cache.num_blocks} blocks, as configured")
     else:
-        pool = size_pool(shape, machine_memory(device), pool_bytes=cache.kv_cache_memory, context=context, max_num_seqs=max_num_seqs,
+        machine = machine if machine is not None else machine_memory(device)
+        pool = size_pool(shape, machine, pool_bytes=cache.kv_cache_memory, context=context, max_num_seqs=max_num_seqs,
                          workspace=WORKSPACE, gpu_fraction=cache.gpu_memory_fraction, cap_bytes=cache.kv_cache_memory_cap,
                          ranks_here=ranks_here, share=cache.kv_share)
     return KVCacheSpec(pool.num_blocks, cache.block_size, shape.bytes_per_block, kv_dtype), pool
