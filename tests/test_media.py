@@ -2,7 +2,8 @@
 
 Images are made in memory with Pillow; the only network is an http.server thread on
 127.0.0.1 (module-scoped), which records every request so a test can assert that a
-refused URL was never connected to.
+refused URL was never connected to. Names other than localhost resolve through a fake
+resolver (`network`), which also records every address dialed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import base64
 import hashlib
 import io
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -309,6 +311,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(302, b"", {"Location": "/loop"})
             elif path == "/to-localhost":
                 self._send(302, b"", {"Location": f"http://localhost:{server.server_port}/img.png"})
+            elif path.startswith("/to/"):  # /to/<host>: a redirect to that host name, same port
+                host = path[len("/to/") :]
+                self._send(302, b"", {"Location": f"http://{host}:{server.server_port}/img.png"})
             elif path == "/to-ftp":
                 self._send(302, b"", {"Location": "ftp://127.0.0.1/img.png"})
             elif path == "/big":
@@ -523,6 +528,179 @@ def test_fetch_timeout(server, path):
     started = time.monotonic()
     assert refusal(load_image, url(server, path), policy, WHERE).endswith(": timed out")
     assert time.monotonic() - started < 1.5
+
+
+# ---- pinned connections: no second lookup (DNS rebinding) ----------------------------------
+
+PUBLIC_A, PUBLIC_B = "8.8.8.8", "8.8.4.4"  # answers of the fake resolver; never really dialed
+_REAL_GETADDRINFO, _REAL_CREATE_CONNECTION = socket.getaddrinfo, socket.create_connection
+
+
+class _Network:
+    """A fake resolver and dialer in place of socket.getaddrinfo and socket.create_connection.
+
+    Only the names in `answers` are faked: each lookup takes the next answer (the last one
+    repeats), so a name can resolve to a public address first and to loopback the second
+    time, as a rebinding DNS server would. Every dial is recorded (a dial by name looks the
+    name up again, as the real one does); a dial to anything but loopback is refused, except
+    to a `stand_ins` address, which the loopback server answers for (same port), so a
+    "public" host can serve the test. Nothing leaves the machine.
+    """
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[tuple[str, ...]]] = {}
+        self.asked: list[str] = []
+        self.dialed: list[str] = []
+        self.stand_ins: set[str] = set()
+        self.slow: set[str] = set()  # names whose lookup waits for `release` (at most 20 s)
+        self.release = threading.Event()
+        self.answered: list[str] = []  # names whose lookup has returned
+
+    def getaddrinfo(self, host, port, *args, **kwargs):
+        if host not in self.answers:
+            return _REAL_GETADDRINFO(host, port, *args, **kwargs)
+        self.asked.append(host)
+        if host in self.slow:
+            self.release.wait(20)
+        turns = self.answers[host]
+        addresses = turns.pop(0) if len(turns) > 1 else turns[0]
+        self.answered.append(host)
+        return [
+            (socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (a, port))
+            for a in addresses
+        ]
+
+    def create_connection(self, address, *args, **kwargs):
+        host, port = address[:2]
+        self.dialed.append(host)
+        if host in self.answers:  # a name: looked up, as the real create_connection would
+            host = self.getaddrinfo(host, port)[0][4][0]
+        if host in self.stand_ins:
+            return _REAL_CREATE_CONNECTION(("127.0.0.1", port), *args, **kwargs)
+        if host not in ("127.0.0.1", "::1"):
+            raise ConnectionRefusedError(f"the test network refuses {host}")
+        return _REAL_CREATE_CONNECTION(address, *args, **kwargs)
+
+
+@pytest.fixture
+def network(monkeypatch):
+    fake = _Network()
+    monkeypatch.setattr(socket, "getaddrinfo", fake.getaddrinfo)
+    monkeypatch.setattr(socket, "create_connection", fake.create_connection)
+    yield fake
+    fake.release.set()  # a lookup the fetch gave up on ends now
+
+
+def test_fetch_connects_to_the_checked_address_not_a_second_lookup(server, network):
+    # The first answer is public and passes the check; a second lookup would get loopback.
+    network.answers["rebind.test"] = [(PUBLIC_A,), ("127.0.0.1",)]
+    policy = MediaPolicy(allowed_domains=("rebind.test",))
+    target = f"http://rebind.test:{server.server_port}/img.png"
+    before = len(server.seen)
+    assert refusal(load_image, target, policy, WHERE) == (
+        f"could not fetch the image at {WHERE} ({target}): could not connect to the server"
+    )
+    assert network.dialed == [PUBLIC_A]  # the vetted address, and nothing else
+    assert network.asked == ["rebind.test"]  # resolved once
+    assert len(server.seen) == before  # the loopback server was never reached
+
+    # When the vetted address answers, the image comes from it, asked for by name.
+    network.stand_ins.add(PUBLIC_A)
+    network.answers["rebind.test"] = [(PUBLIC_A,), ("127.0.0.1",)]
+    assert load_image(target, policy, WHERE).image.tobytes() == gradient().tobytes()
+    assert network.dialed == [PUBLIC_A, PUBLIC_A]
+    assert server.seen[-1][1]["Host"] == f"rebind.test:{server.server_port}"
+
+
+def test_vetted_addresses_tried_in_order(server, network):
+    network.answers["images.test"] = [(PUBLIC_A, PUBLIC_B)]
+    network.stand_ins.add(PUBLIC_B)  # PUBLIC_A refuses the connection
+    policy = MediaPolicy(allowed_domains=("images.test",))
+    assert load_image(f"http://images.test:{server.server_port}/img.png", policy, WHERE).format == "PNG"
+    assert network.dialed == [PUBLIC_A, PUBLIC_B]
+    assert network.asked == ["images.test"]
+
+
+def test_pinned_fetch_sends_the_name_as_host(server, network):
+    network.answers["images.test"] = [("127.0.0.1",)]  # a name no real resolver knows
+    policy = MediaPolicy(allowed_domains=("images.test",), allow_private_addresses=True)
+    loaded = load_image(f"http://images.test:{server.server_port}/img.png", policy, WHERE)
+    assert loaded.image.tobytes() == gradient().tobytes()
+    path, headers = server.seen[-1]
+    assert path == "/img.png" and headers["Host"] == f"images.test:{server.server_port}"
+    assert network.dialed == ["127.0.0.1"] and network.asked == ["images.test"]
+
+
+def test_pinned_tls_checks_the_name(network, monkeypatch):
+    # The dial goes to the vetted address; SNI and the certificate check stay on the name.
+    handshakes = []
+
+    def wrap_socket(context, sock, *args, server_hostname=None, **kwargs):
+        handshakes.append((server_hostname, context.check_hostname, context.verify_mode))
+        raise ssl.SSLError("the test stops at the handshake")
+
+    monkeypatch.setattr(ssl.SSLContext, "wrap_socket", wrap_socket)
+    network.answers["images.test"] = [(PUBLIC_A,), ("127.0.0.1",)]
+    network.stand_ins.add(PUBLIC_A)
+    with socket.socket() as listener:  # what the stand-in reaches: it only has to accept the TCP connection
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        target = f"https://images.test:{listener.getsockname()[1]}/img.png"
+        message = refusal(load_image, target, MediaPolicy(allowed_domains=("images.test",)), WHERE)
+    assert message == f"could not fetch the image at {WHERE} ({target}): could not connect to the server"
+    assert network.dialed == [PUBLIC_A] and network.asked == ["images.test"]
+    assert handshakes == [("images.test", True, ssl.CERT_REQUIRED)]
+
+
+def test_redirect_hops_are_resolved_checked_and_pinned(server, network):
+    network.stand_ins.add(PUBLIC_A)  # images.test is "public" and served by the loopback server
+    network.answers["images.test"] = [(PUBLIC_A,)]
+    network.answers["inside.test"] = [("127.0.0.1",)]
+    network.answers["rebind.test"] = [(PUBLIC_B,), ("127.0.0.1",)]
+    policy = MediaPolicy(allowed_domains=("images.test", "inside.test", "rebind.test"))
+    port = server.server_port
+    before = len(server.seen)
+
+    # A redirect to a name that resolves to loopback is refused before connecting.
+    message = refusal(load_image, f"http://images.test:{port}/to/inside.test", policy, WHERE)
+    assert message == (
+        f"the image URL at {WHERE} redirects to http://inside.test:{port}/img.png, which is not allowed: "
+        "the host 'inside.test' resolves to a private or loopback address"
+    )
+    # A redirect to a name that passes the check connects to the address checked, not a second lookup's.
+    message = refusal(load_image, f"http://images.test:{port}/to/rebind.test", policy, WHERE)
+    assert message == (
+        f"could not fetch the image at {WHERE} (http://rebind.test:{port}/img.png): could not connect to the server"
+    )
+    assert network.dialed == [PUBLIC_A, PUBLIC_A, PUBLIC_B]
+    assert network.asked == ["images.test", "inside.test", "images.test", "rebind.test"]
+    assert [path for path, _ in server.seen[before:]] == ["/to/inside.test", "/to/rebind.test"]
+
+
+def test_slow_resolver_gives_the_timeout_error(network):
+    network.answers["slow.test"] = [(PUBLIC_A,)]
+    network.slow.add("slow.test")  # answers only once the test is over (or after 20 s)
+    policy = MediaPolicy(allowed_domains=("slow.test",), fetch_timeout_s=0.3)
+    assert refusal(load_image, "http://slow.test/img.png", policy, WHERE) == (
+        f"could not fetch the image at {WHERE} (http://slow.test/img.png): timed out"
+    )
+    # It gave up while the lookup was still pending, rather than waiting for it.
+    assert network.asked == ["slow.test"] and network.answered == []
+    assert network.dialed == []
+
+
+def test_unresolvable_host(network, monkeypatch):
+    policy = MediaPolicy(allowed_domains=("nowhere.test",))
+    unresolved = f"could not fetch the image at {WHERE}: the host 'nowhere.test' could not be resolved"
+    network.answers["nowhere.test"] = [()]  # an empty answer
+    assert refusal(load_image, "http://nowhere.test/img.png", policy, WHERE) == unresolved
+
+    def no_such_name(host, port, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_name)
+    assert refusal(load_image, "http://nowhere.test/img.png", policy, WHERE) == unresolved
+    assert network.dialed == []
 
 
 # ---- file:// -------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ the pixel count from the header before any pixel is decoded (decompression bombs
 the host, its addresses and every redirect before a connection is opened (SSRF), and
 the resolved path before a file is opened (path escapes).
 
+A URL's host is resolved once per hop, within the fetch's timeout, and the connection goes
+to the addresses that were checked: httpx never resolves the name again, so a DNS server
+that answers differently the second time (rebinding) cannot move the fetch inside the
+network. The Host header, TLS SNI and certificate check still use the name.
+
 A refusal is a `MediaError` whose message is meant for the client: it names the
 request field (`where`) and what was wrong, never an exception class, a traceback or
 a path on the server. The caller turns it into the protocol's 400.
@@ -26,11 +31,14 @@ import re
 import socket
 import stat
 import struct
+import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+import httpcore
 import httpx
 from PIL import Image, UnidentifiedImageError
 
@@ -266,11 +274,8 @@ def _fetch(url: str, policy: MediaPolicy, where: str) -> bytes:
     """The body of an http(s) URL, following at most max_redirects redirects, each one re-checked.
 
     Every hop's host must be in allowed_domains and (unless allow_private_addresses) resolve
-    only to public addresses. DNS rebinding stays possible: we resolve the name, then httpx
-    resolves it again to connect, and a hostile DNS server can answer differently the second
-    time (a short TTL). Closing that window needs connecting to the address we checked
-    (a custom transport with the Host header and SNI set); until then, allow only domains
-    whose DNS you trust.
+    only to public addresses; the hop then connects to those addresses and no others. The
+    whole fetch, each hop's name resolution included, ends by fetch_timeout_s.
     """
     if not policy.allowed_domains:
         raise MediaError(
@@ -284,14 +289,19 @@ def _fetch(url: str, policy: MediaPolicy, where: str) -> bytes:
         raise MediaError(f"the image URL at {where} is not a valid URL") from None
     redirects = 0
     while True:
-        refusal = _fetch_refusal(target, policy, where)
+        refusal = _fetch_refusal(target, policy)
+        addresses: tuple[str, ...] = ()
+        if refusal is None:
+            addresses = _resolve(target, where, deadline)
+            if not policy.allow_private_addresses and not all(_is_public_address(a) for a in addresses):
+                refusal = f"the host '{_shown(_host_of(target))}' resolves to a private or loopback address"
         if refusal is not None and redirects == 0:
             raise MediaError(f"the image URL at {where} is not allowed: {refusal}")
         if refusal is not None:
             raise MediaError(
                 f"the image URL at {where} redirects to {_shown(str(target))}, which is not allowed: {refusal}"
             )
-        body_or_next = _fetch_one_hop(target, policy, where, deadline)
+        body_or_next = _fetch_one_hop(target, addresses, policy, where, deadline)
         if isinstance(body_or_next, bytes):
             return body_or_next
         if redirects == policy.max_redirects:
@@ -303,42 +313,128 @@ def _fetch(url: str, policy: MediaPolicy, where: str) -> bytes:
         target = body_or_next
 
 
-def _fetch_refusal(target: httpx.URL, policy: MediaPolicy, where: str) -> str | None:
-    """Why this hop may not be fetched, in words, or None."""
+def _fetch_refusal(target: httpx.URL, policy: MediaPolicy) -> str | None:
+    """Why this hop may not be fetched, judged from the URL alone, in words, or None."""
     if target.scheme not in ("http", "https"):
         return f"only http and https URLs can be fetched, not {_shown(target.scheme)}:"
     if target.userinfo:
         return "URLs with a user name or password are refused"
-    host = _normalize_host(target.raw_host.decode("ascii", "replace"))
+    host = _host_of(target)
     if not host:
         return "the URL has no host"
     if not _host_allowed(host, policy.allowed_domains):
         return f"the domain '{_shown(host)}' is not in --allowed-media-domains"
-    if policy.allow_private_addresses:
-        return None
-    port = target.port or (443 if target.scheme == "https" else 80)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)  # not bounded by fetch_timeout_s
-    except (OSError, UnicodeError):
-        raise MediaError(
-            f"could not fetch the image at {where}: the host '{_shown(host)}' could not be resolved"
-        ) from None
-    if not infos or not all(_is_public_address(info[4][0]) for info in infos):
-        return f"the host '{_shown(host)}' resolves to a private or loopback address"
     return None
 
 
-def _fetch_one_hop(target: httpx.URL, policy: MediaPolicy, where: str, deadline: float) -> bytes | httpx.URL:
-    """One GET: the body on 2xx, the next URL on a redirect; anything else is a MediaError."""
+def _host_of(target: httpx.URL) -> str:
+    return _normalize_host(target.raw_host.decode("ascii", "replace"))
+
+
+def _resolve(target: httpx.URL, where: str, deadline: float) -> tuple[str, ...]:
+    """The hop's addresses, in the resolver's order of preference, looked up once, by the deadline.
+
+    getaddrinfo has no timeout of its own, so it runs in a daemon thread that is abandoned
+    (it ends when the system resolver gives up) if the deadline passes first.
+    """
+    host = _host_of(target)
+    if _is_ip(host):
+        return (host,)
+    port = target.port or (443 if target.scheme == "https" else 80)
+    cannot = f"could not fetch the image at {where}: the host '{_shown(host)}' could not be resolved"
+    answer: list[list | Exception] = []  # filled by the lookup thread, read only after it ended
+
+    def lookup() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except Exception as exc:  # handed to the waiting thread, which decides
+            answer.append(exc)
+
+    thread = threading.Thread(target=lookup, name="shoal-media-resolve", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if not answer:
+        raise MediaError(f"could not fetch the image at {where} ({_shown(str(target))}): timed out")
+    if isinstance(answer[0], (OSError, UnicodeError)):  # no such name, a resolver failure, a bad label
+        raise MediaError(cannot) from None
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    addresses = tuple(dict.fromkeys(str(info[4][0]) for info in answer[0]))  # dedup, order kept
+    if not addresses:
+        raise MediaError(cannot)
+    return addresses
+
+
+class _PinnedBackend(httpcore.SyncBackend):
+    """Connects to the vetted addresses of one host, never to a fresh lookup of its name.
+
+    httpcore hands connect_tcp the URL's host name; TLS (SNI and the certificate's name)
+    happens afterwards on the stream, against that same name, so only the dial changes.
+    """
+
+    def __init__(self, host: str, addresses: tuple[str, ...], deadline: float) -> None:
+        self._host = host
+        self._addresses = addresses
+        self._deadline = deadline
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.NetworkStream:
+        if _normalize_host(host) != self._host:  # one client per hop: nothing else should be asked for
+            raise httpcore.ConnectError(f"this connection is pinned to {self._host}, not {host}")
+        failure: Exception = httpcore.ConnectTimeout("the fetch deadline passed")
+        for address in self._addresses:  # in order, like socket.create_connection over its own lookup
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                attempt = remaining if timeout is None else min(timeout, remaining)
+                return super().connect_tcp(address, port, attempt, local_address, socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                failure = exc
+        raise failure
+
+
+class _PinnedTransport(httpx.HTTPTransport):
+    """httpx's own transport over a connection pool that dials through a _PinnedBackend.
+
+    HTTPTransport's request and response handling (and its mapping of httpcore's errors to
+    httpx's) only use self._pool, so the pool is all this replaces; its __init__ is not
+    called because building its default pool is all it does (the pinning tests in
+    test_media.py fail if a later httpx stops working this way). Verification is httpx's
+    default (certifi), without the environment's certificate settings.
+    """
+
+    def __init__(self, backend: _PinnedBackend) -> None:
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(trust_env=False), network_backend=backend
+        )
+
+
+def _fetch_one_hop(
+    target: httpx.URL, addresses: tuple[str, ...], policy: MediaPolicy, where: str, deadline: float
+) -> bytes | httpx.URL:
+    """One GET to the vetted addresses: the body on 2xx, the next URL on a redirect; else a MediaError."""
     failed = f"could not fetch the image at {where} ({_shown(str(target))})"
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise MediaError(f"{failed}: timed out")
     try:
-        # A client per hop: no cookie a redirect sets is sent on. trust_env=False: no proxy from
-        # the environment (it would make the address check meaningless) and no .netrc credentials.
+        # A client per hop: no cookie a redirect sets is sent on, and its pool is pinned to this
+        # hop's addresses. trust_env=False: no .netrc credentials (and a transport of our own
+        # means no proxy from the environment, which would make the address check meaningless).
+        transport = _PinnedTransport(_PinnedBackend(_host_of(target), addresses, deadline))
         with httpx.Client(
-            follow_redirects=False, trust_env=False, timeout=httpx.Timeout(remaining), headers=_FETCH_HEADERS
+            transport=transport,
+            follow_redirects=False,
+            trust_env=False,
+            timeout=httpx.Timeout(remaining),
+            headers=_FETCH_HEADERS,
         ) as client:
             with client.stream("GET", target) as response:
                 if response.status_code in _REDIRECT_STATUSES and "location" in response.headers:
