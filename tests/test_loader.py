@@ -594,9 +594,9 @@ def test_gguf_cut_inside_its_metadata_is_refused(tmp_path):
     tokens = whole.index(b"tokenizer.ggml.tokens")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(whole[:tokens + 2000])  # inside the vocabulary's strings
-    with pytest.raises(ValueError, match="the file ends inside its metadata"):
+    with pytest.raises(ValueError, match=r"cut.gguf: metadata 'tokenizer.ggml.tokens' counts [\d,]+ entries, more than the [\d,]+ bytes after it can hold"):
         GGUFFileReader(cut)
     scores = whole.index(b"tokenizer.ggml.token_type")
     cut.write_bytes(whole[:scores + 100])  # inside an array of numbers
-    with pytest.raises(ValueError, match="the file ends inside its metadata"):
+    with pytest.raises(ValueError, match=r"cut.gguf: metadata 'tokenizer.ggml.token_type' counts [\d,]+ entries, more than"):
         GGUFFileReader(cut)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterable
@@ -32,10 +33,14 @@ import gguf
 import numpy as np
 import torch
 import transformers
+from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 
 from shoal import kernels
+from shoal.model.file_checks import (
+    MAX_ARRAY_ENTRIES, MAX_DIMS, MAX_METADATA_ENTRIES, MAX_STRING_BYTES, ModelFileError, Span, check_spans, in_words, truncated,
+)
 from shoal.model.formats import NATIVE, QuantTensor, file_mapping, is_quantized, type_counts
 from shoal.model.quant import Q4Codes
 
@@ -133,20 +138,47 @@ ORDER_SWAPPED = {"little": "big", "big": "little"}
 
 
 class GGUFFileReader(gguf.GGUFReader):
-    """`gguf.GGUFReader`, parsing over a plain-ndarray view of its memory map.
+    """`gguf.GGUFReader`, checking every claim of the file against its length, and parsing over a plain-ndarray
+    view of its memory map.
 
-    The reader makes a few tiny numpy views per metadata value, three per
-    vocabulary entry. Sliced from an `np.memmap`, each view runs memmap's
-    Python-level `__array_finalize__`; that made parsing SmolLM2's 49k tokens and
-    49k merges take 3-4 s, against ~0.9 s over a plain view of the same mapping.
-    The view keeps the mapping alive (it is the view's base) and read-only.
+    Checked (file_checks): the magic and version first; every count, string and array against the bytes left,
+    so a count of 2^40 is refused before any loop; each tensor's dimensions, type and bytes against the file's
+    length and each other's, before a view is made. A bad file raises `ModelFileError`, one line naming the
+    file and what is wrong.
+
+    Speed: the reader makes a few tiny numpy views per metadata value, three per vocabulary entry. Sliced from
+    an `np.memmap`, each view runs memmap's Python-level `__array_finalize__`; that made parsing SmolLM2's 49k
+    tokens and 49k merges take 3-4 s, against ~0.9 s over a plain view of the same mapping. The view keeps the
+    mapping alive (it is the view's base) and read-only.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.seconds: dict[str, float] = {}  # what parsing, the tokenizer and the config took, for the load's log line
+        self.path, self._where, self._entries = Path(path), "the header", 0
         t0 = time.perf_counter()
-        super().__init__(path)
+        self._check_start()
+        try:
+            super().__init__(path)
+        except ModelFileError:
+            raise
+        except (ValueError, KeyError, UnicodeDecodeError, OverflowError, IndexError) as e:  # what gguf-py checks itself
+            raise ModelFileError(path, f"malformed GGUF ({self._where}): {str(e).strip(chr(39))}") from None
         self.seconds["metadata"] = time.perf_counter() - t0
+
+    def _check_start(self) -> None:
+        size = self.path.stat().st_size
+        with self.path.open("rb") as f:
+            head = f.read(24)
+        if head[:4] != b"GGUF":
+            raise ModelFileError(self.path, "not a GGUF file (it does not start with the GGUF magic)")
+        if len(head) < 24:
+            raise truncated(self.path, "the GGUF header", 0, 24, size)
+        version = int.from_bytes(head[4:8], "little")
+        if version & 0xFFFF == 0:  # written on a big-endian machine
+            version = int.from_bytes(head[4:8], "big")
+        if version not in READER_SUPPORTED_VERSIONS:
+            raise ModelFileError(self.path, f"unsupported GGUF version {version} (shoal reads versions "
+                                            f"{' and '.join(map(str, READER_SUPPORTED_VERSIONS))})")
 
     @property
     def data(self) -> np.ndarray:
@@ -157,51 +189,163 @@ class GGUFFileReader(gguf.GGUFReader):
         self._array = value.view(np.ndarray)
         file_mapping(self._array)  # its pages may be dropped once a tensor is packed (formats.release)
 
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        end = offset + np.dtype(dtype).itemsize * int(count)
+        if end > len(self._array):
+            raise truncated(self.path, self._where, offset, end, len(self._array))
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        length = int(self._get(offset, np.uint64)[0])
+        if length > MAX_STRING_BYTES:
+            raise ModelFileError(self.path, f"{self._where} is a string of {in_words(length)} bytes "
+                                            f"(shoal reads at most {in_words(MAX_STRING_BYTES)})")
+        return super()._get_str(offset)
+
+    def _counted(self, count: int, offs: int, least: int, who: str, what: str) -> int:
+        """`count` entries of at least `least` bytes each, refused before a loop if the bytes left cannot hold them."""
+        count, left = int(count), len(self._array) - offs
+        if count * least > left:
+            raise ModelFileError(self.path, f"{who} counts {in_words(count)} {what}, more than the {left:,} bytes "
+                                            "after it can hold")
+        return count
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        count = self._counted(count, offs, 8 + 4 + 1, "the header", "metadata entries")  # a key's length, the type, a 1-byte value
+        for i in range(count):
+            self._where = f"metadata entry {i + 1} of {count}"
+            key_length, key = self._get_str(offs)
+            self._where = f"metadata {bytes(key).decode('utf-8', 'replace')!r}"
+            raw_type = self._get(offs + 8 + len(key), np.uint32)
+            size, parts, idxs, types = self._get_field_parts(offs + 12 + len(key), raw_type[0])
+            self._push_field(gguf.ReaderField(offs, str(bytes(key), encoding="utf-8"), [key_length, key, raw_type, *parts],
+                                              [i + 3 for i in idxs], types), skip_sum=True)
+            offs += 12 + len(key) + size
+        return offs
+
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list[gguf.GGUFValueType]]:
         """gguf-py's, but an array in bulk: gguf-py parses it an entry at a time, with three numpy views per string
         (0.7 s of a 1B model's start for a vocabulary of 49k tokens, their types and scores, and 49k merges).
         Here an array of numbers is one view (so `contents()` reads it whole, as read_metadata does), and an
         array of strings one memoryview slice per string."""
+        if raw_type not in gguf.GGUFValueType._value2member_map_:
+            raise ModelFileError(self.path, f"{self._where} has an unknown GGUF value type {int(raw_type)}")
         if raw_type != gguf.GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         parts: list = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
-        item, count, offs = gguf.GGUFValueType(parts[0][0]), int(parts[1][0]), orig_offs + 12
+        count, offs = int(parts[1][0]), orig_offs + 12
+        if parts[0][0] not in gguf.GGUFValueType._value2member_map_ or parts[0][0] == gguf.GGUFValueType.ARRAY:
+            raise ModelFileError(self.path, f"{self._where} is an array of {'arrays' if parts[0][0] == gguf.GGUFValueType.ARRAY else f'unknown type {int(parts[0][0])}'}, "
+                                            "which GGUF readers do not take")
+        item = gguf.GGUFValueType(parts[0][0])
+        numbers = self.gguf_scalar_to_np.get(item)
+        self._counted(count, offs, np.dtype(numbers).itemsize if numbers is not None else 8, self._where, "entries")
+        self._entries += count
+        if count > MAX_ARRAY_ENTRIES or self._entries > MAX_METADATA_ENTRIES:
+            raise ModelFileError(self.path, f"{self._where} is an array of {in_words(count)} entries (shoal reads at most "
+                                            f"{in_words(MAX_ARRAY_ENTRIES)} in one, {in_words(MAX_METADATA_ENTRIES)} in all)")
         types = [gguf.GGUFValueType.ARRAY, item]
-        if (numbers := self.gguf_scalar_to_np.get(item)) is not None:
-            if offs + count * np.dtype(numbers).itemsize > len(self._array):
-                raise ValueError(f"the file ends inside its metadata (an array of {count} numbers at byte {orig_offs})")
+        if numbers is not None:
             parts.append(self._get(offs, numbers, count))
             return 12 + parts[2].nbytes, parts, [2], types
-        if item != gguf.GGUFValueType.STRING:  # arrays of arrays: gguf-py's way
-            return super()._get_field_parts(orig_offs, raw_type)
         data, order = memoryview(self._array), sys.byteorder if self.byte_order == "I" else ORDER_SWAPPED[sys.byteorder]
         end = len(data)
-        for _ in range(count):
+        for i in range(count):
+            if offs + 8 > end:
+                raise truncated(self.path, self._where, offs, offs + 8, end)
             length = int.from_bytes(data[offs:offs + 8], order)
+            if offs + 8 + length > end:
+                raise ModelFileError(self.path, f"{self._where}: entry {i + 1} of {count} is a string of {in_words(length)} "
+                                                f"bytes at byte {offs:,}, past the end of the file ({end:,} bytes)")
             parts.append(data[offs + 8:offs + 8 + length])  # .tobytes(), as ReaderField.contents reads a part
             offs += 8 + length
-            if offs > end:
-                raise ValueError(f"the file ends inside its metadata (an array of {count} strings at byte {orig_offs})")
         return offs - orig_offs, parts, list(range(2, 2 + count)), types
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[gguf.ReaderField]]:
+        count = self._counted(count, offs, 8 + 4 + 4 + 8, "the header", "tensors")  # a name's length, dims, type, offset
+        fields = []
+        for i in range(count):
+            self._where = f"tensor {i + 1} of {count}"
+            name_length, name = self._get_str(offs)
+            self._where = f"tensor {bytes(name).decode('utf-8', 'replace')}"
+            n_dims = self._get(offs + 8 + len(name), np.uint32)
+            if n_dims[0] > MAX_DIMS:
+                raise ModelFileError(self.path, f"{self._where} has {int(n_dims[0])} dimensions (GGUF allows {MAX_DIMS})")
+            at = offs + 12 + len(name)
+            dims, raw_type, offset = self._get(at, np.uint64, n_dims[0]), self._get(at + 8 * int(n_dims[0]), np.uint32), None
+            offset = self._get(at + 8 * int(n_dims[0]) + 4, np.uint64)
+            fields.append(gguf.ReaderField(offs, str(bytes(name), encoding="utf-8"), [name_length, name, n_dims, dims, raw_type, offset],
+                                           [1, 3, 4, 5]))
+            offs = at + 8 * int(n_dims[0]) + 12
+        return offs, fields
+
+    def _build_tensors(self, start_offs: int, fields: list[gguf.ReaderField]) -> None:
+        """Each tensor's type, dimensions and bytes checked, against the file and each other, before gguf-py views them."""
+        spans = []
+        for field in fields:
+            _, _, _, dims, raw_type, offset = field.parts
+            self._where = f"tensor {field.name}"
+            if int(raw_type[0]) not in gguf.GGMLQuantizationType._value2member_map_ or gguf.GGMLQuantizationType(int(raw_type[0])) not in gguf.GGML_QUANT_SIZES:
+                raise ModelFileError(self.path, f"{self._where} has an unknown tensor type {int(raw_type[0])}")
+            qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+            shape = [int(d) for d in dims]
+            if any(d >= 1 << 62 for d in shape) or math.prod(shape) >= 1 << 62:
+                raise ModelFileError(self.path, f"{self._where} has absurd dimensions {' x '.join(in_words(d) for d in shape)}")
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            if shape and shape[0] % block:
+                raise ModelFileError(self.path, f"{self._where} has rows of {shape[0]:,} values, not a multiple of "
+                                                f"{qtype.name}'s {block}-value blocks")
+            start = start_offs + int(offset[0])
+            spans.append(Span(field.name, start, start + math.prod(shape) // block * type_size))
+        check_spans(self.path, spans, len(self._array), self.alignment, start_offs)
+        super()._build_tensors(start_offs, fields)
 
     @functools.cached_property
     def metadata(self) -> dict[str, Any]:
-        return read_metadata(self)
+        try:
+            return read_metadata(self)
+        except UnicodeDecodeError:
+            bad = next(k for k, f in self.fields.items() if not _decodes(f))
+            raise ModelFileError(self.path, f"metadata {bad!r} holds a string that is not UTF-8") from None
 
     @functools.cached_property
     def tokenizer(self) -> transformers.PreTrainedTokenizerFast:
         """Built once (~0.2 s for SmolLM2's vocabulary), whether the config is read before the load or by it."""
         t0 = time.perf_counter()
-        tokenizer = build_tokenizer(self.metadata)
+        try:
+            tokenizer = build_tokenizer(self.metadata)
+        except ModelFileError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the tokenizers library raises TypeError, ValueError or its own Exception)
+            raise ModelFileError(self.path, f"its tokenizer metadata is unusable ({_first_line(e)})") from None
         self.seconds["tokenizer"] = time.perf_counter() - t0
         return tokenizer
 
     @functools.cached_property
     def hf_config(self) -> transformers.PretrainedConfig:
         meta = self.metadata
-        if meta["general.architecture"] not in ARCHS:
-            raise ValueError(f"GGUF architecture {meta['general.architecture']!r} is not supported (supported: {', '.join(ARCHS)})")
-        return build_config(meta, {t.name: t for t in self.tensors}, self.tokenizer)
+        arch = meta.get("general.architecture")
+        if arch not in ARCHS:
+            raise ModelFileError(self.path, f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+        try:
+            return build_config(meta, {t.name: t for t in self.tensors}, self.tokenizer)
+        except KeyError as e:
+            raise ModelFileError(self.path, f"its metadata lacks {e.args[0]!r}, which a {arch} model needs") from None
+        except (TypeError, ValueError, ZeroDivisionError, IndexError) as e:
+            raise ModelFileError(self.path, f"its {arch} metadata is malformed ({_first_line(e)})") from None
+
+
+def _decodes(field: gguf.ReaderField) -> bool:
+    try:
+        field.contents()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -228,10 +372,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
     """
     reader = reader if reader is not None else GGUFFileReader(path)
     meta = reader.metadata
-    try:
-        config = reader.hf_config
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    config = reader.hf_config
     tokenizer = reader.tokenizer
     t0 = time.perf_counter()
     fmt = planned_weight_format(quantization, reader)

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from shoal.model.gguf_loader import GGUFFileReader, load_gguf, planned_weight_format
+from shoal.model.config import ModelConfig
+from shoal.model.file_checks import Described, ModelFileError, check_config, check_safetensors_header
+from shoal.model.gguf_loader import GGUFFileReader, hf_tensor_name, load_gguf, planned_weight_format
 from shoal.model.mmproj import read_mmproj
 from shoal.model.vision import Qwen2VLPreparer, VisionSpec, load_preparer
 
@@ -149,7 +151,28 @@ def read_config(name_or_path: str | Path, gguf_reader: GGUFFileReader | None = N
     if gguf_reader is not None:
         return gguf_reader.hf_config
     path = resolve_model_path(str(name_or_path))
-    return open_gguf(path).hf_config if path.suffix == ".gguf" else transformers.AutoConfig.from_pretrained(path)
+    return open_gguf(path).hf_config if path.suffix == ".gguf" else read_hf_config(path)
+
+
+def read_hf_config(folder: Path) -> transformers.PretrainedConfig:
+    """A Hugging Face folder's config.json, or one line saying why it cannot be read."""
+    try:
+        return transformers.AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # resolve_model_path has seen config.json there
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelFileError(folder / "config.json", f"not a usable model config ({first[:200]})") from None
+
+
+def check_sizes(path: Path, config: transformers.PretrainedConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The config's sizes against the checkpoint's tensor shapes (file_checks.check_config), before anything the
+    config describes is allocated."""
+    try:
+        c = ModelConfig.from_hf(config)
+        described = Described(c.num_layers, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
+                              c.num_kv_heads * c.head_dim)
+    except (AttributeError, TypeError, ZeroDivisionError) as e:
+        raise ModelFileError(path, f"the config lacks a usable size ({e})") from None
+    check_config(path, described, shapes)
 
 
 def load_checkpoint(
@@ -173,6 +196,9 @@ def load_checkpoint(
     start = time.perf_counter()
     vision_state = preparer = None
     if path.suffix == ".gguf":
+        gguf_reader = gguf_reader if gguf_reader is not None else GGUFFileReader(path)
+        check_sizes(path, gguf_reader.hf_config, {hf_tensor_name(t.name) or t.name: tuple(int(d) for d in reversed(t.shape))
+                                                  for t in gguf_reader.tensors})
         gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization, select=select, reader=gguf_reader)
         weight_format = gg.weight_format
         config, state_dict, tokenizer = gg.config, gg.state_dict, gg.tokenizer
@@ -183,7 +209,7 @@ def load_checkpoint(
     else:
         if mmproj is not None:
             raise ValueError(f"--mmproj goes with a GGUF model; the Hugging Face folder {path.name} holds its own vision tower")
-        config = transformers.AutoConfig.from_pretrained(path)
+        config = read_hf_config(path)
         weight_format = planned_weight_format(quantization, None)
         state_dict = load_safetensors(path, config, dtype, progress, select)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -264,15 +290,13 @@ def load_safetensors(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's safetensors files (one, or shards listed in
     model.safetensors.index.json), renamed to `model.*` / `lm_head.weight`; with `select`
-    (see load_checkpoint), only the selected rows or columns are read."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(folder.glob("*.safetensors"))
+    (see load_checkpoint), only the selected rows or columns are read. Every file's header is checked against
+    its length, and the config's sizes against the tensors' shapes, before a tensor is read."""
+    files = safetensors_files(folder)
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors files")
-    handles = [safe_open(f, framework="pt") for f in files]
+    check_sizes(folder / "config.json", config, {k: v for f in files for k, v in check_safetensors_header(f).items()})
+    handles = [_open_safetensors(f) for f in files]
     keys = [(h, k) for h in handles for k in h.keys()]
     raw = {}
     for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", disable=not progress, file=sys.stderr):
@@ -286,6 +310,33 @@ def load_safetensors(
             part = handle.get_slice(key)
             raw[key] = (part[start : start + length] if dim == 0 else part[:, start : start + length]).to(dtype)
     return normalize_names(raw, tied=bool(getattr(config, "tie_word_embeddings", False)), names=[k for _, k in keys])
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files: the shards model.safetensors.index.json lists, or every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(folder.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = set(weight_map.values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ModelFileError(index, "not a safetensors index (no JSON object with a weight_map of file names)") from None
+    files = []
+    for name in sorted(names):
+        file = folder / str(name)
+        if Path(str(name)).is_absolute() or ".." in Path(str(name)).parts or not file.is_file():
+            raise ModelFileError(index, f"lists {str(name)[:80]!r}, which is not a file in {folder.name}")
+        files.append(file)
+    return files
+
+
+def _open_safetensors(path: Path):
+    """safe_open, its refusal in the words of a ModelFileError (file_checks has read the header before it)."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise ModelFileError(path, f"not a valid safetensors file ({str(e).removeprefix('Error while deserializing header: ')})") from None
 
 
 def normalize_names(raw: dict[str, torch.Tensor], tied: bool, names: list[str] | None = None) -> dict[str, torch.Tensor]:

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shoal.model.file_checks import ModelFileError
 from shoal.model.gguf_loader import GGUFFileReader, dequantize
 
 log = logging.getLogger("shoal.loader")
@@ -99,9 +100,11 @@ def read_mmproj(path: str | Path) -> MMProj:
         state_dict = tower_state_dict(tensors, family, int(meta["clip.vision.embedding_length"]))
         vision_config = build_vision_config(meta, state_dict, family)
     except KeyError as e:  # a metadata key or tensor the tower needs
-        raise ValueError(f"{path}: the mmproj file lacks {e.args[0]!r}") from None
+        raise ModelFileError(path, f"the mmproj file lacks {e.args[0]!r}") from None
+    except ModelFileError:
+        raise
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ModelFileError(path, str(e)) from None
     return MMProj(family, vision_config, state_dict, processor_settings(meta, vision_config))
 
 

@@ -15,6 +15,7 @@ import torch
 from shoal import kernels
 from shoal.config import STRICT_MKL, EngineConfig
 from shoal.model.config import ModelConfig
+from shoal.model.file_checks import ModelFileError
 from shoal.model.invariance import make_row_invariant
 from shoal.model.layers import bind_attributes
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config
@@ -89,7 +90,10 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         weights.prepare(model)
     model = model.to_empty(device=device)  # the rotary tables are computed once the context is known (below)
     packing = time.perf_counter()
-    load_weights(model, ckpt.state_dict)
+    try:
+        load_weights(model, ckpt.state_dict)
+    except (KeyError, ValueError) as e:  # a tensor the family has no place for, or lacks: the file's fault
+        raise ModelFileError(ckpt.path, str(e.args[0]) if isinstance(e, KeyError) else str(e)) from None
     packing = time.perf_counter() - packing
     model = model.to(dtype).eval()
     head = rank == 0 or model.vocab is not None  # rank 0 computes the logits, or every rank its slice of them
