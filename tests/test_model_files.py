@@ -204,6 +204,8 @@ def _folder_cases(folder: Path) -> dict[str, tuple[dict[str, bytes], str]]:
         "config-width": ({"config.json": with_config(hidden_size=1 << 24, head_dim=16)},
                          "config.json: the config's vocabulary and hidden size gives model.embed_tokens.weight the shape 400 x 2^24"),
         "config-not-json": ({"config.json": b"{\"model_type\": "}, "config.json: not a usable model config"),
+        "tokenizer-not-json": ({"tokenizer.json": b"{\"version\": \"1.0\", \"model\": "}, "tokenizer-not-json: its tokenizer cannot be loaded ("),
+        "generation-config-not-json": ({"generation_config.json": b"[1, 2"}, "generation_config.json: not a JSON file"),
         "index-escape": ({"model.safetensors.index.json": json.dumps({"weight_map": {embed: "../../../../etc/passwd"}}).encode()},
                          "model.safetensors.index.json: lists '../../../../etc/passwd', which is not a file in"),
     }

@@ -163,6 +163,15 @@ def read_hf_config(folder: Path) -> transformers.PretrainedConfig:
         raise ModelFileError(folder / "config.json", f"not a usable model config ({first[:200]})") from None
 
 
+def read_hf_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase:
+    """A Hugging Face folder's tokenizer, or one line saying why it cannot be built."""
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception for a tokenizer.json it cannot parse)
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ModelFileError(folder, f"its tokenizer cannot be loaded ({first})") from None
+
+
 def check_sizes(path: Path, config: transformers.PretrainedConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """The config's sizes against the checkpoint's tensor shapes (file_checks.check_config), before anything the
     config describes is allocated."""
@@ -212,7 +221,7 @@ def load_checkpoint(
         config = read_hf_config(path)
         weight_format = planned_weight_format(quantization, None)
         state_dict = load_safetensors(path, config, dtype, progress, select)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        tokenizer = read_hf_tokenizer(path)
         if getattr(config, "vision_config", None) is not None:
             vision_state, preparer = split_vision(state_dict), load_preparer(path, config, tokenizer)
         generation_eos, defaults = read_generation_config(path, config)
@@ -380,7 +389,12 @@ def read_generation_config(folder: Path, config: transformers.PretrainedConfig) 
     config's; without one the config's eos_token_id is used.
     """
     file = folder / "generation_config.json"
-    gen = json.loads(file.read_text()) if file.is_file() else {}
+    try:
+        gen = json.loads(file.read_text()) if file.is_file() else {}
+    except (UnicodeDecodeError, ValueError):
+        raise ModelFileError(file, "not a JSON file") from None
+    if not isinstance(gen, dict):
+        raise ModelFileError(file, "not a JSON object")
     eos = gen.get("eos_token_id", getattr(config, "eos_token_id", None))
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     defaults = {k: gen[k] for k in SAMPLING_KEYS if gen.get(k) is not None}
