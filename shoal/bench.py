@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 WORKLOADS = ("random", "chat", "agentic", "file")
 PERCENTILES = (50, 90, 99)
 
@@ -47,16 +49,8 @@ PERCENTILES = (50, 90, 99)
 
 
 def percentile(values: list[float], p: float) -> float | None:
-    """The p-th percentile (0..100) with linear interpolation between closest ranks (numpy's default); None if empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    if len(xs) == 1:
-        return float(xs[0])
-    k = (len(xs) - 1) * p / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (k - lo))
+    """The p-th percentile (0..100), interpolated linearly between closest ranks (numpy's default); None if empty."""
+    return float(np.percentile(values, p)) if len(values) else None
 
 
 def tpot(e2e: float, ttft: float, output_tokens: int) -> float | None:

@@ -16,6 +16,7 @@ the file, the file over the built-in defaults.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import logging
@@ -24,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
 
 from shoal.config import (
     KV_CACHE_DTYPES,
@@ -343,8 +344,13 @@ CONFIG_ONLY_KEYS = ("log_level", "models")
 
 
 def load_config_file(path: str | Path) -> dict:
-    """A YAML config as {option key: value}; keys are the flags' names, with - or _."""
+    """A YAML config as {option key: value}; keys are the flags' names, with - or _.
+
+    config_file_models checks the values; the first error becomes one line naming the key, as the file writes it, and
+    the file.
+    """
     import yaml
+    from pydantic import ValidationError
 
     path = Path(path)
     try:
@@ -355,48 +361,110 @@ def load_config_file(path: str | Path) -> dict:
         raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must be a mapping of option: value")
-    known = {o.key: o for o in SERVE_OPTS}
+    written: dict[tuple, Any] = {}
+    try:
+        return config_file_models()[0].model_validate(_keyed(data, written)).model_dump(exclude_unset=True)
+    except ValidationError as e:
+        raise ValueError(_config_error(e, written, path)) from None
+
+
+def _keyed(mapping: dict, written: dict, at: tuple = ()) -> dict:
+    """`mapping` (the file's, or a `models:` entry's) with the options' keys: dashes become underscores.
+    written[at + (key,)] keeps each key as the file wrote it, in the file's order, for the error messages."""
     out = {}
-    for raw_key, value in data.items():
+    for raw_key, value in mapping.items():
         key = str(raw_key).replace("-", "_")
-        if key not in known and key not in CONFIG_ONLY_KEYS:
-            names = ", ".join(sorted(k.replace("_", "-") for k in [*known, *CONFIG_ONLY_KEYS]))
-            raise ValueError(f"unknown key {raw_key!r} in {path} (known: {names})")
-        opt = known.get(key)
-        if key == "models":
-            value = _model_entries(value, path)
-        elif opt is None:  # log_level
-            if value not in LOG_LEVELS:
-                raise ValueError(f"{raw_key!r} in {path} must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
-        else:
-            value = _config_value(opt, value, f"{raw_key!r} in {path}")
+        written[(*at, key)] = raw_key
+        if not at and key == "models" and isinstance(value, list):
+            value = [_keyed(e, written, ("models", i)) if isinstance(e, dict) else e for i, e in enumerate(value)]
         out[key] = value
     return out
 
 
-def _model_entries(value, path) -> list[dict]:
-    """The YAML config's `models:` list: each a mapping with `model` and any engine option, and MODEL_ENTRY_KEYS."""
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"'models' in {path} must be a list of mappings, each with at least `model`")
-    known = {o.key: o for o in ENGINE_OPTS + PARALLEL_OPTS}
-    entries = []
-    for i, item in enumerate(value):
-        where = f"models[{i}] in {path}"
-        if not isinstance(item, dict) or "model" not in item:
-            raise ValueError(f"{where} must be a mapping with at least `model`")
-        entry = {}
-        for raw_key, v in item.items():
-            key = str(raw_key).replace("-", "_")
-            if key in known:
-                entry[key] = _config_value(known[key], v, f"{raw_key!r} of {where}")
-            elif key in MODEL_ENTRY_KEYS:
-                entry[key] = v if key in ("alias", "keep_alive") else _config_value(
-                    next(o for o in SERVER_OPTS if o.key == key), v, f"{raw_key!r} of {where}")
-            else:
-                names = ", ".join(sorted(k.replace("_", "-") for k in [*known, *MODEL_ENTRY_KEYS]))
-                raise ValueError(f"unknown key {raw_key!r} in {where} (known: {names})")
-        entries.append(entry)
-    return entries
+# The file's log-level; build_parser declares the flag per command, each with its own help.
+LOG_LEVEL_OPT = Opt("--log-level", "info", str, choices=tuple(LOG_LEVELS))
+# The engine options and MODEL_ENTRY_KEYS: what a `models:` entry may set.
+MODEL_ENTRY_OPTS = ENGINE_OPTS + PARALLEL_OPTS + [o for o in SERVER_OPTS if o.key in MODEL_ENTRY_KEYS]
+
+
+@functools.cache
+def config_file_models() -> tuple[type, type]:
+    """The pydantic models of a `serve --config` file and of its `models:` entries, built from the options above: a
+    field per option, so each key's type, choices and default are declared once, for the flag and the file. Unknown
+    keys are refused."""
+    from pydantic import ConfigDict, Field, create_model
+
+    # A number given to a string option (`prefix-cache-host-bytes: 0`) is its text, as on the command line; options
+    # named model_* do not clash with pydantic's own methods.
+    config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, protected_namespaces=())
+    entry = create_model("ModelEntry", __config__=config,
+                         **{o.key: (_config_type(o), ... if o.key == "model" else None) for o in MODEL_ENTRY_OPTS},
+                         alias=(Any, None), keep_alive=(Any, None))  # read by spec_for and parse_keep_alive
+    file = create_model("ConfigFile", __config__=config,
+                        **{o.key: (_config_type(o), None) for o in [*SERVE_OPTS, LOG_LEVEL_OPT]},
+                        models=(Annotated[list[entry], Field(min_length=1)], None))
+    return file, entry
+
+
+def _config_type(opt: Opt):
+    """What `opt` takes in the file: what its flag's type and choices take, as a list where the flag repeats
+    (one value is a list of one), and null only where the default is None."""
+    from typing import Literal
+
+    from pydantic import BeforeValidator, PlainValidator, StrictBool
+
+    if opt.kind in ("bool", "flag"):
+        t = StrictBool  # YAML's true and false, not "yes" or 1
+    else:
+        if opt.choices is not None:
+            t = Literal[opt.choices]
+        elif opt.type in (int, float):
+            t = Annotated[opt.type, BeforeValidator(_not_bool)]
+        elif opt.type is str:
+            t = str
+        else:  # a parsing function (auto_int): called on the text, as argparse calls it
+            t = Annotated[Any, PlainValidator(lambda v, parse=opt.type: parse(str(_not_bool(v))))]
+        if opt.kind == "list" or opt.nargs is not None:
+            t = Annotated[list[t], BeforeValidator(lambda v: [] if v is None else v if isinstance(v, list) else [v])]
+    return Optional[t] if opt.default is None else t
+
+
+def _not_bool(value):
+    """pydantic's lax int and float take true as 1; the flag takes no true."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean")
+    return value
+
+
+def _config_error(e, written: dict, path: Path) -> str:
+    """The config file's first error (pydantic's, in the file's order) as one line naming the key and the file."""
+    order = {loc: i for i, loc in enumerate(written)}
+
+    def key_of(loc: tuple) -> tuple:  # (key,) or ("models", i, key); item indices of list options dropped
+        return loc[:3] if loc[0] == "models" and len(loc) > 1 else loc[:1]
+
+    err = min(e.errors(), key=lambda x: order.get(key_of(x["loc"]), order.get(x["loc"][:1], len(order))))
+    loc, value, kind = err["loc"], err.get("input"), err["type"]
+    key = key_of(loc)
+    entry = len(key) > 1  # in a `models:` entry
+    where = f"models[{loc[1]}] in {path}" if entry else str(path)
+    if loc == ("models",):
+        return f"'models' in {path} must be a list of mappings, each with at least `model`"
+    if entry and (len(loc) == 2 or kind == "missing"):
+        return f"{where} must be a mapping with at least `model`"
+    name = written.get(key, key[-1])
+    if kind == "extra_forbidden":
+        fields = config_file_models()[entry].model_fields
+        return f"unknown key {name!r} in {where} (known: {', '.join(sorted(k.replace('_', '-') for k in fields))})"
+    opt = {o.key: o for o in (MODEL_ENTRY_OPTS if entry else [*SERVE_OPTS, LOG_LEVEL_OPT])}[key[-1]]
+    what = f"{name!r} {'of' if entry else 'in'} {where}"
+    if opt.kind in ("bool", "flag"):
+        return f"{what} must be true or false, not {value!r}"
+    if loc == key and isinstance(value, list) and opt.kind != "list" and opt.nargs is None:
+        return f"{what} takes one value, not a list"
+    if kind == "literal_error":
+        return f"{what} must be one of {', '.join(map(str, opt.choices))}, not {value!r}"
+    return f"{what}: {value!r} is not a valid {getattr(opt.type, '__name__', 'value')}"
 
 
 def model_specs(v: dict) -> list:
@@ -441,32 +509,6 @@ def lifecycle(v: dict):
         default_fallback=bool(v.get("default_model_fallback")), load_timeout=float(v.get("model_load_timeout", 120.0)),
         drain_timeout=float(v.get("model_drain_timeout", 30.0)), step_turns=bool(v.get("models_step_turns")),
     )
-
-
-def _config_value(opt: Opt, value, where: str):
-    """A YAML value as its flag would have parsed it: the same type and choices, or one line saying what is wrong."""
-    if value is None:
-        return None
-    if opt.kind in ("bool", "flag"):
-        if not isinstance(value, bool):
-            raise ValueError(f"{where} must be true or false, not {value!r}")
-        return value
-    many = opt.kind == "list" or opt.nargs is not None
-    items = value if isinstance(value, list) else [value]
-    if not many and isinstance(value, list):
-        raise ValueError(f"{where} takes one value, not a list")
-    converted = []
-    for item in items:
-        if isinstance(item, (dict, list)) or (isinstance(item, bool) and opt.type is not None):
-            raise ValueError(f"{where}: {item!r} is not a valid {getattr(opt.type, '__name__', 'value')}")
-        try:
-            item = opt.type(str(item)) if opt.type is not None else item
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: {item!r} is not a valid {opt.type.__name__}") from None
-        if opt.choices is not None and item not in opt.choices:
-            raise ValueError(f"{where} must be one of {', '.join(map(str, opt.choices))}, not {item!r}")
-        converted.append(item)
-    return converted if many else converted[0]
 
 
 def serve_values(a: argparse.Namespace) -> dict:

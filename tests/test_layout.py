@@ -117,3 +117,44 @@ def test_every_benchmark_imports_names_the_package_has():
                 missing += [f"{f.name}: {node.module}.{a.name}" for a in node.names
                             if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
     assert missing == []
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Every top-level module the package imports from outside the standard library -> the files importing it."""
+    import sys
+
+    found: dict[str, set[str]] = {}
+    for f in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                tops = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            for top in tops:
+                if top != "shoal" and top not in sys.stdlib_module_names:
+                    found.setdefault(top, set()).add(str(f.relative_to(PACKAGE.parent)))
+    return found
+
+
+def test_every_imported_library_is_a_declared_dependency():
+    """A library the package imports comes from a distribution pyproject.toml's `dependencies` names, not from one
+    that only happens to be installed because another pulls it in (fastapi pulls starlette and pydantic, httpx
+    pulls httpcore: their next release may not). An import of an optional library would belong in an extra and a
+    try/except ImportError; there is none."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    def canonical(name: str) -> str:  # PEP 503: Jinja2 and jinja2, PyYAML and pyyaml are one distribution
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    declared = {canonical(re.match(r"[A-Za-z0-9_.-]+", d).group()) for d in project["dependencies"]}
+    providers = importlib.metadata.packages_distributions()
+    imports = _third_party_imports()
+    assert {"torch", "yaml", "PIL"} <= set(imports)  # it reads the code
+    undeclared = {top: sorted(files) for top, files in imports.items()
+                  if not {canonical(d) for d in providers.get(top, [])} & declared}
+    assert undeclared == {}, f"imported, but no distribution in pyproject.toml's dependencies provides them: {undeclared}"
