@@ -43,6 +43,11 @@ TEXTS = [
     "it's they're I'LL we'd",
     "\n\n\r\n \t mixed whitespace",
     "",
+    "a<|im_start|>b<|im_end|>c<|endoftext|> d",  # special tokens glued to text
+    "中文文本测试，包含标点。 한국어 Crème brûlée ß ø",
+    "x = {'a': 12345678}  # https://example.com/path?q=1&r=two#frag",
+    "\u00a0no-break\u2003em space\u200bzero width",
+    "abab" * 20,
 ]
 
 # ---------------------------------------------------------------- writing GGUFs like llama.cpp
@@ -308,20 +313,19 @@ def test_gguf_bfloat16_dtype(tmp_path):
         assert torch.equal(weight, torch.from_numpy(held[name][1]).to(torch.bfloat16)), name
 
 
-def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
-    """A SentencePiece-style vocabulary (tokenizer.ggml.model "llama", as Llama 2 /
-    Mistral files have): scores instead of merges, byte-fallback tokens, BOS added
-    by default. Compared with transformers' conversion of the same file."""
+def write_spm_gguf(path, add_space_prefix: bool | None = None) -> None:
+    """A SentencePiece-style vocabulary as llama.cpp writes Llama 2 / Mistral files (tokenizer.ggml.model
+    "llama"): <unk> <s> </s>, 256 byte-fallback tokens, then a BPE vocabulary learned on tiny_models'
+    corpus, scores instead of merges; `tokenizer.ggml.add_space_prefix` only when given."""
     from tokenizers import SentencePieceBPETokenizer
 
-    from shoal.model.gguf_loader import GGUFFileReader, build_tokenizer, read_metadata
     from tiny_models import _CORPUS
 
     spm = SentencePieceBPETokenizer()
     spm.train_from_iterator(_CORPUS * 20, vocab_size=300, show_progress=False)
     learned = [t for t, _ in sorted(spm.get_vocab().items(), key=lambda kv: kv[1])]
     T = gguf.TokenType
-    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + learned)
     writer.add_token_types([T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * len(learned))
@@ -329,11 +333,22 @@ def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
+
+@pytest.mark.parametrize("add_space_prefix", [None, True])
+def test_sentencepiece_gguf_tokenizer_equals_transformers(add_space_prefix, tmp_path):
+    """A SentencePiece-style vocabulary (tokenizer.ggml.model "llama", as Llama 2 /
+    Mistral files have): scores instead of merges, byte-fallback tokens, BOS added
+    by default. Compared with transformers' conversion of the same file."""
+    from shoal.model.gguf_loader import GGUFFileReader, build_tokenizer, read_metadata
+
+    write_spm_gguf(tmp_path / "spm.gguf", add_space_prefix)
     ours = build_tokenizer(read_metadata(GGUFFileReader(tmp_path / "spm.gguf")))
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
     for text in TEXTS + ["Hello</s> <s>world"]:
@@ -342,8 +357,96 @@ def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
         assert ids[0] == 1  # <s>
         for skip in (False, True):
             assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    for attr in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(ours, attr) == getattr(reference, attr), attr
+    assert len(ours) == len(reference)
     # Characters outside the tiny vocabulary go through byte fallback and come back.
     assert ours.decode(ours("naïve 日本語 🙂").input_ids, skip_special_tokens=True) == "naïve 日本語 🙂"
+
+
+def test_sentencepiece_gguf_without_space_prefix(tmp_path):
+    """`tokenizer.ggml.add_space_prefix = false`: llama.cpp puts no "▁" before the text, so a text
+    tokenizes as that text after one space does with the prefix on, and decodes back whole.
+    transformers' GGUF converter ignores the flag (one reason shoal builds its own, issue 57)."""
+    from shoal.model.gguf_loader import GGUFFileReader, build_tokenizer
+
+    write_spm_gguf(tmp_path / "prefix.gguf", True)
+    write_spm_gguf(tmp_path / "bare.gguf", False)
+    prefixed = build_tokenizer(GGUFFileReader(tmp_path / "prefix.gguf").metadata)
+    bare = build_tokenizer(GGUFFileReader(tmp_path / "bare.gguf").metadata)
+    for text in TEXTS:
+        assert bare.decode(bare(text).input_ids, skip_special_tokens=True) == text, text
+        if text and not text.startswith(" "):  # the prefix is not doubled before a leading space (Metaspace)
+            assert bare(" " + text).input_ids == prefixed(text).input_ids, text
+    first = [t.convert_ids_to_tokens(t("Hello").input_ids)[1] for t in (bare, prefixed)]
+    assert not first[0].startswith("▁") and first[1].startswith("▁"), first
+
+
+def test_byte_level_gguf_added_tokens_equal_transformers(tmp_path):
+    """USER_DEFINED tokens (`<think>`) matched whole, tokens stored with raw characters respelled in
+    the byte alphabet (and so a USER_DEFINED one among them not matched whole), CONTROL tokens
+    special: token for token what transformers' conversion of the same file gives."""
+    from shoal.model.gguf_loader import GGUFFileReader, build_tokenizer
+    from tiny_models import make_tokenizer
+
+    source = make_tokenizer()
+    by_id = {i: t for t, i in source.get_vocab().items()}
+    merges = json.loads(source.backend_tokenizer.to_str())["model"]["merges"]
+    T = gguf.TokenType
+    tokens = [by_id[i] for i in range(len(by_id))] + ["<think>", "</think>", "raw spaces here", "raw\nnewline"]
+    types = [T.CONTROL if i < 3 else T.NORMAL for i in range(len(by_id))]
+    types += [T.USER_DEFINED, T.USER_DEFINED, T.NORMAL, T.USER_DEFINED]
+    writer = gguf.GGUFWriter(str(tmp_path / "bpe.gguf"), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(0)
+    writer.add_bos_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = build_tokenizer(GGUFFileReader(tmp_path / "bpe.gguf").metadata)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="bpe.gguf")
+    for text in TEXTS + ["<think>\nhmm</think> raw spaces here raw\nnewline"]:
+        ids = ours(text).input_ids
+        assert ids == reference(text).input_ids, text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    assert ours("<think>").input_ids == [len(by_id)]
+    assert ours.convert_ids_to_tokens(len(by_id) + 2) == "rawĠspacesĠhere"
+    assert len(ours) == len(reference) == len(tokens)
+    added = {i: (str(t), t.special) for i, t in ours.added_tokens_decoder.items()}
+    assert added == {i: (str(t), t.special) for i, t in reference.added_tokens_decoder.items()}
+    assert set(ours.all_special_ids) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("gpt-2", ["ab", "c", "Ġ", "12"]),  # GPT-2's split, then the merges
+    ("smollm", ["ab", "c", "Ġ", "1", "2"]),  # digits one by one first (SmolLM2's tokenizer.json)
+    ("llama-bpe", ["abc", "Ġ", "12"]),  # a pre-token in the vocabulary is one token (Llama 3's ignore_merges)
+])
+def test_byte_level_pre_types_follow_llamacpp(pre, pieces):
+    """The pre-types' rules as llama.cpp applies them (llama-vocab.cpp), on a vocabulary whose merges
+    give "ab" and "12" but never reach "abc". transformers' GGUF converter (5.24) has neither of the
+    last two rules: it splits "smollm" files like GPT-2 and never ignores merges (issue 57)."""
+    from tokenizers import pre_tokenizers
+
+    from shoal.model.gguf_loader import build_tokenizer
+
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": sorted(pre_tokenizers.ByteLevel.alphabet()) + ["ab", "12", "abc"],
+        "tokenizer.ggml.merges": ["a b", "1 2"],
+    }
+    tokenizer = build_tokenizer(meta)
+    ids = tokenizer("abc 12").input_ids
+    assert tokenizer.convert_ids_to_tokens(ids) == pieces
+    assert tokenizer.decode(ids) == "abc 12"
 
 
 def test_unpermute_qk_inverts_llamacpp_permute():
@@ -404,6 +507,12 @@ def test_default_gguf_tokenizer_equals_transformers(default_checkpoint, hf_defau
     for attr in ("bos_token", "eos_token", "unk_token", "pad_token"):
         assert getattr(ours, attr) == getattr(reference, attr), attr
     assert len(ours) == len(reference) == 49152
+    # The file's 17 CONTROL tokens, special in both; ours also lists them in all_special_ids,
+    # which the detokenizer skips (transformers' lists only bos/eos/unk/pad there).
+    added = {i: (str(t), t.special) for i, t in ours.added_tokens_decoder.items()}
+    assert added == {i: (str(t), t.special) for i, t in reference.added_tokens_decoder.items()}
+    assert sorted(ours.all_special_ids) == sorted(i for i, (_, special) in added.items() if special)
+    assert len(ours.all_special_ids) == 17
     # Like transformers (the file's add_bos_token is false), nothing is prepended.
     assert ours("Hi").input_ids == reference("Hi").input_ids
     assert ours.bos_token_id not in ours("Hi").input_ids
