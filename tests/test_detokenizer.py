@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 
@@ -164,18 +165,19 @@ def test_hold_back_prefix_of_stop(tok):
     assert "".join(x for _, x in seen) + d.take_delta(finished=True) == "Hello, world! Wonderful"
 
 
+class CharTok:
+    """One token per character; enough tokenizer for the bookkeeping (not a transformers one)."""
+
+    all_special_ids: list[int] = []
+
+    def convert_ids_to_tokens(self, ids):
+        return chr(ids) if isinstance(ids, int) else [chr(i) for i in ids]
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)
+
+
 def test_hold_back_releases_exactly_what_cannot_be_a_stop():
-    class CharTok:
-        """One token per character; enough tokenizer for the bookkeeping."""
-
-        all_special_ids: list[int] = []
-
-        def convert_ids_to_tokens(self, ids):
-            return chr(ids) if isinstance(ids, int) else [chr(i) for i in ids]
-
-        def convert_tokens_to_string(self, tokens):
-            return "".join(tokens)
-
     stop = "Hello World"
     d = IncrementalDetokenizer(CharTok(), [], stop=[stop])
     out = ""
@@ -382,16 +384,285 @@ def test_sentencepiece_byte_fallback_split_char():
 
 
 def test_no_torch_import():
+    """No heavy import at module level; tokenizers only inside the DecodeStream window (its tokenizer loaded it)."""
     import ast
     from pathlib import Path
 
     import shoal.engine.detokenizer as mod
 
+    def imports(nodes):
+        names = set()
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+        return names
+
     tree = ast.parse(Path(mod.__file__).read_text())
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module.split(".")[0])
-    assert not imported & {"torch", "transformers", "tokenizers", "numpy"}, imported
+    heavy = {"torch", "transformers", "tokenizers", "numpy"}
+    assert not imports(tree.body) & heavy
+    assert imports(ast.walk(tree)) & heavy == {"tokenizers"}
+
+
+# ------------------------------------------------------------ the window: DecodeStream, and the hand-written one
+#
+# Fast tokenizers go through tokenizers' DecodeStream (`_StreamWindow`); the hand-written window
+# (`_TokenWindow`) stays for any other tokenizer. Both must give, token by token, what decoding
+# every prefix of the output gives, on the default model's tokenizer, the tiny models' tokenizers
+# (every family's tiny model uses `make_tokenizer`, the vision ones with added special tokens),
+# and SentencePiece-style ones.
+
+MULTIBYTE_TEXTS = [
+    *TEXTS,
+    "Ça va? Déjà vu — naïveté, coöperate, Ångström, ß, œuvre, Ελληνικά, русский",
+    "中文文本：你好，世界！繁體字與簡體字。日本語：こんにちは。한국어: 안녕하세요",
+    "🙂🙃😀😁🎉👍🏽👩🏾‍💻🧑‍🤝‍🧑🏳️‍🌈 🇯🇵🇺🇸 ∑∫√∞ ≠ ≤ ≥ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟘𝟙",
+    "<|im_start|>user\nhi 🙂<|im_end|>\n<|im_start|>assistant\nhello 😀 世界<|im_end|>",
+    "<|vision_start|><|image_pad|><|vision_end|> caption <image> <row_1_col_1> ok",
+]
+PROMPTS = ["", CHAT_PROMPT, "Paris 🙂 is ", "日本"]
+FAMILIES = ["default", "byte-level", "byte-level-vl", "byte-level-idefics3", "metaspace-unigram", "llama-byte-fallback"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_tok(request):
+    name = request.param
+    if name == "default":
+        from shoal.model.gguf_loader import GGUFFileReader, build_tokenizer, read_metadata
+
+        return build_tokenizer(read_metadata(GGUFFileReader(request.getfixturevalue("default_gguf_path"))))
+    if name.startswith("byte-level"):
+        from tiny_models import IDEFICS3_TOKENS, VL_TOKENS
+
+        t = make_tokenizer()
+        extra = {"byte-level-vl": VL_TOKENS, "byte-level-idefics3": IDEFICS3_TOKENS}.get(name)
+        if extra:
+            t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *extra]})
+        return t
+    return {"metaspace-unigram": _metaspace_unigram, "llama-byte-fallback": _llama_style_bpe}[name]()
+
+
+@contextlib.contextmanager
+def hand_written_window(monkeypatch):
+    """A context in which every detokenizer uses the hand-written window."""
+    from shoal.engine import detokenizer
+
+    with monkeypatch.context() as m:
+        m.setattr(detokenizer._StreamWindow, "fits", staticmethod(lambda tokenizer: False))
+        yield
+
+
+def trace(tok, ids, prompt=(), *, every=1, fork_at=None, fork_ids=(), **kw):
+    """Everything a caller sees, token by token: (stop match, delta) per token, the finish, the text;
+    with `fork_at`, the same for a fork made before token `fork_at` and fed `fork_ids`."""
+    def run(d, ids, fork_at=None):
+        out = []
+        for i, t in enumerate(ids):
+            if i == fork_at:
+                out.append(("fork", run(d.fork(), fork_ids)))
+            m = d.add_token(t)
+            out.append(("match", m))
+            if m is not None:
+                break
+            if (i + 1) % every == 0:
+                out.append(("delta", d.take_delta()))
+        out.append(("finish", d.take_delta(finished=True)))
+        out.append(("text", d.text))
+        return out
+
+    d = IncrementalDetokenizer(tok, list(prompt), **kw)
+    return type(d._window).__name__, run(d, ids, fork_at)
+
+
+def prefix_decode_deltas(tok, ids, prompt, skip):
+    """The reference: after each token, the text of decoding the prompt and every output token so far,
+    less the prompt's text, as long as it does not end in an incomplete character; then the finish."""
+    base = tok.decode(prompt, skip_special_tokens=skip)
+    shown, deltas = "", []
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(prompt + ids[:k], skip_special_tokens=skip)
+        assert text.startswith(base)
+        text = text[len(base) :]
+        if len(text) > len(shown) and not text.endswith(FFFD):
+            assert text.startswith(shown)
+            deltas.append(text[len(shown) :])
+            shown = text
+        else:
+            deltas.append("")
+    full = tok.decode(prompt + ids, skip_special_tokens=skip)[len(base) :]
+    return deltas, full[len(shown) :]
+
+
+def test_fast_tokenizers_use_decode_stream(family_tok):
+    from shoal.engine.detokenizer import _StreamWindow, _TokenWindow
+
+    assert type(IncrementalDetokenizer(family_tok, [])._window) is _StreamWindow
+
+    class OwnDecode(type(family_tok)):
+        def decode(self, *a, **kw):  # a tokenizer that changes decode: its text is not DecodeStream's
+            return super().decode(*a, **kw)
+
+    assert not _StreamWindow.fits(OwnDecode.__new__(OwnDecode))
+    # A tokenizer that is not one of transformers' fast ones: the hand-written window.
+    assert type(IncrementalDetokenizer(CharTok(), [])._window) is _TokenWindow
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_deltas_equal_decode_of_prefixes(family_tok, skip, monkeypatch):
+    tok = family_tok
+    split = 0
+    for text in MULTIBYTE_TEXTS:
+        ids = encode(tok, text)
+        split += any(FFFD in tok.decode([i]) for i in ids)
+        for prompt_text in PROMPTS:
+            prompt = encode(tok, prompt_text)
+            deltas, rest = prefix_decode_deltas(tok, ids, prompt, skip)
+            expected = [x for d in deltas for x in (("match", None), ("delta", d))]
+            expected += [("finish", rest), ("text", "".join(deltas) + rest)]
+            assert trace(tok, ids, prompt, skip_special_tokens=skip) == ("_StreamWindow", expected), (text, prompt_text)
+            with hand_written_window(monkeypatch):
+                assert trace(tok, ids, prompt, skip_special_tokens=skip) == ("_TokenWindow", expected)
+    # Tokens that split a UTF-8 character were among them (unless the vocabulary has none: the unigram one).
+    assert split or not any(FFFD in tok.decode([i]) for i in range(len(tok)))
+
+
+def test_long_stream_cut_inside_a_character(family_tok):
+    """Past the ids the stream window keeps (it drops old ones), a finish inside a character still
+    releases what decode shows."""
+    tok = family_tok
+    ids = encode(tok, "日本語のテキスト 🙂 emoji 👍🏽 naïve 🎉 " * 12)
+    prompt = encode(tok, "say")
+    assert len(ids) > 150
+    inside = 0
+    for cut in range(len(ids) - 12, len(ids) + 1):
+        if not monotone(tok, prompt + ids[:cut]):
+            continue  # byte fallback: decode takes back the run's earlier characters (see below)
+        text = tok.decode(prompt + ids[:cut], skip_special_tokens=True)  # (the unigram one has <unk>s)
+        expected = text[len(tok.decode(prompt, skip_special_tokens=True)) :]
+        inside += expected.endswith(FFFD)
+        deltas, d, _ = stream(tok, ids[:cut], prompt)
+        assert "".join(deltas) == d.text == expected, cut
+    assert inside or not any(FFFD in tok.decode([i]) for i in ids)
+
+
+def first_stop(full, stops, include):
+    """`full` cut at the stop string the character stream completes first (ties: the earliest start)."""
+    best = min(((full.find(s) + len(s), full.find(s), s) for s in stops if s in full), default=None)
+    return (full, None) if best is None else (full[: best[0] if include else best[1]], best[2])
+
+
+STOPS = [("World",), ("fox", "Paris"), ("🎉 d", "本語", "é"), ("<|im_end|>", "\n"), ("ok", "世界", "🙂")]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stops_hold_back_and_fork_same_in_both_windows(family_tok, include, monkeypatch):
+    """Stop strings (within and across tokens, multibyte ones too), the held-back tail and a fork
+    mid-stream: the same deltas from both windows, and the text decode gives, cut at the first stop."""
+    tok = family_tok
+    fork_ids = encode(tok, " 🙂 forked, 日本 ok")
+    for text in MULTIBYTE_TEXTS:
+        ids = encode(tok, text)
+        full = tok.decode(ids, skip_special_tokens=True)
+        # Stops from the text itself too: pieces a few characters long, at a few places.
+        own = tuple(full[a : a + 3] for a in range(1, len(full), max(1, len(full) // 3)))
+        # Fork halfway, inside a character too where decode allows it (byte-level: it never takes one back).
+        half = next(k for k in range(len(ids) // 2, -1, -1) if monotone(tok, ids[:k] + fork_ids))
+        for stops in [*STOPS, own]:
+            for every, fork_at in ((1, None), (3, half)):
+                kw = dict(stop=stops, include_stop_str_in_output=include, every=every, fork_at=fork_at, fork_ids=fork_ids)
+                window, got = trace(tok, ids, **kw)
+                with hand_written_window(monkeypatch):
+                    assert trace(tok, ids, **kw) == ("_TokenWindow", got), (text, stops)
+                assert window == "_StreamWindow"
+                expected, stop = first_stop(full, stops, include)
+                deltas = [x for k, x in got if k in ("delta", "finish")]
+                assert "".join(deltas) == got[-1][1] == expected, (text, stops)
+                assert [m.stop for k, m in got if k == "match" and m is not None] == ([stop] if stop else [])
+                # Hold-back: no delta ever carries text past what ends up in the output.
+                released = ""
+                for x in deltas:
+                    released += x
+                    assert expected.startswith(released)
+                forks = [x for k, x in got if k == "fork"]
+                if forks:
+                    fork_full = tok.decode(ids[:fork_at] + fork_ids, skip_special_tokens=True)
+                    fork_expected, _ = first_stop(fork_full, stops, include)
+                    parent_before = "".join(x for k, x in got[: got.index(("fork", forks[0]))] if k == "delta")
+                    fork_deltas = "".join(x for k, x in forks[0] if k in ("delta", "finish"))
+                    assert parent_before + fork_deltas == forks[0][-1][1] == fork_expected, (text, stops)
+
+
+def monotone(tok, ids):
+    """Whether decoding the ids one more at a time never takes back a character it showed (byte-fallback
+    runs can: see below); text ending inside a character is held back, so it may, unless it is the last."""
+    shown = ""
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k])
+        if k < len(ids) and text.endswith(FFFD):
+            continue
+        if not text.startswith(shown):
+            return False
+        shown = text
+    return True
+
+
+def test_random_ids_same_in_both_windows(family_tok, monkeypatch):
+    """Random ids (invalid UTF-8, special tokens), stops and forks: both windows give the same, and
+    the text is decode's cut at the first stop (where decode never takes back a character)."""
+    tok = family_tok
+    rng = random.Random(0)
+    vocab = len(tok)
+    checked = 0
+    for trial in range(150):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        full = tok.decode(ids)
+        starts = [rng.randrange(len(full) or 1) for _ in range(rng.randrange(3))]
+        stops = tuple(full[a : a + rng.randrange(1, 5)] for a in starts)
+        include = rng.random() < 0.5
+        kw = dict(stop=stops, skip_special_tokens=False, every=rng.choice([1, 2]), include_stop_str_in_output=include)
+        window, got = trace(tok, ids, **kw)
+        assert window == "_StreamWindow"
+        if not monotone(tok, ids):
+            continue
+        checked += 1
+        with hand_written_window(monkeypatch):
+            assert trace(tok, ids, **kw) == ("_TokenWindow", got), (trial, ids, stops)
+        expected, _ = first_stop(full, stops, include)
+        assert "".join(x for k, x in got if k in ("delta", "finish")) == got[-1][1] == expected, (trial, ids, stops)
+        # After a prompt, with a fork halfway that goes on with the ids backwards.
+        half = len(ids) // 2
+        if monotone(tok, prompt + ids) and monotone(tok, prompt + ids[:half] + ids[::-1]):
+            kw = dict(skip_special_tokens=False, fork_at=half, fork_ids=ids[::-1])
+            _, got = trace(tok, ids, prompt, **kw)
+            with hand_written_window(monkeypatch):
+                assert trace(tok, ids, prompt, **kw) == ("_TokenWindow", got), (trial, prompt, ids)
+    assert checked > 20
+
+
+def test_byte_fallback_character_taken_back_by_decode(monkeypatch):
+    """Byte-fallback bytes make "日" (sent), then a stray byte makes decode show the whole run as U+FFFD:
+    what was sent stays sent, and the text goes on with as many characters as decode shows."""
+    sp = _llama_style_bpe()
+    ids = sp.convert_tokens_to_ids(["<0xE6>", "<0x97>", "<0xA5>", "<0x97>", "b", "▁o", "k"])
+    assert sp.decode(ids[:3]) == "日" and sp.decode(ids) == FFFD * 4 + "b ok"
+    deltas = ["", "", "日", "", FFFD * 3 + "b", " o", "k"]
+    expected = [x for d in deltas for x in (("match", None), ("delta", d))]
+    expected += [("finish", ""), ("text", "日" + FFFD * 3 + "b ok")]
+    assert trace(sp, ids) == ("_StreamWindow", expected)
+    with hand_written_window(monkeypatch):
+        assert trace(sp, ids) == ("_TokenWindow", expected)
+
+
+def test_ids_outside_the_vocabulary_give_no_text(family_tok):
+    """A model's vocabulary can be larger than its tokenizer's: such ids add nothing, even inside a split character."""
+    tok = family_tok
+    ids = encode(tok, "ok 😀🎉 日本語 done")
+    out = [len(tok) + 7]
+    for t in ids:
+        out += [t, len(tok) + 3]
+    deltas, d, _ = stream(tok, out, encode(tok, "say"))
+    assert "".join(deltas) == "".join(stream(tok, ids, encode(tok, "say"))[0])
+    assert FFFD not in "".join(deltas)
+
