@@ -45,7 +45,7 @@ from publish import cpu_kind, machine, machine_line, publish, table  # noqa: E40
 from tiny_models import make_tiny_vl_model  # noqa: E402
 
 from shoal import LLM, SamplingParams  # noqa: E402
-from shoal.server.media import pixel_digest  # noqa: E402
+from shoal.multimodal import pixel_digest  # noqa: E402
 
 TEXT = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
             max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]})

@@ -21,7 +21,9 @@ for the user's schema, and none can run on inside a number or a layout:
 `flexible` (the model's own whitespace, at most one newline and INDENT_LIMIT spaces or tabs
 at each place, so it cannot loop in whitespace), or a user's own whitespace regex.
 
-Plain Python, no torch: the engine's structured-output module calls it before compiling.
+Plain Python, no torch, below the engine and the server: the engine's structured-output module
+compiles from it, and the server builds a forced tool call's schema with `forced_tool_call_schema`.
+A constraint that cannot be used is a `GrammarError`, whichever side finds it.
 """
 
 from __future__ import annotations
@@ -193,3 +195,31 @@ def _number(node: dict) -> dict:
 
 def _has(node: dict, *keys: str) -> bool:
     return any(isinstance(node.get(k), (int, float)) and not isinstance(node.get(k), bool) for k in keys)
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled or followed; the message is safe to show."""
+
+
+def forced_tool_call_schema(tools: list[dict]) -> dict:
+    """A JSON schema whose documents are exactly the calls of one of `tools`:
+    `{"name": <one of the names>, "arguments": <that tool's parameters>}`.
+
+    tools: [{"name": str, "parameters": JSON schema (default: any object)}]. This is what
+    a forced tool choice (OpenAI's `required` or a named function, Anthropic's `any` or
+    `tool`) constrains the output to.
+    """
+    if not tools:
+        raise GrammarError("a forced tool call needs at least one tool")
+    options = []
+    for t in tools:
+        params = t.get("parameters") or {"type": "object"}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return options[0] if len(options) == 1 else {"anyOf": options}

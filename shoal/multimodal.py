@@ -17,6 +17,7 @@ the grid's larger side, so each image shifts the positions after it by max(h, w)
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 
 
@@ -114,3 +115,19 @@ def mrope_positions(images: tuple[ImageSpan, ...], start: int, end: int) -> tupl
     if i < end:
         text(i, end)
     return rows
+
+
+_DIGEST_STRIP_ROWS = 256  # pixel_digest hashes this many rows at a time, so no full copy of a large image
+
+
+def pixel_digest(image) -> bytes:
+    """SHA-256 (32 bytes) over a decoded Pillow image's mode, size and raw pixels.
+
+    The same picture gives the same digest however it was sent (PNG or lossless WebP,
+    base64, URL or file), so it can key a cache of image features.
+    """
+    width, height = image.size
+    digest = hashlib.sha256(f"{image.mode}:{width}x{height}:".encode())
+    for top in range(0, height, _DIGEST_STRIP_ROWS):  # row-major strips hash the same as one tobytes()
+        digest.update(image.crop((0, top, width, min(top + _DIGEST_STRIP_ROWS, height))).tobytes())
+    return digest.digest()

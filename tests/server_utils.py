@@ -55,7 +55,9 @@ class LiveServer:
 
     @property
     def engine(self):
-        return self.state.engine
+        """The default model's Engine, behind its AsyncEngine (the server's door): tests may look inside."""
+        door = self.state.engine
+        return door.engine if door is not None else None
 
     def __enter__(self) -> LiveServer:
         self._thread.start()

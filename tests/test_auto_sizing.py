@@ -13,7 +13,8 @@ import pytest
 from server_utils import LiveServer, tiny_engine_config
 from shoal.runner import model_runner
 from shoal.runner.kv_sizing import MIN_MARGIN, WORKSPACE, GiB, Machine, MiB
-from shoal.server.models import Lifecycle, ModelSpec, weight_file_bytes
+from shoal.engine.builder import weight_file_bytes
+from shoal.server.models import Lifecycle, ModelSpec
 
 LONG = 131072  # a trained context as Llama 3.1's and Qwen3's
 PER_TOKEN = 3 * 2 * 2 * 16 * 4  # the tiny llama in float32: layers x (K, V) x KV heads x head_dim x bytes

@@ -155,7 +155,7 @@ def test_several_models_are_listed_and_the_charts_follow_the_one_picked(browser,
         assert page.inner_text("#model") == "coder"
         page.select_option("#model-select", "eyes")
         page.wait_for_selector("#vision:not([hidden])", timeout=15000)
-        vision = srv.state.models.find("eyes").engine.monitor.snapshot.vision
+        vision = srv.state.models.find("eyes").engine.snapshot.vision
         shown = page.eval_on_selector_all("#chart-vision rect.bar", "rs => rs.map(r => [r.dataset.label, Number(r.dataset.value)])")
         assert shown == [["encoded", 1], ["cache hits", vision["cache_hits"]]] and vision["images_encoded"] == 1
         assert page.inner_text("#vision-text").startswith("2 images in requests")

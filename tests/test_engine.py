@@ -325,9 +325,9 @@ def _record_adds_and_steps(engine) -> list[str]:
     events: list[str] = []
     add, step = engine.add_request, engine.step
 
-    def logged_add(request):
+    def logged_add(request, checked=False):
         events.append(f"add {request.request_id}")
-        return add(request)
+        return add(request, checked=checked)
 
     def logged_step():
         outputs = step()

@@ -1,4 +1,4 @@
-"""The schema the grammar is compiled from (engine/json_schema.py), exactly: plain data in, plain data out."""
+"""The schema the grammar is compiled from (json_schema.py), exactly: plain data in, plain data out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from shoal.engine.json_schema import ANY_KEY, INT_BOUND, NUMBER_BOUND, any_value_schema, json_object_schema, json_options, prepare
+from shoal.json_schema import ANY_KEY, INT_BOUND, NUMBER_BOUND, any_value_schema, json_object_schema, json_options, prepare
 
 ANY = {"$ref": f"#/$defs/{ANY_KEY}"}
 NUMBER = {"type": "number", "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND, "multipleOf": 1e-10}

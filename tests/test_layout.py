@@ -158,3 +158,39 @@ def test_every_imported_library_is_a_declared_dependency():
     undeclared = {top: sorted(files) for top, files in imports.items()
                   if not {canonical(d) for d in providers.get(top, [])} & declared}
     assert undeclared == {}, f"imported, but no distribution in pyproject.toml's dependencies provides them: {undeclared}"
+
+
+def test_the_server_reaches_the_engine_only_through_its_door():
+    """Nothing under server/ imports engine/, runner/ or executor/ but engine/async_engine.py (the door), and
+    every attribute it reads of an engine is one the door offers (no `engine.runner...`)."""
+    from shoal.engine.async_engine import AsyncEngine
+
+    graph = _imports()
+    server = {m for m in graph if m.startswith("shoal.server")}
+    reached = {(m, d) for m in server for d in graph[m] if d.startswith(("shoal.engine", "shoal.runner", "shoal.executor"))}
+    assert {d for _, d in reached} == {"shoal.engine.async_engine"}, sorted(reached)
+
+    door = {name for name in dir(AsyncEngine) if not name.startswith("_")} | {"ready"}  # its one public attribute, the
+    # build's future; the Engine it holds (`.engine`) is for tests and embedders, never the server
+    through = []
+    for f in (PACKAGE / "server").rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            named_engine = (isinstance(owner, ast.Attribute) and owner.attr == "engine") or (isinstance(owner, ast.Name) and owner.id == "engine")
+            if named_engine and node.attr not in door:
+                through.append(f"{f.relative_to(PACKAGE)}:{node.lineno}: engine.{node.attr}")
+    assert through == []
+    assert {"generate", "abort", "check", "tokenizer", "prepare_image", "failure", "cluster", "snapshot"} <= door
+
+
+def test_the_offline_api_imports_nothing_of_the_server():
+    graph = _imports()
+    seen, todo = set(), ["shoal.engine.llm"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph[m])
+    assert not {m for m in seen if m.startswith("shoal.server")}

@@ -32,8 +32,8 @@ from shoal.server.media import (
     decode_image,
     load_base64_image,
     load_image,
-    pixel_digest,
 )
+from shoal.multimodal import pixel_digest
 
 WHERE = "messages[0].content[1].image_url"
 DEFAULT = MediaPolicy()

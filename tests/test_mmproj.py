@@ -229,7 +229,7 @@ def test_qwen2vl_gguf_needs_its_rope_sections():
 def test_a_gguf_and_its_mmproj_answer_as_the_folder_does(pair, tmp_path):
     """`--mmproj`: the llama.cpp pair serves images, with the folder's greedy tokens for the same picture."""
     from shoal import LLM, SamplingParams
-    from shoal.server.media import pixel_digest
+    from shoal.multimodal import pixel_digest
     from test_vision import picture
 
     family, folder, text_gguf, mmproj = pair

@@ -29,9 +29,9 @@ def srv(tiny_llama_path):
     seen = []
     real_add = engine.add_request
 
-    def add_request(request):  # record what reaches the engine
+    def add_request(request, checked=False):  # record what reaches the engine
         seen.append(request)
-        return real_add(request)
+        return real_add(request, checked=checked)
 
     engine.add_request = add_request
     with LiveServer(engine) as s:

@@ -189,11 +189,11 @@ def test_a_client_error_raised_while_a_request_runs_reaches_the_client_as_it_is(
     request runs) is the client's error as it stands, in the protocol's format, never turned into a 500."""
     from shoal.server.errors import unavailable
 
-    async def refusing(request):
+    async def refusing(request, checked=False):
         raise unavailable("the cluster is restarting", 7, "cluster_unavailable")
         yield  # an async generator, as AsyncEngine.generate is
 
-    monkeypatch.setattr(srv.app.state.shoal.aengine, "generate", refusing)
+    monkeypatch.setattr(srv.app.state.shoal.engine, "generate", refusing)
     r = h.post(path, json={"model": srv.app.state.shoal.model_name, **body})
     assert r.status_code == 503 and r.headers["retry-after"] == "7", r.text
     err = r.json()["error"]

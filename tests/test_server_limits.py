@@ -174,7 +174,7 @@ def test_max_waiting_holds_when_requests_arrive_together(engine):
                 with ThreadPoolExecutor(burst) as pool:
                     futures = [pool.submit(send, c) for c in clients]
                     srv.wait_until(lambda: sum(f.done() for f in futures) >= burst - limit, what="the refusals")
-                    assert state.admitted + state.aengine.num_waiting == limit
+                    assert state.admitted + state.engine.num_waiting == limit
                     gate.open()
                     responses = [f.result(timeout=60) for f in futures]
         for c in clients:
@@ -186,7 +186,7 @@ def test_max_waiting_holds_when_requests_arrive_together(engine):
             err = _error(r, 503, "service_unavailable_error", "overloaded", f"--max-waiting {limit}")
             assert err["code"] == "server_overloaded" and int(r.headers["retry-after"]) >= 1
         assert all(r.json()["usage"]["completion_tokens"] >= 1 for r in accepted)
-        assert state.admitted == 0 and state.aengine.num_waiting == 0
+        assert state.admitted == 0 and state.engine.num_waiting == 0
         assert h.get("/stats").json()["rejected_overloaded"] == burst - limit
 
 

@@ -147,7 +147,7 @@ def test_echo_with_max_tokens_0_returns_the_prompt_without_the_engine(h, srv, mo
     def no_engine(*a, **kw):
         raise AssertionError("the engine was asked to generate")
 
-    monkeypatch.setattr(srv.state.aengine, "generate", no_engine)
+    monkeypatch.setattr(srv.state.engine, "generate", no_engine)
     body = complete(h, prompt=["Once upon a time", [5, 6, 7]], echo=True, max_tokens=0, n=2).json()
     texts = [c["text"] for c in body["choices"]]
     decoded = srv.engine.tokenizer.decode([5, 6, 7])

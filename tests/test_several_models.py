@@ -267,7 +267,7 @@ def test_the_budget_evicts_the_least_recently_used_idle_model_and_never_a_busy_o
 
 
 def _slow_steps(srv, name: str, seconds: float) -> None:
-    runner = srv.state.models.models[name].engine.runner
+    runner = srv.state.models.models[name].engine.engine.runner
     real = runner.execute
     runner.execute = lambda plan: (time.sleep(seconds), real(plan))[1]
 
@@ -358,7 +358,7 @@ def test_load_and_unload_cycles_leak_no_engine_thread_or_block(tiny_llama_path, 
         for _ in range(CYCLES):
             h.post("/v1/models", json={"model": "b"})
             assert _complete(h, "b", "x", max_tokens=3).status_code == 200
-            engine = srv.state.models.models["b"].engine
+            engine = srv.state.models.models["b"].engine.engine  # the Engine behind the door
             gone.append(weakref.ref(engine))
             del engine
             h.delete("/v1/models/b")

@@ -15,7 +15,8 @@ import torch
 
 from server_utils import LiveServer, tiny_engine
 from shoal import LLM, SamplingParams
-from shoal.engine.structured import GrammarCompiler, GrammarError, forced_tool_call_schema
+from shoal.engine.structured import GrammarCompiler
+from shoal.json_schema import GrammarError, forced_tool_call_schema
 from shoal.runner.sampler import SamplerRow, SamplingBatch, process_logits, sample, unpack_token_masks
 from shoal.types import FinishReason, StructuredOutput
 from test_server_errors import check

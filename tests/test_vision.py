@@ -26,7 +26,7 @@ from shoal.config import CacheConfig, EngineConfig
 from shoal.multimodal import ImageSpan, expand_placeholders, mrope_positions
 from shoal.runner.build import build_part
 from shoal.runner.model_runner import forward_batch
-from shoal.server.media import pixel_digest
+from shoal.multimodal import pixel_digest
 from shoal.types import ScheduledSeq, StepPlan
 from tiny_models import VL_ARCHS, make_tiny_vl_model
 

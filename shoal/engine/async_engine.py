@@ -1,9 +1,14 @@
-"""AsyncEngine: the step loop in a background thread, an async iterator per request.
+"""AsyncEngine: the one door into a model's engine, with the step loop in a background thread.
 
-The HTTP side never touches the Engine: it puts commands (add, abort) into a
-thread-safe inbox; the loop applies them between steps and hands each
-request's outputs back to the asyncio loop that asked for them. A client that
-goes away cancels its iterator, which sends an abort, applied at the next step.
+The HTTP side never touches the Engine, its runner or its executor: everything the server may do with a
+model goes through the methods and properties here (generate, abort, check, tokenizer and sizes, images,
+health and cluster state, stats), each plain data or a thread-safe call, so that the engine could live in
+another process behind the same interface. A layout test holds the server to it.
+
+Requests are commands (add, abort) put into a thread-safe inbox; the loop applies them between steps and
+hands each request's outputs back to the asyncio loop that asked for them. A client that goes away cancels
+its iterator, which sends an abort, applied at the next step. A request is checked once: `check` (the
+server calls it at the edge, in a worker thread) is the whole of it, and `generate(checked=True)` trusts it.
 
 Given a function that builds the engine instead of an engine, the loop's
 thread builds it first: loading and stepping must happen on the same thread.
@@ -24,9 +29,17 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from shoal.config import EngineConfig
 from shoal.engine.engine import Engine
+from shoal.engine.stats import EngineFacts
+from shoal.multimodal import pixel_digest
+from shoal.runner.kv_sizing import WORKSPACE
 from shoal.types import GenerationRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from shoal.model.vision import PreparedImage, VisionSpec
 
 log = logging.getLogger("shoal.engine")
 SUMMARY_INTERVAL_S = 10.0
@@ -119,18 +132,19 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------ async side
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    # ------------------------------------------------------------ the door: requests
+    async def generate(self, request: GenerationRequest, checked: bool = False) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come; the last has finished=True.
 
-        Raises ValueError (before any output) when the engine rejects the request,
-        RequestFailed when it failed on its own (others go on), EngineDeadError when
-        the whole step failed.
+        checked: the request has passed `check` (the server's edge), so it is not checked again. Raises
+        ValueError (before any output) when the engine rejects the request, RequestFailed when it failed on its
+        own (others go on), EngineDeadError when the whole step failed.
         """
         engine = self.engine
         if engine is None:  # shut down (or still building: the server never routes a request here then)
             raise EngineStopped(self._stop_reason)
-        engine.validate(request)  # read-only: safe from this thread
+        if not checked:
+            engine.validate(request)  # read-only: safe from this thread
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._drained:  # the loop is over: nothing would ever take this in
@@ -156,6 +170,82 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, False))
+
+    def check(self, request: GenerationRequest) -> None:
+        """Everything the engine alone knows about a request (its ids within the vocabulary, its length within
+        the context, its images' placeholders, its grammar compiled and cached): ValueError with a message for
+        the user. Read-only and thread-safe; may take long (a grammar), so the server calls it in a worker
+        thread."""
+        self.engine.validate(request)
+
+    # ------------------------------------------------------------ the door: the model
+    @property
+    def tokenizer(self):
+        """The model's transformers tokenizer (read-only use: encode, decode, its chat template)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The context served, in tokens: a prompt and its output together."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def facts(self) -> EngineFacts:
+        """What is served, fixed at build time (plain data)."""
+        return self.engine.facts
+
+    @property
+    def snapshot(self):
+        """The numbers as of the last step (engine/stats.py, plain data)."""
+        return self.engine.snapshot
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the loaded model holds: its weights and KV pool on every rank, and a step's workspace."""
+        world = self.world_size
+        return self.engine.facts.weight_bytes * world + self.engine.snapshot.kv_total_bytes * world + WORKSPACE
+
+    @property
+    def image_spec(self) -> VisionSpec | None:
+        """A vision model's image token (id and text); None for a text-only model."""
+        vision = self.engine.vision
+        return vision.spec if vision is not None else None
+
+    def prepare_image(self, image, detail: str | None = None, encode: bool = True) -> PreparedImage:
+        """A decoded RGB image -> its tokens and tiles (the model's own processor, keyed by its pixels); with
+        `encode`, the tower runs on its tiles now, beside the engine's steps, and caches what it gives
+        (runner/encoder_cache.py). Thread-safe: the server prepares a request's images in a pool."""
+        prepared = self.engine.vision.prepare(image, pixel_digest(image), detail)
+        for tile in prepared.tiles if encode else ():
+            self.engine.runner.encoder.warm(tile)
+        return prepared
+
+    # ------------------------------------------------------------ the door: health
+    @property
+    def failure(self) -> str | None:
+        """Why no step can run (a rank of a distributed model is gone), or None."""
+        return self.engine.executor.failure
+
+    def down_ranks(self) -> list[int]:
+        return self.engine.executor.down_ranks()
+
+    def cluster(self) -> dict:
+        """Every rank's place, host and state (GET /cluster)."""
+        return self.engine.executor.cluster()
+
+    @property
+    def restarts_workers(self) -> bool:
+        """Whether lost ranks are started again (--restart-workers)."""
+        return self.engine.config.parallel.restart_workers
+
+    @property
+    def world_size(self) -> int:
+        """The processes that hold the model (tensor x pipeline parallel)."""
+        return self.engine.config.parallel.world_size
 
     @property
     def num_waiting(self) -> int:
@@ -300,7 +390,7 @@ class AsyncEngine:
                 with self._lock:
                     self._queued_adds -= 1
                 try:
-                    self.engine.add_request(arg)
+                    self.engine.add_request(arg, checked=True)  # generate or the server's check did
                     self._sinks[arg.request_id] = extra
                 except Exception as exc:
                     extra.put(exc)
@@ -326,3 +416,28 @@ class AsyncEngine:
             sink.put(err)
         self._sinks.clear()
         self.engine.discard_pending_outputs()  # their sinks already got the error
+
+
+# ---------------------------------------------------------------- the door: loading
+# The builder imports torch and the model code; the server reaches it only through these, when it loads a model.
+
+
+def start_engine(config: EngineConfig, turns: StepTurns | None = None, name: str = "shoal-engine") -> AsyncEngine:
+    """An AsyncEngine that builds `config`'s engine on its own thread; `ready` resolves once it serves."""
+    from shoal.engine.builder import build_engine  # noqa: PLC0415
+
+    return AsyncEngine(lambda: build_engine(config), turns=turns, name=name)
+
+
+def estimate_bytes(config: EngineConfig) -> int:
+    """The memory a load of `config` will take, before it (engine/builder.estimate_bytes)."""
+    from shoal.engine.builder import estimate_bytes as estimate  # noqa: PLC0415
+
+    return estimate(config)
+
+
+def within_budget(config: EngineConfig, budget: int | None) -> EngineConfig:
+    """`config` with an auto KV pool capped so the model alone fits `budget` (engine/builder.within_budget)."""
+    from shoal.engine.builder import within_budget as capped  # noqa: PLC0415
+
+    return capped(config, budget)

@@ -3,6 +3,7 @@ reaches every part (one process, or rank 0 of several), and the engine over it."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -17,8 +18,9 @@ from shoal.engine.scheduler import chunk_cost
 from shoal.engine.speculative import DRAFT_COST, NgramProposer, Speculator
 from shoal.engine.stats import EngineFacts
 from shoal.executor import LocalExecutor
-from shoal.runner.build import build_part, planned_pool_bytes, with_draft_share  # noqa: F401 (planned_pool_bytes:
-# the server's estimate before a load, server/models.py, reaches the builder here)
+from shoal.model.loader import resolve_model_path
+from shoal.runner.build import build_part, planned_pool_bytes, with_draft_share
+from shoal.runner.kv_sizing import WORKSPACE
 
 log = logging.getLogger("shoal.engine")
 
@@ -165,3 +167,45 @@ def _parallel_words(par) -> str:
     if par.tensor_parallel_size > 1:
         words.append(f"tensor parallel over {par.tensor_parallel_size} ranks" + (" each" if words else ""))
     return "".join(f", {w}" for w in words)
+
+
+# ---------------------------------------------------------------- what a load will take, before it
+
+
+def weight_file_bytes(config: EngineConfig) -> int | None:
+    """The checkpoint's weight files (and a vision tower's), in bytes; None where the model cannot be found."""
+    try:
+        path = resolve_model_path(config.model)
+    except (ValueError, FileNotFoundError):
+        return None  # it will fail to load, and say why
+    if path.is_file():
+        weights = path.stat().st_size
+    else:
+        weights = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
+    if config.mmproj and Path(config.mmproj).is_file():
+        weights += Path(config.mmproj).stat().st_size
+    return weights
+
+
+def within_budget(config: EngineConfig, budget: int | None) -> EngineConfig:
+    """A model's config under a server's memory budget (--models-memory): an auto KV pool takes at most what the
+    budget leaves once its weights and workspace are in, so the model alone always fits."""
+    weights = weight_file_bytes(config)
+    if budget is None or config.cache.kv_cache_memory is not None or weights is None:
+        return config
+    cap = max(0, budget - weights - WORKSPACE)
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_memory_cap=cap))
+
+
+def estimate_bytes(config: EngineConfig) -> int:
+    """Memory a model will take before it was ever loaded: its checkpoint's weight files, the KV pool its load
+    will size (the load's own sizing, runner/build.planned_pool_bytes), a workspace."""
+    weights = weight_file_bytes(config)
+    if weights is None:
+        return 0
+    try:
+        pool = planned_pool_bytes(config, weights)
+    except Exception as e:  # noqa: BLE001 (a file the load will refuse, and say why; until then, the weights)
+        log.debug("model %s: no KV pool estimate before its load (%s)", config.model, e)
+        pool = 0
+    return weights + pool + WORKSPACE

@@ -111,10 +111,13 @@ class Engine:
         if budget is not None and not all(0 <= t < self.vocab_size for t in budget.end_ids + budget.start_ids):
             raise ValueError(f"the thinking budget's tag token ids are outside the vocabulary [0, {self.vocab_size})")
 
-    def add_request(self, request: GenerationRequest) -> None:
+    def add_request(self, request: GenerationRequest, checked: bool = False) -> None:
+        """Start `request`. checked: it has passed `validate` (AsyncEngine.check at the server's edge), so it
+        is not scanned again; only what the running engine alone knows (its id) is checked here."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        self.validate(request)
+        if not checked:
+            self.validate(request)
         p = request.params
         now = self.clock()
         grammar = self.grammars.compile(p.structured) if p.structured is not None else None

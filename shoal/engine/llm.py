@@ -8,10 +8,10 @@ from dataclasses import replace
 from typing import Any
 
 from shoal import multimodal
+from shoal.chat_template import ChatRenderer
 from shoal.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, auto_bytes, auto_int
 from shoal.engine.builder import build_engine
-from shoal.server.chat.template import ChatRenderer
-from shoal.server.media import pixel_digest
+from shoal.multimodal import pixel_digest
 from shoal.types import GenerationRequest, RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]

@@ -35,7 +35,8 @@ from collections import OrderedDict
 
 import llguidance
 
-from shoal.engine import json_schema
+from shoal import json_schema
+from shoal.json_schema import GrammarError
 from shoal.types import StructuredOutput, ThinkingBudget
 
 log = logging.getLogger("shoal.structured")
@@ -52,10 +53,6 @@ DEFAULT_LAYOUT = "compact"
 # state. A schema or regex past them is refused ("too big"/"too many expressions").
 LIMITS = dict(initial_lexer_fuel=200_000, step_lexer_fuel=100_000, max_lexer_states=50_000, verbose_errors=False)
 CACHE_SIZE = 64
-
-
-class GrammarError(ValueError):
-    """A constraint that cannot be compiled or followed; the message is safe to show."""
 
 
 class GrammarMatcher:
@@ -271,27 +268,3 @@ def _message(error: str) -> str:
     if "oneOf constraints are not supported" in error:
         return "a oneOf whose branches may overlap is not supported (only disjoint ones are): use anyOf"
     return error
-
-
-def forced_tool_call_schema(tools: list[dict]) -> dict:
-    """A JSON schema whose documents are exactly the calls of one of `tools`:
-    `{"name": <one of the names>, "arguments": <that tool's parameters>}`.
-
-    tools: [{"name": str, "parameters": JSON schema (default: any object)}]. This is what
-    a forced tool choice (OpenAI's `required` or a named function, Anthropic's `any` or
-    `tool`) constrains the output to.
-    """
-    if not tools:
-        raise GrammarError("a forced tool call needs at least one tool")
-    options = []
-    for t in tools:
-        params = t.get("parameters") or {"type": "object"}
-        options.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": t["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
-    return options[0] if len(options) == 1 else {"anyOf": options}

@@ -135,7 +135,7 @@ def _add_service_routes(app: FastAPI) -> None:
         503 while it loads at start, after a failed load, or while a rank is lost."""
         state: ServerState = request.app.state.shoal
         m = state.default
-        if m.engine is not None and m.engine.executor.failure is not None:  # a rank is gone: no step can run until it is back
+        if m.engine is not None and m.engine.failure is not None:  # a rank is gone: no step can run until it is back
             return JSONResponse({"status": "failed", "model_loaded": True, "error": cluster_down_message(m)}, status_code=503,
                                 headers={"Retry-After": str(RETRY_LOADING_S)})
         if state.status == "ok":
@@ -162,7 +162,7 @@ def _add_service_routes(app: FastAPI) -> None:
             p = m.config.parallel
             return JSONResponse({"model": m.name, "status": m.status, "tensor_parallel_size": p.tensor_parallel_size,
                                  "pipeline_parallel_size": p.pipeline_parallel_size, "backend": None, "wire_dtype": None, "ranks": []})
-        return JSONResponse({"model": m.name, "status": m.status, **m.engine.executor.cluster()})
+        return JSONResponse({"model": m.name, "status": m.status, **m.engine.cluster()})
 
     @app.get("/", include_in_schema=False, description="Redirects to the dashboard.")
     async def root() -> RedirectResponse:

@@ -22,7 +22,6 @@ This module imports no torch; the images it returns are Pillow RGB images.
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import ipaddress
 import math
@@ -59,7 +58,6 @@ _ASCII_WHITESPACE = re.compile(r"[ \t\r\n\f\v]+")
 # What Pillow raises on damaged input besides OSError (truncation) and ValueError; its own
 # Image.open treats SyntaxError, IndexError, TypeError and struct.error as "not this format".
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, KeyError, struct.error)
-_DIGEST_STRIP_ROWS = 256  # pixel_digest hashes this many rows at a time, so no full copy of a large image
 _SHOWN_CHARS = 120  # a URL echoed in a message is cut to this
 
 
@@ -163,19 +161,6 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str, source: str) -> L
     header before any pixel is decoded; a truncated file, a non-image or a bomb is a MediaError.
     """
     return _decode(data, policy, where, source, None)
-
-
-def pixel_digest(image: Image.Image) -> bytes:
-    """SHA-256 (32 bytes) over the mode, the size and the raw pixels.
-
-    The same picture gives the same digest however it was sent (PNG or lossless WebP,
-    base64, URL or file), so it can key a cache of image features.
-    """
-    width, height = image.size
-    digest = hashlib.sha256(f"{image.mode}:{width}x{height}:".encode())
-    for top in range(0, height, _DIGEST_STRIP_ROWS):  # row-major strips hash the same as one tobytes()
-        digest.update(image.crop((0, top, width, min(top + _DIGEST_STRIP_ROWS, height))).tobytes())
-    return digest.digest()
 
 
 def check_count(n: int, policy: MediaPolicy, where: str) -> None:

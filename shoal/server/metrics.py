@@ -204,7 +204,7 @@ def _model_samples(m):
     yield "client_disconnects", c.client_disconnects
     yield "requests_rejected_overloaded", c.rejected_overloaded
     engine = m.engine
-    serving = m.loaded and engine is not None and engine.executor.failure is None  # a lost rank: /health says 503 too
+    serving = m.loaded and engine is not None and engine.failure is None  # a lost rank: /health says 503 too
     yield "model_loaded", 1 if serving else 0
     yield "model_memory_bytes", m.memory
     yield "model_loads", m.loads

@@ -39,7 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from shoal.config import EngineConfig
-from shoal.runner.kv_sizing import WORKSPACE
+from shoal.engine.async_engine import AsyncEngine, StepTurns, estimate_bytes, start_engine, within_budget
 from shoal.server.errors import APIError, bad_request, unavailable
 
 log = logging.getLogger("shoal.server")
@@ -148,49 +148,6 @@ def _is_mmproj(path: Path) -> bool:
     return "mmproj" in path.name.lower()
 
 
-def weight_file_bytes(config: EngineConfig) -> int | None:
-    """The checkpoint's weight files (and a vision tower's), in bytes; None where the model cannot be found."""
-    from shoal.model.loader import resolve_model_path
-
-    try:
-        path = resolve_model_path(config.model)
-    except (ValueError, FileNotFoundError):
-        return None  # it will fail to load, and say why
-    if path.is_file():
-        weights = path.stat().st_size
-    else:
-        weights = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
-    if config.mmproj and Path(config.mmproj).is_file():
-        weights += Path(config.mmproj).stat().st_size
-    return weights
-
-
-def within_budget(config: EngineConfig, budget: int | None) -> EngineConfig:
-    """A model's config under a server's memory budget (--models-memory): an auto KV pool takes at most what the
-    budget leaves once its weights and workspace are in, so the model alone always fits."""
-    weights = weight_file_bytes(config)
-    if budget is None or config.cache.kv_cache_memory is not None or weights is None:
-        return config
-    cap = max(0, budget - weights - WORKSPACE)
-    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_memory_cap=cap))
-
-
-def estimate_bytes(config: EngineConfig) -> int:
-    """Memory a model will take before it was ever loaded: its checkpoint's weight files, the KV pool its load
-    will size (the load's own sizing, runner/build.planned_pool_bytes), a workspace."""
-    from shoal.engine.builder import planned_pool_bytes
-
-    weights = weight_file_bytes(config)
-    if weights is None:
-        return 0
-    try:
-        pool = planned_pool_bytes(config, weights)
-    except Exception as e:  # noqa: BLE001 (a file the load will refuse, and say why; until then, the weights)
-        log.debug("model %s: no KV pool estimate before its load (%s)", config.model, e)
-        pool = 0
-    return weights + pool + WORKSPACE
-
-
 @dataclass
 class ServerCounters:
     """Plain counters of the HTTP side; /stats reads them."""
@@ -217,8 +174,7 @@ class ServedModel:
         self.metrics = server.metrics
         self.status = "unloaded"
         self.error: str | None = None
-        self.engine = None
-        self.aengine = None
+        self.engine = None  # engine/async_engine.AsyncEngine: the one door into the model's engine, once loaded
         self.renderer = None
         self.token_strings = None
         self.generation_defaults: dict = {}
@@ -245,23 +201,20 @@ class ServedModel:
     def loaded(self) -> bool:
         return self.status == "loaded"
 
-    def attach(self, engine, aengine) -> None:
-        """Serve `engine` (loaded) through `aengine`."""
+    def attach(self, engine) -> None:
+        """Serve `engine` (an AsyncEngine, loaded)."""
         from shoal.server.chat.render import TokenStrings
-        from shoal.server.chat.template import ChatRenderer
+        from shoal.chat_template import ChatRenderer
 
         self.engine = engine
         self.generation_defaults = dict(engine.facts.generation_defaults)
         self.renderer = ChatRenderer(engine.tokenizer, self.settings.chat_template)
         self.token_strings = TokenStrings(engine.tokenizer)
-        self.aengine = aengine
         self.status = "loaded"
         self.error = None
         self.loaded_at = time.time()
         self.loads += 1
-        world = engine.config.parallel.world_size
-        snap = engine.snapshot
-        self.memory = engine.facts.weight_bytes * world + snap.kv_total_bytes * world + WORKSPACE
+        self.memory = engine.memory_bytes
         self.measured = True
         log.info("model %s: chat template %s", self.name, self.renderer.source)
 
@@ -273,14 +226,14 @@ class ServedModel:
         return (__version__, self.name, *((f.dtype, f.weight_format, f.device) if f is not None else ("", "", "")))
 
     def detach(self) -> None:
-        self.engine = self.aengine = self.renderer = self.token_strings = None
+        self.engine = self.renderer = self.token_strings = None
         self.generation_defaults = {}
 
     @property
     def takes_images(self) -> bool:
         """Whether the model has a vision tower: the loaded engine's answer, or before a load its config's."""
         if self.engine is not None:
-            return self.engine.vision is not None
+            return self.engine.image_spec is not None
         return self.config.mmproj is not None or has_vision_config(self.config.model)
 
     def card(self) -> dict:
@@ -340,8 +293,6 @@ class Lifecycle:
 class ModelManager:
     def __init__(self, server, specs: Iterable[ModelSpec], lifecycle: Lifecycle = Lifecycle(),
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from shoal.engine.async_engine import StepTurns
-
         self.server = server
         self.lifecycle = lifecycle
         self.clock = clock
@@ -474,9 +425,6 @@ class ModelManager:
         return m
 
     async def _load(self, m: ServedModel) -> None:
-        from shoal.engine import builder
-        from shoal.engine.async_engine import AsyncEngine
-
         async with self._lock:
             while m.status == "unloading":  # an unload of it in progress ends first
                 await asyncio.sleep(0.01)
@@ -490,10 +438,9 @@ class ModelManager:
         log.info("model %s: loading %s (%.0f MiB, %s)", m.name, m.config.model, m.memory / 2**20,
                  "measured at its last load" if m.measured else "estimated from its files")
         t0 = time.perf_counter()
-        aengine = AsyncEngine(lambda: builder.build_engine(m.config), turns=self.turns, name=f"shoal-engine-{m.name}")
+        engine = start_engine(m.config, turns=self.turns, name=f"shoal-engine-{m.name}")
         try:
-            await asyncio.wrap_future(aengine.ready)
-            engine = aengine.engine
+            await asyncio.wrap_future(engine.ready)
         except Exception as e:  # anything: the server must say so, not die
             m.status = "failed"
             m.error = str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
@@ -501,9 +448,9 @@ class ModelManager:
             self._emit(m)
             return
         except asyncio.CancelledError:  # the server stops mid-load: the thread stops once the build is over
-            aengine.shutdown("the server is shutting down", wait=False)
+            engine.shutdown("the server is shutting down", wait=False)
             raise
-        m.attach(engine, aengine)
+        m.attach(engine)
         m.load_seconds = time.perf_counter() - t0
         self._touch(m, self.keep_alive_of(m))
         log.info("model %s ready in %.1f s (%.0f MiB: weights, KV pool and workspace)", m.name, m.load_seconds, m.memory / 2**20)
@@ -565,7 +512,7 @@ class ModelManager:
             except TimeoutError:
                 log.warning("model %s: %d requests still in flight after %.0f s end now", m.name, m.in_use, self.lifecycle.drain_timeout)
         # Requests still in the engine end with `reason`; later ones from leases still held get it too.
-        await asyncio.to_thread(m.aengine.shutdown, reason)
+        await asyncio.to_thread(m.engine.shutdown, reason)
         if m.in_use == 0:  # else the last lease lets go (`release`): its handler may still read the engine
             _let_go(m)
         m.status = "unloaded"
@@ -600,10 +547,8 @@ class ModelManager:
 
     def attach(self, engine) -> ServedModel:
         """Serve an engine built elsewhere as the default model (tests, `LLM`-style embedding)."""
-        from shoal.engine.async_engine import AsyncEngine
-
         m = self.default
-        m.attach(engine, AsyncEngine(engine, turns=self.turns))
+        m.attach(AsyncEngine(engine, turns=self.turns))
         if m in self.to_preload:
             self.to_preload.remove(m)
         m.spec = dataclasses.replace(m.spec, keep_alive=math.inf)  # not ours to unload when idle: it was handed in
@@ -626,8 +571,8 @@ class ModelManager:
         for m in self.models.values():
             if m._loading is not None and not m._loading.done():
                 m._loading.cancel()
-            if m.aengine is not None:
-                m.aengine.shutdown("the server is shutting down")
+            if m.engine is not None:
+                m.engine.shutdown("the server is shutting down")
 
     # ------------------------------------------------------------ events
     def subscribe(self) -> asyncio.Queue:

@@ -78,12 +78,10 @@ class ServerState:
 
     def __init__(self, settings: ServerSettings, source=(), lifecycle: Lifecycle | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from shoal.engine.engine import Engine
-
         self.settings = settings
         self.metrics = ServerMetrics(self)  # Prometheus: /metrics (server/metrics.py)
         self.routes: frozenset[str] = frozenset()  # set by create_app
-        self._engine = source if isinstance(source, Engine) else None
+        self._engine = None if isinstance(source, (EngineConfig, list, tuple)) else source  # an Engine built elsewhere
         if self._engine is not None:
             source = self._engine.config
         if isinstance(source, EngineConfig):
@@ -109,11 +107,8 @@ class ServerState:
 
     @property
     def engine(self):
+        """The default model's AsyncEngine (the door), None until it is loaded."""
         return self.default.engine
-
-    @property
-    def aengine(self):
-        return self.default.aengine
 
     @property
     def renderer(self):
@@ -154,7 +149,7 @@ class ServerState:
     # ------------------------------------------------------------ checks for handlers
     def require_ranks(self, m: ServedModel) -> None:
         """Generation needs every rank that holds part of the model."""
-        if m.engine is not None and m.engine.executor.failure is not None:
+        if m.engine is not None and m.engine.failure is not None:
             raise unavailable(cluster_down_message(m), RETRY_LOADING_S, "cluster_unavailable")
 
     @property
@@ -162,7 +157,7 @@ class ServerState:
         """The body size limit now (it fits the largest loaded model's context; settings.py)."""
         loaded = [m.engine for m in self.models.models.values() if m.engine is not None]
         return self.settings.request_byte_limit(max((e.max_model_len for e in loaded), default=None),
-                                                images=any(e.vision is not None for e in loaded))
+                                                images=any(e.image_spec is not None for e in loaded))
 
     @contextmanager
     def serving(self) -> Iterator[_Admission]:
@@ -181,7 +176,7 @@ class ServerState:
         """Refuse (503) while --max-waiting requests wait for `m`. No await between this
         check and `admit`'s count: simultaneous arrivals see each other."""
         limit = self.settings.max_waiting
-        waiting = (m.aengine.num_waiting if m.aengine is not None else 0) + m.admitted
+        waiting = (m.engine.num_waiting if m.engine is not None else 0) + m.admitted
         if limit is not None and waiting >= limit:
             m.counters.rejected_overloaded += 1
             raise unavailable(
@@ -234,9 +229,9 @@ class ServerState:
 
 
 def cluster_down_message(m: ServedModel) -> str:
-    then = "it is being started again; try again shortly" if m.engine.config.parallel.restart_workers else "the server must be restarted"
+    then = "it is being started again; try again shortly" if m.engine.restarts_workers else "the server must be restarted"
     what = "a process holding part of the model (tensor or pipeline parallel)"
-    down = m.engine.executor.down_ranks()
+    down = m.engine.down_ranks()
     if down:
         what = f"rank {', '.join(map(str, down))}, {what},"
     return f"{what} is unreachable: {then}"
@@ -264,7 +259,7 @@ def model_stats(m: ServedModel) -> dict:
     snap = e.snapshot  # frozen after the engine's last step: nothing here reads live engine objects
     out.update(
         active_requests=snap.running,
-        waiting_requests=m.aengine.num_waiting if m.aengine is not None else snap.waiting,
+        waiting_requests=e.num_waiting,
         aborted_requests=snap.counters.requests_aborted,
         cache_usage=round(snap.kv_usage, 4),
         free_blocks=snap.kv_free_blocks,

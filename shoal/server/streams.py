@@ -33,11 +33,11 @@ class ClientDisconnected(Exception):
     pass
 
 
-async def merged(aengine, requests: Sequence[GenerationRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(engine, requests: Sequence[GenerationRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(index of the request, output) as they come, from one or several requests."""
     if len(requests) == 1:
         release_admission()  # no await until generate counts it
-        async with aclosing(aengine.generate(requests[0])) as gen:
+        async with aclosing(engine.generate(requests[0], checked=True)) as gen:
             async for out in gen:
                 yield 0, out
         return
@@ -46,7 +46,7 @@ async def merged(aengine, requests: Sequence[GenerationRequest]) -> AsyncIterato
     async def pump(i: int, req: GenerationRequest) -> None:
         try:
             release_admission()  # the first pump to run; no await until generate counts it
-            async with aclosing(aengine.generate(req)) as gen:
+            async with aclosing(engine.generate(req, checked=True)) as gen:
                 async for out in gen:
                     queue.put_nowait((i, out))
         except BaseException as e:  # handed to the consumer, cancellation included
@@ -80,12 +80,12 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def run_to_end(aengine, requests: Sequence[GenerationRequest], http: Request, tracker: RequestTracker) -> list[RequestOutput]:
+async def run_to_end(engine, requests: Sequence[GenerationRequest], http: Request, tracker: RequestTracker) -> list[RequestOutput]:
     """Every request's final output; aborts them all if the client goes away first."""
 
     async def consume() -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(requests)
-        async with aclosing(merged(aengine, requests)) as stream:
+        async with aclosing(merged(engine, requests)) as stream:
             async for i, out in stream:
                 tracker.observe(i, out)
                 if out.finished:

@@ -273,7 +273,7 @@ async def create_message(body: MessagesRequest, http: Request, state) -> JSONRes
     if budget is not None:
         params = replace(params, thinking_budget=budget)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, structured, param, images=images)
+    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, param, images=images)
     headers = clipped_headers([clipped])
     job = _Message(served, rid, body, req, tools.parser_name(served) if tools is not None else None)
     if body.stream:
@@ -321,7 +321,7 @@ class _Message:
 
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
         async with tracked(self.served, self.rid, [self.req]) as tracker:
-            (out,) = await run_to_end(self.served.aengine, [self.req], http, tracker)
+            (out,) = await run_to_end(self.served.engine, [self.req], http, tracker)
             return JSONResponse(self._body(out), headers=headers)
 
     def _body(self, out: RequestOutput) -> dict:
@@ -344,7 +344,7 @@ class _Message:
             yield _event("message_start", {"type": "message_start", "message": {
                 **self._shell(), "content": [], "stop_reason": None, "stop_sequence": None, "usage": self._usage(None)}})
             yield _event("ping", {"type": "ping"})
-            async with aclosing(merged(self.served.aengine, [self.req])) as outputs:
+            async with aclosing(merged(self.served.engine, [self.req])) as outputs:
                 async for _, out in outputs:
                     tracker.observe(0, out)
                     last = out

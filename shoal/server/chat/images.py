@@ -23,7 +23,7 @@ from shoal.model.vision import DETAILS, PreparedImage
 from shoal.multimodal import ImageSpan, expand_placeholders
 from shoal.server.chat.render import render_messages
 from shoal.server.errors import bad_request
-from shoal.server.media import MediaError, check_count, load_base64_image, load_image, pixel_digest
+from shoal.server.media import MediaError, check_count, load_base64_image, load_image
 
 MEDIA_THREADS = 4  # images fetched and prepared at once, over all requests
 _pool = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="shoal-media")
@@ -56,7 +56,7 @@ async def render_conversation(served, messages: list[dict], refs: list[ImageRef]
                               encode: bool = True) -> tuple[str, list[int], tuple[ImageSpan, ...]]:
     """The prompt's text, its token ids with every image's tokens in place, and where the images sit. encode:
     run the tower on the images now (a request to generate), not for a count of tokens."""
-    if refs and served.engine.vision is None:
+    if refs and served.engine.image_spec is None:
         raise bad_request(f"this model does not accept images ({refs[0].where} is an {refs[0].kind})", refs[0].where)
     images = await prepare_images(served, refs, encode)
     text, ids = await asyncio.to_thread(render_messages, served, messages, tools, template_kwargs, add_generation_prompt)
@@ -88,21 +88,17 @@ def _prepare(served, ref: ImageRef, policy, encode: bool) -> PreparedImage:
             loaded = load_image(ref.url or "", policy, ref.where)
     except MediaError as e:
         raise bad_request(str(e), ref.where) from None
-    prepared = served.engine.vision.prepare(loaded.image, pixel_digest(loaded.image), ref.detail)
-    encoder = served.engine.runner.encoder
-    for tile in prepared.tiles if encode else ():  # the tower runs here, beside the engine's steps (runner/encoder_cache.py)
-        encoder.warm(tile)
-    return prepared
+    return served.engine.prepare_image(loaded.image, ref.detail, encode)  # the tower runs here, beside the engine's steps
 
 
 def place_images(served, ids: list[int], images: list[PreparedImage], param: str = "messages") -> tuple[list[int], tuple[ImageSpan, ...]]:
     """The rendered prompt's ids with each image placeholder replaced by its image's tokens, and the spans the
     tower fills. The template must have written one placeholder per image part."""
-    vision = served.engine.vision
-    if vision is None:
+    spec = served.engine.image_spec
+    if spec is None:
         return ids, ()
     try:
-        return expand_placeholders(ids, vision.spec.image_token_id, images)
+        return expand_placeholders(ids, spec.image_token_id, images)
     except ValueError as e:
         raise bad_request(f"{e}: this model's template does not take images in every kind of message, or the "
-                          f"text holds {vision.spec.image_token!r}", param) from None
+                          f"text holds {spec.image_token!r}", param) from None

@@ -26,7 +26,7 @@ from typing import Annotated
 
 from pydantic import Strict
 
-from shoal.engine.structured import GrammarError
+from shoal.json_schema import GrammarError
 from shoal.server.errors import bad_request, from_value_error
 from shoal.types import GenerationRequest, SamplingParams, StructuredOutput
 
@@ -161,48 +161,41 @@ def constraint(kind: str, value, param: str) -> StructuredOutput:
     return StructuredOutput(regex=value) if kind == "regex" else StructuredOutput(grammar=value)
 
 
-async def compile_constraint(served, spec: StructuredOutput | None, param: str | None) -> None:
-    """Compile the constraint in a worker thread (cached by the engine), so the engine thread
-    never compiles and a constraint that cannot be compiled is a 400 naming the problem."""
-    if spec is None:
-        return
-    try:
-        await asyncio.to_thread(served.engine.grammars.compile, spec)
-    except GrammarError as e:
-        raise bad_request(f"{param} cannot be used for structured output: {e}", param) from None
-
-
 # ---------------------------------------------------------------- the engine's requests
 
 
 async def engine_requests(served, rid: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                          structured: StructuredOutput | None, structured_param: str | None, *, priority: int = 0,
+                          structured_param: str | None, *, priority: int = 0,
                           prompt_param: str = "messages", images: tuple = ()) -> tuple[list[GenerationRequest], list[int | None]]:
-    """Every protocol's last steps, once its prompts are rendered and its parameters resolved: compile the
-    constraint, then per prompt the engine's request (ids `rid`, or `rid-i` for several), checked as the engine
-    will check it, with max_tokens clipped to the room the context leaves. Returns the requests and the
-    clipped max_tokens (None: unchanged). Any problem is a 400 that names its field. images: the one prompt's
-    (multimodal.ImageSpan), for a chat with images."""
-    await compile_constraint(served, structured, structured_param)
+    """Every protocol's last steps, once its prompts are rendered and its parameters resolved: per prompt the
+    engine's request (ids `rid`, or `rid-i` for several), checked once, here, as the engine alone can (in a
+    worker thread: it compiles and caches the constraint, so the engine's thread never does), with max_tokens
+    clipped to the room the context leaves. The requests go to the engine as checked (`generate(checked=True)`).
+    Returns the requests and the clipped max_tokens (None: unchanged). Any problem is a 400 that names its
+    field. images: the one prompt's (multimodal.ImageSpan), for a chat with images."""
     arrival = time.monotonic()
-    reqs, clipped = [], []
-    for i, (text, ids) in enumerate(prompts):
-        req = GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids), params, priority=priority, prompt=text,
-                                arrival_time=arrival, images=images)
-        check_prompt(served, req, prompt_param)
-        req, clip = fit_max_tokens(served, req)
-        reqs.append(req)
-        clipped.append(clip)
-    return reqs, clipped
+    reqs = [GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids), params, priority=priority, prompt=text,
+                              arrival_time=arrival, images=images) for i, (text, ids) in enumerate(prompts)]
+    await asyncio.to_thread(check_requests, served, reqs, prompt_param, structured_param)
+    fitted = [fit_max_tokens(served, req) for req in reqs]
+    return [req for req, _ in fitted], [clip for _, clip in fitted]
 
 
 # ---------------------------------------------------------------- the engine's checks
 
 
-def check_prompt(served, request: GenerationRequest, prompt_param: str) -> None:
-    """The engine's checks (vocabulary, context length, logit_bias ids) and stop_token_ids as a 400."""
+def check_requests(served, requests: list[GenerationRequest], prompt_param: str, structured_param: str | None) -> None:
+    """The engine's checks (vocabulary, context length, images, logit_bias ids, the constraint) and
+    stop_token_ids, as a 400 naming the field."""
+    for request in requests:
+        check_request(served, request, prompt_param, structured_param)
+
+
+def check_request(served, request: GenerationRequest, prompt_param: str, structured_param: str | None) -> None:
     try:
-        served.engine.validate(request)
+        served.engine.check(request)
+    except GrammarError as e:
+        raise bad_request(f"{structured_param} cannot be used for structured output: {e}", structured_param) from None
     except ValueError as e:
         msg = str(e)
         raise bad_request(msg, "logit_bias" if msg.startswith("logit_bias") else prompt_param) from None

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shoal.engine import json_schema
-from shoal.engine.structured import forced_tool_call_schema
+from shoal import json_schema
+from shoal.json_schema import forced_tool_call_schema
 from shoal.server.chat.tools import forced_calls_schema, manual_tool_messages, parser_for_template, template_tool_calls
 from shoal.server.errors import bad_request
 from shoal.types import StructuredOutput

@@ -417,7 +417,7 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
 def forced_calls_schema(tools: list[dict], name: str | None = None, parallel: bool = True) -> dict:
     """The JSON schema of a forced reply: a list of calls to the tools (one named tool when
     `name` is given), each `{"name", "arguments"}` with the tool's parameters."""
-    from shoal.engine.structured import forced_tool_call_schema
+    from shoal.json_schema import forced_tool_call_schema
 
     defs = [{"name": t["name"], "parameters": t.get("parameters")} for t in tools if name is None or t["name"] == name]
     return {"type": "array", "items": forced_tool_call_schema(defs), "minItems": 1, **({} if parallel and name is None else {"maxItems": 1})}

@@ -169,7 +169,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request, sta
         tool_call=structured_param == "tools",
     )
     rid = new_id("chatcmpl")
-    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, structured, structured_param, priority=body.priority or 0,
+    (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, structured_param, priority=body.priority or 0,
                                                images=images)
     chat = _Chat(served, rid, body, req, tools.parser_name(served) if tools is not None else None)
     headers = clipped_headers([clipped])
@@ -202,7 +202,7 @@ class _Chat:
     # ------------------------------------------------------------ non-streaming
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
         async with tracked(self.served, self.rid, [self.req]) as tracker:
-            (out,) = await run_to_end(self.served.aengine, [self.req], http, tracker)
+            (out,) = await run_to_end(self.served.engine, [self.req], http, tracker)
             return JSONResponse(self._body(out), headers=headers)
 
     def _body(self, out: RequestOutput) -> dict:
@@ -254,7 +254,7 @@ class _Chat:
         try:
             for i in range(n):
                 yield encode_event(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
-            async with aclosing(merged(self.served.aengine, [self.req])) as outputs:
+            async with aclosing(merged(self.served.engine, [self.req])) as outputs:
                 async for _, out in outputs:
                     tracker.observe(0, out)
                     last = out

@@ -46,7 +46,7 @@ def check_unsupported(body: SamplingFields) -> None:
 # ---------------------------------------------------------------- structured output
 
 _VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-# vLLM's options of a JSON constraint's layout, as its own fields mean them (engine/json_schema.py).
+# vLLM's options of a JSON constraint's layout, as its own fields mean them (json_schema.py).
 _VLLM_LAYOUT = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 # vLLM's options about its grammar backends: shoal has one.
 _VLLM_IGNORED = {"disable_fallback", "backend"}

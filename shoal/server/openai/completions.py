@@ -110,7 +110,7 @@ async def create_completion(body: CompletionRequest, http: Request, state) -> JS
         structured=structured,
     )
     rid = new_id("cmpl")
-    reqs, clipped = await engine_requests(served, rid, prompts, params, structured, structured_param, priority=body.priority or 0,
+    reqs, clipped = await engine_requests(served, rid, prompts, params, structured_param, priority=body.priority or 0,
                                           prompt_param="prompt")
     tokenizer = served.engine.tokenizer
     echo = [(text if text is not None else tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
@@ -147,7 +147,7 @@ class _Completion:
 
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
         async with tracked(self.served, self.rid, self.reqs) as tracker:
-            finals = await run_to_end(self.served.aengine, self.reqs, http, tracker)
+            finals = await run_to_end(self.served.engine, self.reqs, http, tracker)
             choices = [self._choice(p, out, c) for p, out in enumerate(finals) for c in out.outputs]
             if self.echo_only:
                 finals = [_without_output(out) for out in finals]
@@ -207,7 +207,7 @@ class _Completion:
                 for index in range(total):
                     if self.echo[index // self.n]:
                         yield fast.encode(index, self.echo[index // self.n])
-            async with aclosing(merged(self.served.aengine, self.reqs)) as outputs:
+            async with aclosing(merged(self.served.engine, self.reqs)) as outputs:
                 async for p, out in outputs:
                     tracker.observe(p, out)
                     finals[p] = out
