@@ -15,7 +15,6 @@ import socket
 import ssl
 import struct
 import threading
-import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -524,10 +523,11 @@ def test_connection_refused():
 
 @pytest.mark.parametrize("path", ["/slow", "/trickle"])
 def test_fetch_timeout(server, path):
+    """The deadline covers the whole fetch: /slow answers after 3 s and /trickle sends a byte every 0.1 s (no read
+    waits long), so either would succeed, not time out, if the timeout were per read. No wall-time bound: a busy
+    machine may take longer to notice."""
     policy = MediaPolicy(allowed_domains=("127.0.0.1",), allow_private_addresses=True, fetch_timeout_s=0.5)
-    started = time.monotonic()
     assert refusal(load_image, url(server, path), policy, WHERE).endswith(": timed out")
-    assert time.monotonic() - started < 1.5
 
 
 # ---- pinned connections: no second lookup (DNS rebinding) ----------------------------------

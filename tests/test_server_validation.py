@@ -3,7 +3,6 @@ bounds on the work of one request, and prompts too long to tokenize.
 """
 
 import threading
-import time
 
 import pytest
 
@@ -173,13 +172,15 @@ def test_a_text_far_over_the_context_is_refused_before_tokenizing(h, srv, monkey
 
 
 def test_health_answers_while_a_prompt_is_being_tokenized(h, srv, monkeypatch):
-    """Tokenizing runs off the event loop: a slow one (here: 2 s) does not stall /health."""
+    """Tokenizing runs off the event loop: one that cannot finish until /health has answered does not stall
+    /health. An order of events, not a time: the encode waits for the answer (up to a minute, as a deadlock guard)."""
     real = srv.engine.tokenizer.encode
-    started = threading.Event()
+    started, answered, done = threading.Event(), threading.Event(), threading.Event()
 
     def slow_encode(*a, **kw):
         started.set()
-        time.sleep(2)
+        answered.wait(60)
+        done.set()
         return real(*a, **kw)
 
     monkeypatch.setattr(srv.engine.tokenizer, "encode", slow_encode)
@@ -191,13 +192,12 @@ def test_health_answers_while_a_prompt_is_being_tokenized(h, srv, monkeypatch):
 
     worker = threading.Thread(target=slow_request)
     worker.start()
-    assert started.wait(10)
-    t0 = time.monotonic()
+    assert started.wait(60)
     assert h.get("/health").status_code == 200
-    elapsed = time.monotonic() - t0
-    worker.join(30)
+    assert not done.is_set()  # answered while the encode still waited: it never held the event loop
+    answered.set()
+    worker.join(60)
     assert result["r"].status_code == 200
-    assert elapsed < 1.0, f"/health took {elapsed:.2f} s while a prompt was tokenized"  # liveness, not speed
 
 
 def test_models_names_the_file_not_its_absolute_path(h, srv, tiny_llama_path):
