@@ -121,11 +121,13 @@ def test_metrics_count_exactly_what_a_script_of_requests_did(srv):
     assert m[("shoal:request_aborts_total", ())] == 1 and m[("shoal:client_disconnects_total", ())] == 1
     assert m[("shoal:http_requests_total", (("route", "/v1/chat/completions"), ("status", "400")))] == 1
     assert m[("shoal:http_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] == 4
-    # histograms: one observation per finished request, sums equal to what the responses said
-    assert m[("shoal:time_to_first_token_seconds_count", ())] == 3
-    assert m[("shoal:request_generation_tokens_sum", ())] == sum(r.usage.completion_tokens for r in done)
-    assert m[("shoal:request_prompt_tokens_sum", ())] == sum(r.usage.prompt_tokens for r in done)
-    assert m[("shoal:inter_token_latency_seconds_count", ())] == sum(r.usage.completion_tokens - 1 for r in done)
+    # histograms: one observation per finished request, sums equal to what the responses said, by protocol
+    chat = (("protocol", "openai_chat"),)
+    assert m[("shoal:time_to_first_token_seconds_count", chat)] == 3
+    assert m[("shoal:request_generation_tokens_sum", chat)] == sum(r.usage.completion_tokens for r in done)
+    assert m[("shoal:request_prompt_tokens_sum", chat)] == sum(r.usage.prompt_tokens for r in done)
+    assert m[("shoal:inter_token_latency_seconds_count", chat)] == sum(r.usage.completion_tokens - 1 for r in done)
+    assert not any(dict(k[1]).get("protocol") not in (None, "openai_chat") for k in m)  # chat requests only here
     # the three finished requests looked up the cache; the walked-away stream did too unless its abort came first
     # (its first line can arrive before the engine admits it: seen once on a busy machine)
     assert m[("shoal:prefix_cache_queries_total", ())] >= 3

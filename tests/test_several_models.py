@@ -380,7 +380,7 @@ def test_metrics_and_stats_carry_the_model(tiny_llama_path, tiny_qwen_path):
         text = h.get("/metrics").text
         assert 'shoal:generation_tokens_total{model_name="a"} 4.0' in text
         assert 'shoal:generation_tokens_total{model_name="b"} 12.0' in text
-        assert 'shoal:request_generation_tokens_count{model_name="b"} 2.0' in text
+        assert 'shoal:request_generation_tokens_count{model_name="b",protocol="openai_completions"} 2.0' in text
         assert 'shoal:model_loaded{model_name="a"} 1.0' in text
         assert text.count("# TYPE shoal:generation_tokens_total counter") == 1  # one family, a series per model
         stats = h.get("/stats").json()

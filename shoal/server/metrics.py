@@ -49,10 +49,11 @@ class Family:
 
 
 def _hist(name: str, help: str, buckets: tuple) -> tuple[Family, tuple]:
-    return Family(f"shoal:{name}", "histogram", help, ("model_name",)), buckets
+    return Family(f"shoal:{name}", "histogram", help, ("model_name", "protocol")), buckets
 
 
-# Observed once per finished request, from its RequestMetrics record (ServerMetrics.observe).
+# Observed once per finished request, from its RequestMetrics record (ServerMetrics.observe), by model and by the
+# protocol the request came in by (PROTOCOLS).
 HISTOGRAMS = {
     "ttft": _hist("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS),
     "itl": _hist("inter_token_latency_seconds", "Time between the steps that gave a request tokens.", ITL_BUCKETS),
@@ -64,6 +65,8 @@ HISTOGRAMS = {
     "prompt_len": _hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
     "gen_len": _hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
 }
+# The `protocol` label of the request histograms: each adapter package passes its own to RequestTracker.
+PROTOCOLS = ("openai_chat", "openai_completions", "anthropic_messages")
 HTTP_REQUESTS = Family("shoal:http_requests", "counter", "HTTP requests answered, by route and status (unknown paths count as `other`).", ("route", "status"))
 
 # Read at scrape time from each model's engine snapshot and counters (_SnapshotCollector); each gets model_name first.
@@ -154,17 +157,18 @@ class ServerMetrics:
         self.http = Counter(HTTP_REQUESTS.name, HTTP_REQUESTS.help, list(HTTP_REQUESTS.labels), registry=r)
         r.register(_SnapshotCollector(state))
 
-    def observe(self, m: RequestMetrics, model_name: str) -> None:
-        """A finished request's record into the histograms."""
+    def observe(self, m: RequestMetrics, model_name: str, protocol: str) -> None:
+        """A finished request's record into the histograms. protocol: one of PROTOCOLS."""
+        labels = (model_name, protocol)
         for hist, value in ((self.ttft, m.time_to_first_token), (self.tpot, m.time_per_output_token), (self.e2e, m.e2e_latency),
                             (self.queue, m.queue_time), (self.prefill, m.prefill_time), (self.decode, m.decode_time)):
             if value is not None:
-                hist.labels(model_name).observe(value)
-        itl = self.itl.labels(model_name)
+                hist.labels(*labels).observe(value)
+        itl = self.itl.labels(*labels)
         for gap in m.inter_token_latencies:
             itl.observe(gap)
-        self.prompt_len.labels(model_name).observe(m.prompt_tokens)
-        self.gen_len.labels(model_name).observe(m.generated_tokens)
+        self.prompt_len.labels(*labels).observe(m.prompt_tokens)
+        self.gen_len.labels(*labels).observe(m.generated_tokens)
 
     def count_http(self, route: str, status: int) -> None:
         self.http.labels(route, str(status)).inc()

@@ -196,10 +196,10 @@ async def answer(handler: Awaitable[Response]) -> Response:
 
 
 @asynccontextmanager
-async def tracked(served, request_id: str, requests: Sequence[GenerationRequest]):
+async def tracked(served, request_id: str, requests: Sequence[GenerationRequest], protocol: str):
     """A RequestTracker for a non-streamed answer, finished with the outcome of the block: ok, disconnected
     (re-raised), or error, re-raised as the error the client gets (engine_error)."""
-    tracker = RequestTracker(served, request_id, requests)
+    tracker = RequestTracker(served, request_id, requests, protocol)
     outcome = "error"
     try:
         yield tracker
@@ -214,11 +214,13 @@ async def tracked(served, request_id: str, requests: Sequence[GenerationRequest]
 
 
 class RequestTracker:
-    """One HTTP request's timings and token counts, logged as one line when it ends."""
+    """One HTTP request's timings and token counts, logged as one line when it ends. protocol: the adapter's name
+    for the request histograms' `protocol` label (metrics.PROTOCOLS)."""
 
-    def __init__(self, served, request_id: str, requests: Sequence[GenerationRequest]) -> None:
+    def __init__(self, served, request_id: str, requests: Sequence[GenerationRequest], protocol: str) -> None:
         self.served = served
         self.request_id = request_id
+        self.protocol = protocol
         self.start = time.monotonic()
         self.first_token: float | None = None
         self.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
@@ -252,7 +254,7 @@ class RequestTracker:
         self.done = True
         for out in self.last:
             if out is not None and out.finished and out.metrics is not None:
-                self.served.metrics.observe(out.metrics, self.served.name)
+                self.served.metrics.observe(out.metrics, self.served.name, self.protocol)
         c = self.served.counters
         c.in_flight -= 1
         if outcome == "ok":

@@ -320,7 +320,7 @@ class _Message:
         return {"id": self.rid, "type": "message", "role": "assistant", "model": self.served.model_name}
 
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
-        async with tracked(self.served, self.rid, [self.req]) as tracker:
+        async with tracked(self.served, self.rid, [self.req], "anthropic_messages") as tracker:
             (out,) = await run_to_end(self.served.engine, [self.req], http, tracker)
             return JSONResponse(self._body(out), headers=headers)
 
@@ -336,7 +336,7 @@ class _Message:
         return {**self._shell(), "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage(out)}
 
     async def stream(self) -> AsyncIterator[bytes]:
-        tracker = RequestTracker(self.served, self.rid, [self.req])
+        tracker = RequestTracker(self.served, self.rid, [self.req], "anthropic_messages")
         blocks = _Blocks()
         pipeline = DeltaPipeline(self.reasoning, self.tool_parser)
         called, last, outcome = False, None, "disconnected"

@@ -201,7 +201,7 @@ class _Chat:
 
     # ------------------------------------------------------------ non-streaming
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
-        async with tracked(self.served, self.rid, [self.req]) as tracker:
+        async with tracked(self.served, self.rid, [self.req], "openai_chat") as tracker:
             (out,) = await run_to_end(self.served.engine, [self.req], http, tracker)
             return JSONResponse(self._body(out), headers=headers)
 
@@ -240,7 +240,7 @@ class _Chat:
 
     # ------------------------------------------------------------ streaming
     async def stream(self) -> AsyncIterator[bytes]:
-        tracker = RequestTracker(self.served, self.rid, [self.req])
+        tracker = RequestTracker(self.served, self.rid, [self.req], "openai_chat")
         n = self.req.params.n
         fast = DeltaEncoder(
             lambda key, text: self._chunk([{"index": key[0], "delta": {key[1]: text}, "logprobs": None, "finish_reason": None}])

@@ -146,7 +146,7 @@ class _Completion:
         }
 
     async def complete(self, http: Request, headers: dict[str, str]) -> JSONResponse:
-        async with tracked(self.served, self.rid, self.reqs) as tracker:
+        async with tracked(self.served, self.rid, self.reqs, "openai_completions") as tracker:
             finals = await run_to_end(self.served.engine, self.reqs, http, tracker)
             choices = [self._choice(p, out, c) for p, out in enumerate(finals) for c in out.outputs]
             if self.echo_only:
@@ -194,7 +194,7 @@ class _Completion:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
     async def stream(self) -> AsyncIterator[bytes]:
-        tracker = RequestTracker(self.served, self.rid, self.reqs)
+        tracker = RequestTracker(self.served, self.rid, self.reqs, "openai_completions")
         fast = DeltaEncoder(lambda index, text: self._chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}]))
         total = len(self.reqs) * self.n
         sent_logprobs = [0] * total
