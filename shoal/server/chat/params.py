@@ -26,8 +26,10 @@ from typing import Annotated
 
 from pydantic import Strict
 
+from shoal.engine.async_engine import EngineDeadError
 from shoal.json_schema import GrammarError
 from shoal.server.errors import bad_request, from_value_error
+from shoal.server.streams import engine_error
 from shoal.types import GenerationRequest, SamplingParams, StructuredOutput
 
 # Request bodies' numbers are strict in every protocol: a JSON boolean is not a number
@@ -176,7 +178,10 @@ async def engine_requests(served, rid: str, prompts: list[tuple[str | None, list
     arrival = time.monotonic()
     reqs = [GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids), params, priority=priority, prompt=text,
                               arrival_time=arrival, images=images) for i, (text, ids) in enumerate(prompts)]
-    await asyncio.to_thread(check_requests, served, reqs, prompt_param, structured_param)
+    try:
+        await asyncio.to_thread(check_requests, served, reqs, prompt_param, structured_param)
+    except EngineDeadError as e:  # unloaded under it: the 503 a request in flight would get
+        raise engine_error(e, rid) from None
     fitted = [fit_max_tokens(served, req) for req in reqs]
     return [req for req, _ in fitted], [clip for _, clip in fitted]
 
