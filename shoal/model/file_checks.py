@@ -47,6 +47,11 @@ def in_words(n: int) -> str:
     return f"{n:,}"
 
 
+def first_line(e: BaseException) -> str:
+    """A library's exception in one short line, for a ModelFileError's parenthesis (some run to pages)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
 def truncated(path: str | Path, what: str, start: int, end: int, size: int) -> ModelFileError:
     return ModelFileError(path, f"truncated: {what} needs bytes {start:,}–{end:,}, the file has {size:,}")
 

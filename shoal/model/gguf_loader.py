@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 
 from shoal import kernels
 from shoal.model.file_checks import (
-    MAX_ARRAY_ENTRIES, MAX_DIMS, MAX_METADATA_ENTRIES, MAX_STRING_BYTES, ModelFileError, Span, check_spans, in_words, truncated,
+    MAX_ARRAY_ENTRIES, MAX_DIMS, MAX_METADATA_ENTRIES, MAX_STRING_BYTES, ModelFileError, Span, check_spans, first_line, in_words,
+    truncated,
 )
 from shoal.model.formats import NATIVE, QuantTensor, file_mapping, is_quantized, type_counts
 from shoal.model.quant import Q4Codes
@@ -317,7 +318,7 @@ class GGUFFileReader(gguf.GGUFReader):
         except ModelFileError:
             raise
         except Exception as e:  # noqa: BLE001 (the tokenizers library raises TypeError, ValueError or its own Exception)
-            raise ModelFileError(self.path, f"its tokenizer metadata is unusable ({_first_line(e)})") from None
+            raise ModelFileError(self.path, f"its tokenizer metadata is unusable ({first_line(e)})") from None
         self.seconds["tokenizer"] = time.perf_counter() - t0
         return tokenizer
 
@@ -332,7 +333,7 @@ class GGUFFileReader(gguf.GGUFReader):
         except KeyError as e:
             raise ModelFileError(self.path, f"its metadata lacks {e.args[0]!r}, which a {arch} model needs") from None
         except (TypeError, ValueError, ZeroDivisionError, IndexError) as e:
-            raise ModelFileError(self.path, f"its {arch} metadata is malformed ({_first_line(e)})") from None
+            raise ModelFileError(self.path, f"its {arch} metadata is malformed ({first_line(e)})") from None
 
 
 def _decodes(field: gguf.ReaderField) -> bool:
@@ -341,11 +342,6 @@ def _decodes(field: gguf.ReaderField) -> bool:
         return True
     except UnicodeDecodeError:
         return False
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from shoal.model.config import ModelConfig
-from shoal.model.file_checks import Described, ModelFileError, check_config, check_safetensors_header
+from shoal.model.file_checks import Described, ModelFileError, check_config, check_safetensors_header, first_line
 from shoal.model.gguf_loader import GGUFFileReader, hf_tensor_name, load_gguf, planned_weight_format
 from shoal.model.mmproj import read_mmproj
 from shoal.model.vision import Qwen2VLPreparer, VisionSpec, load_preparer
@@ -159,8 +159,7 @@ def read_hf_config(folder: Path) -> transformers.PretrainedConfig:
     try:
         return transformers.AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError, TypeError) as e:  # resolve_model_path has seen config.json there
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelFileError(folder / "config.json", f"not a usable model config ({first[:200]})") from None
+        raise ModelFileError(folder / "config.json", f"not a usable model config ({first_line(e)})") from None
 
 
 def read_hf_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase:
@@ -168,8 +167,7 @@ def read_hf_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase:
     try:
         return transformers.AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception for a tokenizer.json it cannot parse)
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ModelFileError(folder, f"its tokenizer cannot be loaded ({first})") from None
+        raise ModelFileError(folder, f"its tokenizer cannot be loaded ({first_line(e)})") from None
 
 
 def check_sizes(path: Path, config: transformers.PretrainedConfig, shapes: dict[str, tuple[int, ...]]) -> None:
