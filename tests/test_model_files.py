@@ -104,8 +104,8 @@ def test_a_config_is_checked_against_the_tensor_shapes():
 
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
-    """A tiny llama as a Hugging Face folder and as a GGUF (Q8_0 attention, F32 elsewhere), and a GGUF holding an
-    array one entry over the limit, which its bytes could hold."""
+    """A tiny llama as a Hugging Face folder and as a GGUF (Q8_0 attention, F32 elsewhere), a GGUF holding an
+    array one entry over the limit, which its bytes could hold, and one holding an array of arrays."""
     from test_loader import write_gguf
     from tiny_models import make_tiny_model
 
@@ -114,6 +114,7 @@ def tiny_files(tmp_path_factory):
     write_gguf(folder, root / "good.gguf", "llama", {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0})
     write_gguf(folder, root / "big-array.gguf", "llama", {},
                extra=lambda w: w.add_array("shoal.test.flags", [False] * (MAX_ARRAY_ENTRIES + 1)))
+    write_gguf(folder, root / "nested-array.gguf", "llama", {}, extra=lambda w: w.add_array("shoal.test.nested", [[1, 2], [3]]))
     return root
 
 
@@ -248,6 +249,8 @@ def test_broken_and_hostile_files_get_one_line_and_bounded_memory(tiny_files, tm
             (tmp_path / name / file).write_bytes(blob)
         paths[name], expected[name] = str(tmp_path / name), message
     paths["big-array"] = str(tiny_files / "big-array.gguf")
+    paths["nested-array"] = str(tiny_files / "nested-array.gguf")
+    expected["nested-array"] = "nested-array.gguf: metadata 'shoal.test.nested' is an array of arrays, which GGUF readers do not take"
     expected["big-array"] = (f"big-array.gguf: metadata 'shoal.test.flags' is an array of {MAX_ARRAY_ENTRIES + 1:,} entries "
                              "(shoal reads at most 2^21 in one, 2^22 in all)")
 

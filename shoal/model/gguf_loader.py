@@ -220,7 +220,7 @@ class GGUFFileReader(gguf.GGUFReader):
             raw_type = self._get(offs + 8 + len(key), np.uint32)
             size, parts, idxs, types = self._get_field_parts(offs + 12 + len(key), raw_type[0])
             self._push_field(gguf.ReaderField(offs, str(bytes(key), encoding="utf-8"), [key_length, key, raw_type, *parts],
-                                              [i + 3 for i in idxs], types), skip_sum=True)
+                                              [j + 3 for j in idxs], types), skip_sum=True)
             offs += 12 + len(key) + size
         return offs
 
@@ -235,9 +235,10 @@ class GGUFFileReader(gguf.GGUFReader):
             return super()._get_field_parts(orig_offs, raw_type)
         parts: list = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
         count, offs = int(parts[1][0]), orig_offs + 12
-        if parts[0][0] not in gguf.GGUFValueType._value2member_map_ or parts[0][0] == gguf.GGUFValueType.ARRAY:
-            raise ModelFileError(self.path, f"{self._where} is an array of {'arrays' if parts[0][0] == gguf.GGUFValueType.ARRAY else f'unknown type {int(parts[0][0])}'}, "
-                                            "which GGUF readers do not take")
+        if parts[0][0] == gguf.GGUFValueType.ARRAY:  # llama.cpp's gguf.cpp refuses them too
+            raise ModelFileError(self.path, f"{self._where} is an array of arrays, which GGUF readers do not take")
+        if parts[0][0] not in gguf.GGUFValueType._value2member_map_:
+            raise ModelFileError(self.path, f"{self._where} is an array of an unknown GGUF value type {int(parts[0][0])}")
         item = gguf.GGUFValueType(parts[0][0])
         numbers = self.gguf_scalar_to_np.get(item)
         self._counted(count, offs, np.dtype(numbers).itemsize if numbers is not None else 8, self._where, "entries")
@@ -273,8 +274,8 @@ class GGUFFileReader(gguf.GGUFReader):
             if n_dims[0] > MAX_DIMS:
                 raise ModelFileError(self.path, f"{self._where} has {int(n_dims[0])} dimensions (GGUF allows {MAX_DIMS})")
             at = offs + 12 + len(name)
-            dims, raw_type, offset = self._get(at, np.uint64, n_dims[0]), self._get(at + 8 * int(n_dims[0]), np.uint32), None
-            offset = self._get(at + 8 * int(n_dims[0]) + 4, np.uint64)
+            dims = self._get(at, np.uint64, n_dims[0])
+            raw_type, offset = self._get(at + 8 * int(n_dims[0]), np.uint32), self._get(at + 8 * int(n_dims[0]) + 4, np.uint64)
             fields.append(gguf.ReaderField(offs, str(bytes(name), encoding="utf-8"), [name_length, name, n_dims, dims, raw_type, offset],
                                            [1, 3, 4, 5]))
             offs = at + 8 * int(n_dims[0]) + 12
@@ -286,9 +287,9 @@ class GGUFFileReader(gguf.GGUFReader):
         for field in fields:
             _, _, _, dims, raw_type, offset = field.parts
             self._where = f"tensor {field.name}"
-            if int(raw_type[0]) not in gguf.GGMLQuantizationType._value2member_map_ or gguf.GGMLQuantizationType(int(raw_type[0])) not in gguf.GGML_QUANT_SIZES:
+            qtype = gguf.GGMLQuantizationType._value2member_map_.get(int(raw_type[0]))
+            if qtype not in gguf.GGML_QUANT_SIZES:
                 raise ModelFileError(self.path, f"{self._where} has an unknown tensor type {int(raw_type[0])}")
-            qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
             shape = [int(d) for d in dims]
             if any(d >= 1 << 62 for d in shape) or math.prod(shape) >= 1 << 62:
                 raise ModelFileError(self.path, f"{self._where} has absurd dimensions {' x '.join(in_words(d) for d in shape)}")
