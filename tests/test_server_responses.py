@@ -246,6 +246,54 @@ def test_the_servers_store_stays_bounded_under_churn(srv, client):
         srv.app.state.responses = real
 
 
+def sse_events(text: str) -> list[dict]:
+    """Each SSE event's data, checked against its `event:` line (OpenAI's framing: the name is the data's type)."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n", 1)
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data.removeprefix("data: "))
+        assert event["type"] == name.removeprefix("event: ")
+        out.append(event)
+    return out
+
+
+def test_a_failure_mid_stream_ends_it_with_response_failed(srv):
+    door = srv.state.engine
+    real = door.generate
+
+    async def failing(req, checked=False):
+        from contextlib import aclosing
+
+        async with aclosing(real(req, checked=checked)) as gen:
+            async for out in gen:
+                if out.outputs[0].text:
+                    yield out
+                    raise RuntimeError("the test's failure")
+                yield out
+
+    door.generate = failing
+    try:
+        with srv.http() as h:
+            r = h.post("/v1/responses", json={"model": model(srv), "input": "hi", "stream": True, "max_output_tokens": 50,
+                                              "temperature": 1.0, "seed": 3, "ignore_eos": True})
+    finally:
+        del door.generate
+    events = sse_events(r.text)
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.failed"
+    assert "response.completed" not in kinds and [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert kinds[2:-1] == ["response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                           "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert "request id" in failed["error"]["message"] and "the test's failure" not in failed["error"]["message"]
+    assert events[-2]["item"]["status"] == "incomplete"
+    with srv.http() as h:  # not stored, and the server goes on
+        assert h.get(f"/v1/responses/{failed['id']}").status_code == 404
+        assert h.post("/v1/responses", json={"model": model(srv), "input": "hi", "max_output_tokens": 2}).status_code == 200
+
+
 def test_metrics_label_the_protocol(srv, client):
     client.responses.create(model=model(srv), input="hi", max_output_tokens=2, **sampled())
     with srv.http() as h:
@@ -266,6 +314,14 @@ def test_metrics_label_the_protocol(srv, client):
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, 400, "input[0].content[0].type", ["input_file"]),
         ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]}, 400, "input[0].call_id", ["call_nope"]),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input[0].type", ["item_reference"]),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input[0].call_id", ["call_id"]),
+        ({"input": [{"role": "user", "content": 5}]}, 400, "input[0].content", ["content"]),
+        # kinds that are not strings (JSON lists and objects are no dictionary keys)
+        ({"input": [{"role": ["user"], "content": "x"}]}, 400, "input[0].role", ["role"]),
+        ({"input": [{"role": "user", "content": [{"type": {"a": 1}}]}]}, 400, "input[0].content[0].type", ["not supported"]),
+        ({"tools": [{"type": ["web_search"]}]}, 400, "tools[0].type", ["only function tools"]),
+        ({"tools": TOOLS, "tool_choice": {"type": ["function"]}}, 400, "tool_choice", ["tool_choice"]),
+        ({"reasoning": {"effort": ["low"]}}, 400, "reasoning.effort", ["string"]),
         ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", ["'web_search'", "built-in"]),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, 400, "tools[0].type", ["'file_search'"]),
         ({"tools": [{"type": "computer_use_preview"}]}, 400, "tools[0].type", ["'computer_use_preview'"]),

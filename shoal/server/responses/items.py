@@ -42,6 +42,11 @@ def new_item_id(kind: str) -> str:
     return f"{_ITEM_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex[:24]}"
 
 
+def _name(value) -> str | None:
+    """A field that names a kind (a type, a role): the string, or None for anything else (never looked up as a key)."""
+    return value if isinstance(value, str) else None
+
+
 # ---------------------------------------------------------------- input items
 
 
@@ -68,12 +73,12 @@ def _string(item: dict, key: str, where: str, empty: bool = False) -> str:
 def _item(item, where: str) -> dict:
     if not isinstance(item, dict):
         raise bad_request(f"{where} must be an object (an input item)", where)
-    kind = item.get("type", "message")  # an "easy" message has a role and content, and no type
+    kind = _name(item.get("type", "message"))  # an "easy" message has a role and content, and no type
     item_id = item.get("id")
     if item_id is not None and not isinstance(item_id, str):
         raise bad_request(f"{where}.id must be a string", f"{where}.id")
     if kind == "message":
-        role = item.get("role")
+        role = _name(item.get("role"))
         if role not in _ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(sorted(_ROLES))}", f"{where}.role")
         content = item.get("content")
@@ -111,7 +116,7 @@ def _item(item, where: str) -> dict:
 
 
 def _part(part, role: str, where: str) -> dict:
-    kind = part.get("type") if isinstance(part, dict) else None
+    kind = _name(part.get("type")) if isinstance(part, dict) else None
     if kind in _TEXT_PARTS or (role == "assistant" and kind == "refusal"):
         key = "refusal" if kind == "refusal" else "text"
         return {"type": kind, key: _string(part, key, where, empty=True)}
@@ -192,7 +197,7 @@ def tool_use(tools: list[dict] | None, choice, parallel: bool | None) -> ToolUse
     """The request's function tools and tool_choice, checked; None when the model sees no tools."""
     defs = []
     for i, t in enumerate(tools or []):
-        kind = t.get("type")
+        kind = _name(t.get("type"))
         if kind in BUILTIN_TOOLS:
             raise bad_request(f"tools[{i}] is OpenAI's built-in {kind!r} tool ({BUILTIN_TOOLS[kind]}), which this server does not "
                               "run: give function tools, and run the tool in your own code", f"tools[{i}].type")
@@ -210,7 +215,7 @@ def tool_use(tools: list[dict] | None, choice, parallel: bool | None) -> ToolUse
         defs.append({"type": "function", "function": fn})
     named = None
     if isinstance(choice, dict):
-        kind = choice.get("type")
+        kind = _name(choice.get("type"))
         if kind in BUILTIN_TOOLS:
             raise bad_request(f"tool_choice names OpenAI's built-in {kind!r} tool, which this server does not run", "tool_choice.type")
         named = choice.get("name")
@@ -266,6 +271,8 @@ def reasoning_options(served, reasoning: dict | None) -> tuple[dict, ThinkingBud
     read it) and a thinking budget, for a model whose reasoning the server knows how to find (--reasoning-parser).
     "none" turns thinking off; no effort leaves the template's default."""
     effort = (reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("reasoning.effort must be a string", "reasoning.effort")
     if effort is None:
         return {}, None
     if effort != "none" and effort not in EFFORT_BUDGETS:
