@@ -490,6 +490,19 @@ def test_store_under_churn_never_exceeds_its_bounds():
     assert "r499" in s
 
 
+def test_the_store_bounds_come_from_the_command_line():
+    from shoal import cli
+    from shoal.server import create_app
+
+    v = cli.serve_values(cli.build_parser().parse_args(["serve", "--responses-store-max", "3", "--responses-store-bytes", "2MiB"]))
+    store = create_app(None, cli.server_settings(v)).state.responses
+    assert (store.max_responses, store.max_bytes) == (3, 2 << 20)
+    default = create_app(None, ServerSettings()).state.responses
+    assert (default.max_responses, default.max_bytes) == (1024, 64 << 20)
+    with pytest.raises(ValueError, match="responses_store_max"):
+        ServerSettings(responses_store_max=0)
+
+
 def test_a_record_continues_with_its_context_and_output():
     r = record({"output": [{"type": "message", "role": "assistant", "content": []}]}, [{"id": "i"}], [{"id": "c"}, {"id": "i"}])
     assert r.conversation == [{"id": "c"}, {"id": "i"}, {"type": "message", "role": "assistant", "content": []}]

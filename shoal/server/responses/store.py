@@ -18,10 +18,6 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
-DEFAULT_MAX_RESPONSES = 1024
-DEFAULT_MAX_BYTES = 64 << 20  # a long agent session's turns each repeat its context: bytes bound it, not the count
-
-
 @dataclass(frozen=True)
 class StoredResponse:
     body: dict  # the response object as the client got it
@@ -43,7 +39,8 @@ def record(body: dict, input_items: list[dict], context: list[dict], instruction
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_responses: int, max_bytes: int) -> None:
+        """The bounds: --responses-store-max and --responses-store-bytes (ServerSettings)."""
         if max_responses < 1 or max_bytes < 1:
             raise ValueError("the response store needs room for at least one response and one byte")
         self.max_responses = max_responses
