@@ -248,6 +248,38 @@ def test_list_show_version_and_ps(srv, client, model_path):
         assert [p["name"] for p in ps] == [NAME]
 
 
+def test_images_reach_a_vision_model(tmp_path):
+    """A base64 image on a user message (and on generate) goes before its text, as the OpenAI adapter places the
+    same image part: the same prompt, its tokens then taken from the prefix cache."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from test_vision import picture
+    from tiny_models import make_tiny_vl_model
+
+    buf = io.BytesIO()
+    picture(150, 100, 21).save(buf, format="PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    path = make_tiny_vl_model("qwen2_vl", tmp_path / "m")
+    engine = tiny_engine(path, attention="invariant", max_model_len=256, num_blocks=128, block_size=4)
+    with LiveServer(engine, ServerSettings(log_requests=False, served_model_name=NAME)) as s:
+        client = ollama.Client(host=s.url)
+        r = client.chat(model=NAME, messages=[{"role": "user", "content": "What is this?", "images": [b64]}],
+                        options={"temperature": 0, "num_predict": 4})
+        same = s.openai().chat.completions.create(model=NAME, temperature=0, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}, {"type": "text", "text": "What is this?"}]}])
+        assert r.prompt_eval_count == same.usage.prompt_tokens and r.message.content == same.choices[0].message.content
+        assert same.usage.prompt_tokens_details.cached_tokens >= same.usage.prompt_tokens - 4
+        g = client.generate(model=NAME, prompt="What is this?", images=[b64], options={"temperature": 0, "num_predict": 4})
+        assert g.prompt_eval_count == r.prompt_eval_count and g.response == r.message.content
+        assert "vision" in client.show(NAME).capabilities
+        with s.http() as h:
+            bad = h.post("/api/chat", json={"model": NAME, "messages": [{"role": "user", "content": "x", "images": ["bm90IGFuIGltYWdl"]}]})
+        assert bad.status_code == 400 and "messages[0].images[0]" in bad.json()["error"]
+
+
 def test_thinking_goes_into_its_own_field(tmp_path_factory, model_path):
     settings = ServerSettings(log_requests=False, served_model_name=NAME, reasoning_parser="deepseek_r1")  # replies start inside the reasoning
     with LiveServer(tiny_engine(model_path, max_model_len=512), settings) as s:
@@ -328,10 +360,10 @@ BAD = [
     ("/api/embed", {"model": "no-such-model", "input": "x"}, 404, "no-such-model"),
     ("/api/embeddings", {"model": NAME, "prompt": "hello"}, 400, "does not support embeddings"),
     ("/api/embeddings", {"model": NAME, "prompt": ["hello"]}, 400, "prompt"),
-    ("/api/pull", {"model": "llama3"}, 501, "downloads"),
-    ("/api/push", {"model": "llama3"}, 501, "downloads"),
-    ("/api/create", {"model": "x", "from": NAME}, 501, "downloads"),
-    ("/api/copy", {"source": NAME, "destination": "y"}, 501, "downloads"),
+    ("/api/pull", {"model": "llama3"}, 400, "downloads"),
+    ("/api/push", {"model": "llama3"}, 400, "downloads"),
+    ("/api/create", {"model": "x", "from": NAME}, 400, "downloads"),
+    ("/api/copy", {"source": NAME, "destination": "y"}, 400, "downloads"),
     ("/api/nope", {}, 404, "/api/nope"),
 ]
 
@@ -355,7 +387,7 @@ def test_bad_bodies_and_methods_everywhere(srv):
             r = h.post(path, json=[1, 2])
             assert r.status_code == 400 and set(r.json()) == {"error"}
         r = h.request("DELETE", "/api/delete", json={"model": NAME})
-        assert r.status_code == 501 and "downloads" in r.json()["error"]
+        assert r.status_code == 400 and "downloads" in r.json()["error"]
         assert h.get("/api/chat").status_code == 405
         assert h.get("/api/tags").status_code == 200
 
@@ -366,7 +398,7 @@ def test_the_client_raises_on_errors(srv, client):
     assert e.value.status_code == 404 and "no-such-model" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.pull("llama3")
-    assert e.value.status_code == 501
+    assert e.value.status_code == 400 and "downloads" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model=NAME, input="hello")
     assert e.value.status_code == 400 and "does not support embeddings" in e.value.error

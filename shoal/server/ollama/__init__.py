@@ -5,7 +5,7 @@
     GET /api/version
     POST /api/embed, POST /api/embeddings    vectors from a model that embeds (embed.py)
     /api/pull, /api/push, /api/create, /api/copy, /api/delete
-                                             a 501: shoal serves the files it is given and downloads nothing
+                                             a 400: shoal serves the files it is given and downloads nothing
     GET /api/ps                              loaded models (lifecycle.py, with the other life-cycle routes)
 
 `shoal serve --ollama-port 11434` also listens on Ollama's port, for apps that assume it; the routes, the API
@@ -49,13 +49,12 @@ router = APIRouter()
 register_error_format(PREFIX, error_body)
 
 _STATUS = {
-    400: "The request is invalid; the message names the field",
+    400: "The request is invalid (the message names the field), or asks what shoal does not do (pull, push, create, copy, delete)",
     401: "A missing or wrong API key",
     403: "A refused Origin or Host",
     404: "No such model",
     413: "The body is larger than --max-request-bytes",
     500: "The server failed; details are in its log",
-    501: "Not something shoal does: it serves the model files it is given and downloads nothing",
     503: "The model is loading or the server is overloaded (Retry-After)",
     507: "The model cannot fit the server's memory budget (--models-memory)",
 }
@@ -118,16 +117,16 @@ async def _json(work) -> JSONResponse:
 
 def _refuse(what: str):
     async def refuse() -> JSONResponse:
-        raise APIError(501, f"{what} is not supported: shoal serves the model files it is given (--model, --models-dir, "
+        raise APIError(400, f"{what} is not supported: shoal serves the model files it is given (--model, --models-dir, "
                             "the config's models) and downloads, builds, copies or deletes none")
-    refuse.__doc__ = f"Refused (501): {what}; shoal serves the model files it is given and downloads nothing."
+    refuse.__doc__ = f"Refused (400): {what}; shoal serves the model files it is given and downloads nothing."
     return refuse
 
 
 for _method, _path, _what in (("POST", "/api/pull", "pulling a model"), ("POST", "/api/push", "pushing a model"),
                               ("POST", "/api/create", "creating a model"), ("POST", "/api/copy", "copying a model"),
                               ("DELETE", "/api/delete", "deleting a model")):
-    router.add_api_route(_path, _refuse(_what), methods=[_method], responses=_errors(401, 403, 501),
+    router.add_api_route(_path, _refuse(_what), methods=[_method], responses=_errors(400, 401, 403),
                          name=f"ollama_{_path.rsplit('/', 1)[1]}")
 
 __all__ = ["NDJSON", "router"]

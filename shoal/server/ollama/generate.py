@@ -147,7 +147,7 @@ def tool_use(tools: list[dict] | None) -> ToolUse | None:
 
 
 def output_format(fmt) -> StructuredOutput | None:
-    """`format`: "json" (any JSON value... an object, as Ollama's grammar has it) or a JSON schema."""
+    """`format`: "json" (a JSON object) or a JSON schema; "" or absent: none."""
     if fmt is None or fmt == "":
         return None
     if fmt == "json":
@@ -169,7 +169,7 @@ def template_kwargs(served, think) -> dict:
     return {"enable_thinking": True, **({"reasoning_effort": think} if isinstance(think, str) else {})}
 
 
-def sampling(body, served, structured: StructuredOutput | None, prompt_len: int, param: str | None):
+def sampling(body, served, structured: StructuredOutput | None, prompt_len: int):
     """The request's SamplingParams from its options (each through the server's chain), num_ctx applied."""
     o = body.options or Options()
     if o.num_predict == 0:
@@ -212,7 +212,7 @@ async def chat(body: ChatRequest, http: Request, state) -> Response:
     messages = conversation(body.messages, images)
     shown = [dict(t) for t in tools.tools] if tools is not None else None
     text, ids, spans = await render_conversation(served, messages, images, shown, template_kwargs(served, body.think))
-    params = sampling(body, served, structured, len(ids), "format")
+    params = sampling(body, served, structured, len(ids))
     rid = f"ollama-chat-{uuid.uuid4().hex[:24]}"
     (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, "format", images=spans)
     job = _Answer(served, body, req, "ollama_chat", tools.parser_name(served) if tools is not None else None, start, loaded - start)
@@ -247,7 +247,7 @@ async def generate(body: GenerateRequest, http: Request, state) -> Response:
         text, ids, spans = await render_conversation(served, messages, images, None, template_kwargs(served, body.think))
     if body.context:
         ids = list(body.context) + list(ids)
-    params = sampling(body, served, structured, len(ids), "format")
+    params = sampling(body, served, structured, len(ids))
     rid = f"ollama-generate-{uuid.uuid4().hex[:24]}"
     (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, "format", prompt_param="prompt", images=spans)
     job = _Answer(served, body, req, "ollama_generate", None, start, loaded - start)
