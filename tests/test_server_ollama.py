@@ -195,6 +195,15 @@ def test_langchains_chat_ollama_calls_a_bound_tool(srv):
     assert isinstance(plain.content, str) and plain.response_metadata["done_reason"] in ("stop", "length")
 
 
+def test_logprobs_per_generated_token(srv, client):
+    r = client.chat(model=NAME, messages=ASK, logprobs=True, top_logprobs=2, options={**SAMPLED, "num_predict": 5})
+    assert len(r.logprobs) == r.eval_count and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in r.logprobs)
+    assert "".join(e.token for e in r.logprobs) == r.message.content
+    streamed = list(client.chat(model=NAME, messages=ASK, logprobs=True, top_logprobs=2, options={**SAMPLED, "num_predict": 5},
+                                stream=True))
+    assert [e.token for c in streamed for e in (c.logprobs or [])] == [e.token for e in r.logprobs]
+
+
 # ---------------------------------------------------------------- generate
 
 
@@ -225,6 +234,27 @@ def test_an_empty_request_loads_the_model(srv, client):
         assert c["done_reason"] == "load" and c["message"]["content"] == ""
         tagged = h.post("/api/chat", json={"model": NAME + ":latest", "messages": ASK, "stream": False, "options": {"num_predict": 2}})
         assert tagged.status_code == 200 and tagged.json()["model"] == NAME + ":latest"
+
+
+def test_keep_alive_loads_and_unloads(model_path):
+    from server_utils import tiny_engine_config
+
+    with LiveServer(tiny_engine_config(model_path, max_model_len=256), ServerSettings(log_requests=False, served_model_name=NAME)) as s:
+        client = ollama.Client(host=s.url)
+        m = s.state.models.models[NAME]
+        gone = client.generate(model=NAME, keep_alive=0)
+        assert gone.done_reason == "unload"
+        s.wait_until(lambda: m.status == "unloaded", what="the unload")
+        with s.http() as h:
+            assert h.get("/api/ps").json()["models"] == []
+        assert client.generate(model=NAME, keep_alive=0).done_reason == "unload" and m.status == "unloaded"  # not loaded to unload
+        assert client.chat(model=NAME, messages=[], keep_alive="1h").done_reason == "load" and m.loaded
+        with s.http() as h:
+            (ps,) = h.get("/api/ps").json()["models"]
+        assert ps["name"] == NAME and ps["expires_at"] > time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() + 3000))
+        r = client.chat(model=NAME, messages=ASK, keep_alive=0, options={"num_predict": 2})
+        assert r.done
+        s.wait_until(lambda: m.status == "unloaded", what="the unload after the answer")
 
 
 # ---------------------------------------------------------------- models
@@ -332,6 +362,9 @@ BAD = [
     ("/api/chat", _chat(options={"num_predict": True}), 400, "options.num_predict"),
     ("/api/chat", _chat(options={"num_predict": 0}), 400, "num_predict"),
     ("/api/chat", _chat(stream="no"), 400, "stream"),
+    ("/api/chat", _chat(options={"num_ctx": 3}), 400, "num_ctx"),
+    ("/api/chat", _chat(messages=[{"role": "user", "content": "x", "name": "bob"}]), 400, "messages[0].name"),
+    ("/api/chat", _chat(top_logprobs=50), 400, "top_logprobs"),
     ("/api/chat", _chat(options={"mirostat": 2}), 400, "options.mirostat"),
     ("/api/chat", _chat(model="no-such-model"), 404, "no-such-model"),
     ("/api/chat", _chat(model=""), 400, "model"),
@@ -357,6 +390,7 @@ BAD = [
     ("/api/embed", {"model": NAME, "input": "hello"}, 400, "does not support embeddings"),  # a generation model
     ("/api/embed", {"model": NAME, "input": 5}, 400, "input"),
     ("/api/embed", {"model": NAME, "input": "x", "truncate": "yes"}, 400, "truncate"),
+    ("/api/embed", {"model": NAME, "input": "x", "encoding_format": "float"}, 400, "encoding_format"),
     ("/api/embed", {"model": "no-such-model", "input": "x"}, 404, "no-such-model"),
     ("/api/embeddings", {"model": NAME, "prompt": "hello"}, 400, "does not support embeddings"),
     ("/api/embeddings", {"model": NAME, "prompt": ["hello"]}, 400, "prompt"),
