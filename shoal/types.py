@@ -216,6 +216,45 @@ class SamplingParams:
         return self.num_beams > 1
 
 
+POOLING_MODES = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How a model turns a prompt's final hidden states (after the final norm) into one vector: what an embedding
+    model's files say (sentence-transformers' modules, a GGUF's `pooling_type`), or `--embeddings`' default."""
+
+    mode: str  # "last": the last token's hidden state; "mean": the mean over every prompt token
+    normalize: bool  # L2-normalized (a sentence-transformers Normalize module; llama.cpp's default)
+    hidden_size: int = 0  # the vector's full length
+    # The lengths the model was trained to be cut to (Matryoshka), where its files list them; None: any up to hidden_size
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """ValueError unless `dimensions` (None: the whole vector) is a length this model's vectors may be cut to."""
+        if dimensions is None:
+            return
+        if not 1 <= dimensions <= self.hidden_size:
+            raise ValueError(f"dimensions must be between 1 and the model's {self.hidden_size}, got {dimensions}")
+        if self.matryoshka_dimensions is not None and dimensions not in self.matryoshka_dimensions:
+            raise ValueError(f"this model's vectors may be cut to {list(self.matryoshka_dimensions)} dimensions, not {dimensions}")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """A prompt-only request's ask: its pooled hidden state instead of tokens (an embedding)."""
+
+    mode: str = "last"  # POOLING_MODES
+    normalize: bool = True  # L2-normalize the vector (after any truncation)
+    dimensions: int | None = None  # keep the first `dimensions` values (Matryoshka), then normalize again
+
+    def __post_init__(self) -> None:
+        if self.mode not in POOLING_MODES:
+            raise ValueError(f"pooling mode must be one of {POOLING_MODES}, got {self.mode!r}")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be at least 1, got {self.dimensions}")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """What every protocol adapter turns a request into."""
@@ -227,6 +266,8 @@ class GenerationRequest:
     prompt: str | None = None  # the rendered text, for logs and echo only
     arrival_time: float | None = None
     images: tuple = ()  # multimodal.ImageSpan per image in the prompt, in order
+    # Set: a prompt-only request for the prompt's pooled hidden state (RequestOutput.embedding); `params` unused.
+    pooling: PoolingParams | None = None
 
 
 class Logprob(NamedTuple):
@@ -293,6 +334,8 @@ class RequestOutput:
     error: str | None = None
     """Set, with finished=True and every choice's finish_reason ERROR, when this request alone failed: a message safe
     to show the client (the details are in the log)."""
+    embedding: list[float] | None = None
+    """A pooling request's vector (GenerationRequest.pooling), on its finished output."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -418,6 +461,9 @@ class ScheduledSeq:
     # The sequence's images (multimodal.ImageSpan), where it has any: the runner takes the embeddings of the
     # placeholders it computes from them, and a model with M-RoPE the positions of every token.
     images: tuple = ()
+    # A pooling request's chunk (runner/pooling.py): "mean" on every chunk (each gives the sum of its rows), "last"
+    # on the chunk that ends the prompt (its last row); "" for a sequence that samples or pools nothing this step.
+    pool: str = ""
 
 
 @dataclass(frozen=True)
@@ -453,3 +499,5 @@ class StepOutput(NamedTuple):
     sampled: list[SampledToken]
     # seq_id -> the prompt logprobs this step computed for it, in prompt order.
     prompt_logprobs: dict[int, list[TokenLogprobs]]
+    # seq_id -> a pooling chunk's float32 part (ScheduledSeq.pool): its rows' sum ("mean") or its last row ("last").
+    pooled: dict[int, list[float]] | None = None

@@ -37,11 +37,11 @@ def build_engine(config: EngineConfig) -> Engine:
         executor = LocalExecutor(part.runner)
     runner, ckpt = part.runner, part.checkpoint
     facts = EngineFacts.of(config.model, runner, path=str(ckpt.path), weight_format=part.weight_format,
-                           generation_defaults=MappingProxyType(dict(ckpt.generation_defaults)))
+                           generation_defaults=MappingProxyType(dict(ckpt.generation_defaults)), pooling=part.pooling)
     tier = build_tier(config, runner, facts)
     speculator = build_speculator(config, runner, ckpt.tokenizer, part.max_model_len)
     engine = Engine(executor, ckpt.tokenizer, ckpt.eos_token_ids, config, part.max_model_len, facts=facts, tier=tier,
-                    speculator=speculator, vision=ckpt.image_preparer)
+                    speculator=speculator, vision=ckpt.image_preparer, pooling=part.pooling)
     log.info(
         "engine ready in %.1fs: %s, %s%s on %s, max_model_len %d, %d KV blocks%s",
         time.perf_counter() - t0, facts.architecture, facts.dtype,

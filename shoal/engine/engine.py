@@ -17,6 +17,7 @@ from shoal.config import EngineConfig
 from shoal.engine.beam import BeamSearch
 from shoal.engine.block_pool import KVBlockPool
 from shoal.engine.kv_manager import KVCacheManager
+from shoal.engine.pooled import PooledRequest
 from shoal.engine.prefix_cache import PrefixCache
 from shoal.engine.request import RequestContext, RequestState, SampledChoices
 from shoal.engine.scheduler import Scheduler, chunk_cost
@@ -43,6 +44,7 @@ class Engine:
         tier=None,
         speculator=None,
         vision=None,
+        pooling=None,
     ) -> None:
         """executor: how the engine reaches the model (shoal/executor): `submit(plan)` up to `depth` steps in flight, `collect(ticket)`, `failure`, `runner`
         (this process's ModelRunner), `cluster()`, `close()`. A bare ModelRunner is taken as a local one.
@@ -50,7 +52,8 @@ class Engine:
         tier: the prefix cache's second tier (engine/kv_tier.py), or None; it needs the KV in this process.
         speculator: speculative decoding (engine/speculative.py), or None.
         vision: a vision-language model's image preparation (model/vision.ImagePreparer), which the server uses
-        to turn images into prompt tokens; None for a text-only model."""
+        to turn images into prompt tokens; None for a text-only model.
+        pooling: how the model embeds (types.Pooling: its files', or --embeddings'), or None: it does not."""
         from shoal.executor import LocalExecutor  # noqa: PLC0415 (the executor imports torch; the engine's bookkeeping does not)
 
         if not hasattr(executor, "runner"):
@@ -65,6 +68,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = runner.config.vocab_size
         self.vision = vision
+        self.pooling = pooling
         pool = KVBlockPool(runner.num_blocks, runner.block_size)
         cache = config.cache
         prefix_cache = PrefixCache(pool, ttl=cache.prefix_cache_ttl, block_bytes=runner.bytes_per_block) if cache.enable_prefix_cache else None
@@ -92,6 +96,9 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if request.pooling is not None:
+            self._validate_pooling(request)
+            return
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
@@ -111,6 +118,18 @@ class Engine:
         if budget is not None and not all(0 <= t < self.vocab_size for t in budget.end_ids + budget.start_ids):
             raise ValueError(f"the thinking budget's tag token ids are outside the vocabulary [0, {self.vocab_size})")
 
+    def _validate_pooling(self, request: GenerationRequest) -> None:
+        """A pooling request: a model that embeds, a prompt within the context, a length its vectors may be cut to."""
+        if self.pooling is None:
+            raise ValueError("this model does not serve embeddings: its files name no pooling (sentence-transformers' "
+                             "modules.json, a GGUF's pooling_type), and it was not served with --embeddings")
+        n = len(request.prompt_token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"the input has {n} tokens but the context is {self.max_model_len} tokens")
+        if request.images:
+            raise ValueError("embeddings take text only")
+        self.pooling.check_dimensions(request.pooling.dimensions)
+
     def add_request(self, request: GenerationRequest, checked: bool = False) -> None:
         """Start `request`. checked: it has passed `validate` (AsyncEngine.check at the server's edge), so it
         is not scanned again; only what the running engine alone knows (its id) is checked here."""
@@ -123,7 +142,8 @@ class Engine:
         grammar = self.grammars.compile(p.structured) if p.structured is not None else None
         arrival = request.arrival_time if request.arrival_time is not None else now
         metrics = RequestMetrics(arrival_time=arrival, prompt_tokens=len(request.prompt_token_ids))
-        state = (BeamSearch if p.use_beam_search else SampledChoices)(request, metrics, self._ctx)
+        kind = PooledRequest if request.pooling is not None else BeamSearch if p.use_beam_search else SampledChoices
+        state = kind(request, metrics, self._ctx)
         state.start(grammar)
         self._requests[request.request_id] = state
         self.stats.requests_added += 1
@@ -234,7 +254,7 @@ class Engine:
             seq = self.scheduler.get(seq_id)
             if seq is not None:  # not aborted while in flight
                 self._requests[seq.request_id].prompt_logprobs.extend(entries)
-        outputs.extend(self._postprocess(sampled))
+        outputs.extend(self._postprocess(sampled, result.pooled or {}))
         if self.config.check_integrity:
             self.check_integrity()
         self.monitor.step_done(sched, now)
@@ -289,12 +309,22 @@ class Engine:
         cost = sum(chunk_cost(n, seq.num_computed_tokens) for seq, n in sched.scheduled)
         self.tier.policy.observe_prefill(cost, self.clock() - started)
 
-    def _postprocess(self, sampled: list[SampledToken]) -> list[RequestOutput]:
-        """Apply the step's tokens. A failure that belongs to one request (its sampling
-        row, detokenizer, stop strings) ends that request alone, with an error."""
+    def _postprocess(self, sampled: list[SampledToken], pooled: dict[int, list[float]]) -> list[RequestOutput]:
+        """Apply the step's tokens, and its pooling requests' parts (engine/pooled.py). A failure that belongs to
+        one request (its sampling row, detokenizer, stop strings) ends that request alone, with an error."""
         touched: dict[str, RequestState] = {}
         got_tokens: dict[str, RequestState] = {}
         now = self.clock()
+        for seq_id, part in pooled.items():
+            seq = self.scheduler.get(seq_id)
+            if seq is None:
+                continue  # aborted while in flight
+            state = self._requests[seq.request_id]
+            touched[seq.request_id] = state
+            try:
+                state.on_pooled(seq, part)
+            except Exception as e:
+                _fail_by(state, e, "pooling its hidden states")
         for s in sampled:
             seq = self.scheduler.get(s.seq_id)
             if seq is None:

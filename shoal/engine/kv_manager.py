@@ -87,8 +87,8 @@ class KVCacheManager:
     def match(self, seq: Sequence) -> Admission:
         """The longest cached prefix of a fresh sequence's tokens. A sequence that still wants prompt
         logprobs takes no hit (vLLM's rule): cached tokens have no hidden states to give them, so it
-        computes the whole prompt (its blocks still go into the cache)."""
-        if self.cache is None or seq.block_table or seq.wants_prompt_logprobs:
+        computes the whole prompt (its blocks still go into the cache); so does a mean-pooling request."""
+        if self.cache is None or seq.block_table or seq.needs_every_row:
             return NO_MATCH
         keys = _key_tokens(seq)
         fetch = seq.kv_fetch
@@ -256,8 +256,8 @@ class KVCacheManager:
             self.cache.expire()
 
     def commit(self, seq: Sequence) -> None:
-        """Index every computed full block of `seq` not indexed yet."""
-        if self.cache is None:
+        """Index every computed full block of `seq` not indexed yet (none of a pooling request's: Sequence.keeps_kv)."""
+        if self.cache is None or not seq.keeps_kv:
             return
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
@@ -283,7 +283,7 @@ class KVCacheManager:
         self._matched.discard(seq.seq_id)  # a waiting sequence that finished (aborted) without being admitted
         if not seq.block_table:
             return
-        if self.cache is not None:
+        if self.cache is not None and seq.keeps_kv:
             self.commit(seq)
             bs = self.block_size
             num_full, partial = divmod(seq.num_computed_tokens, bs)

@@ -114,7 +114,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
-        if seq.prompt_len + 1 > self.config.max_model_len:
+        if seq.prompt_len + (seq.pooling is None) > self.config.max_model_len:  # a pooling request samples nothing
             raise ValueError(
                 f"prompt has {seq.prompt_len} tokens; with at least one output token that exceeds "
                 f"max_model_len {self.config.max_model_len}"
@@ -364,7 +364,8 @@ class Scheduler:
         if seq.wants_prompt_logprobs:  # positions lp_from .. min(end, prompt_len - 1) - 1 give them
             lp_from = max(start, seq.num_prompt_logprobs)
             targets = tuple(seq.token_ids[lp_from + 1 : min(end, seq.prompt_len - 1) + 1])
-        sample = end == seq.num_tokens
+        sample = end == seq.num_tokens and seq.pooling is None
+        pool = seq.pooling if seq.pooling == "mean" or (seq.pooling == "last" and end == seq.num_tokens) else ""
         return ScheduledSeq(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:end]) + draft,
@@ -383,6 +384,7 @@ class Scheduler:
             draft=draft,
             draft_masks=seq.draft_masks if draft and seq.grammar is not None else (),
             images=seq.images,
+            pool=pool or "",
         )
 
     def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> tuple[list[SampledToken], list]:

@@ -75,6 +75,10 @@ class Sequence:
     draft: tuple[int, ...] = ()
     draft_masks: tuple = ()
     spec: object | None = None
+    # A pooling request's mode ("last" | "mean"; engine/pooled.py): computes its prompt, samples nothing, and keeps no
+    # KV: its blocks are not indexed in the prefix cache. "last" may start from a cached prefix (only its last row is
+    # pooled, and that one is always computed); "mean" needs every row's hidden state, so it takes no hit.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -112,6 +116,16 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def keeps_kv(self) -> bool:
+        """Whether its computed blocks go into the prefix cache (everything but a pooling request's)."""
+        return self.pooling is None
+
+    @property
+    def needs_every_row(self) -> bool:
+        """Whether every prompt position's output is wanted (prompt logprobs, mean pooling): no prefix-cache hit."""
+        return self.wants_prompt_logprobs or self.pooling == "mean"
 
     def sort_key(self) -> tuple[int, int, int]:
         """Lower runs first: priority, then arrival, then choice index."""

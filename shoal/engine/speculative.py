@@ -160,7 +160,7 @@ class Speculator:
     def eligible(self, seq: Sequence) -> bool:
         p = seq.params
         return not (p.use_beam_search or seq.paused or seq.in_flight or seq.num_uncomputed_tokens != 1
-                    or seq.wants_prompt_logprobs or seq.finished)
+                    or seq.wants_prompt_logprobs or seq.finished or seq.pooling is not None)
 
     def propose(self, running: list[Sequence]) -> None:
         """Set `draft` (and a constrained sequence's `draft_masks`) on the running sequences that decode next."""

@@ -17,6 +17,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from shoal.types import Pooling
+
 RECENT_REQUESTS = 100
 WINDOWS = (10.0, 60.0)
 
@@ -50,6 +52,7 @@ class EngineFacts:
     weight_bytes: int = 0  # the model's tensors in this process (a rank's shard under tensor or pipeline parallelism)
     # the checkpoint's own sampling defaults (generation_config.json, GGUF metadata), for the layers above
     generation_defaults: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    pooling: Pooling | None = None  # how the model embeds (types.Pooling), None: it serves no embeddings
 
     @classmethod
     def of(cls, model, runner, **checkpoint) -> EngineFacts:

@@ -21,6 +21,7 @@ from shoal.model.layers import bind_attributes
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config
 from shoal.model.formats import GGUFLinear, served_bytes
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
+from shoal.model.pooling_files import read_pooling
 from shoal.model.registry import model_class
 from shoal.model.vision import build_tower
 from shoal.model.tensor_parallel import TensorParallel, connect_ranks, shard_model
@@ -37,6 +38,7 @@ from shoal.runner.model_runner import (
     resolve_kv_dtype,
 )
 from shoal.runner.shard_plan import plan_pipeline, plan_tensor_parallel
+from shoal.types import Pooling
 
 log = logging.getLogger("shoal.engine")
 
@@ -49,6 +51,7 @@ class ModelPart:
     checkpoint: LoadedCheckpoint
     weight_format: str
     max_model_len: int
+    pooling: Pooling | None = None  # how the model embeds (its files', or --embeddings'), None: it does not
 
 
 def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
@@ -142,7 +145,18 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         ckpt.vision_state_dict = None
     runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, attention, tower, config.cache.encoder_cache_memory)
     ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
-    return ModelPart(runner, ckpt, weights.name, max_model_len)
+    return ModelPart(runner, ckpt, weights.name, max_model_len, embedding_pooling(config, ckpt, gguf, model.config.hidden_size))
+
+
+def embedding_pooling(config: EngineConfig, ckpt: LoadedCheckpoint, gguf, hidden_size: int) -> Pooling | None:
+    """How the model embeds: as its files say (model/pooling_files.py); else, with --embeddings, its last token,
+    L2-normalized (llama.cpp's server leaves a generation model unpooled, which its /v1/embeddings refuses; a causal
+    decoder's last token is the one position that has seen the whole input, and what Qwen3-Embedding pools); else
+    None: it does not embed."""
+    pooling = read_pooling(ckpt.path, gguf.metadata if gguf is not None else None, hidden_size, ckpt.hf_config)
+    if pooling is None and config.embeddings:
+        pooling = Pooling("last", True, hidden_size)
+    return pooling
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -30,6 +30,7 @@ from shoal.model.qwen2_vl import MRotary
 from shoal.multimodal import mrope_positions
 from shoal.runner.encoder_cache import EncoderCache
 from shoal.runner.kv_sizing import WORKSPACE, KVShape, Machine, PoolSize, read_meminfo, size_pool
+from shoal.runner.pooling import pool
 from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, process_logits, sample
 from shoal.types import Logprob, SampledToken, ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
 
@@ -88,6 +89,9 @@ class ForwardBatch:
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled (a sequence's last token)
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
     images: list[ImageRows] = field(default_factory=list)  # the sequences with images, where their rows are
+    # pooling chunks (ScheduledSeq.pool): their rows, segment after segment, and each segment's row count
+    pool_rows: list[int] = field(default_factory=list)
+    pool_lengths: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -255,6 +259,7 @@ class ModelRunner:
         each piece is a gather; without `seqs` (the other ranks) the pieces are dropped."""
         if hidden is None:
             return None
+        pooled = pool(hidden, batch.pool_rows, batch.pool_lengths) if batch.pool_rows else None
         head = self.model.compute_logits
         rows = batch.sample_rows
         sampled = head(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]) if rows else None
@@ -272,7 +277,7 @@ class ModelRunner:
                     top = logp.topk(k, dim=-1) if k else None
                     chosen = logp.gather(1, targets[i : i + PROMPT_LOGPROBS_ROWS, None]).squeeze(1)
                     pieces.append((chosen, top.values if k else None, top.indices if k else None))
-        return StepLogits(sampled, pieces)
+        return StepLogits(sampled, pieces, pooled)
 
     def sample(self, seqs: list[ScheduledSeq], logits: StepLogits | None) -> StepOutput:
         """Rank 0: the sampled tokens and prompt logprobs of a step whose logits are in."""
@@ -280,7 +285,10 @@ class ModelRunner:
             return StepOutput([], {})
         sampled = [row for s in seqs if s.sample for row in _verified_rows(s)]
         result = self._sample(sampled, logits.sampled) if sampled else []
-        return StepOutput(result, self._prompt_logprobs(seqs, logits.prompt) if logits.prompt else {})
+        pooled = None
+        if logits.pooled is not None:  # one host transfer for every pooling chunk of the step
+            pooled = dict(zip((s.seq_id for s in seqs if s.pool), logits.pooled.tolist()))
+        return StepOutput(result, self._prompt_logprobs(seqs, logits.prompt) if logits.prompt else {}, pooled)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -423,6 +431,7 @@ class StepLogits:
 
     sampled: torch.Tensor | None  # [rows that sample, V]
     prompt: list  # per piece of prompt-logprob rows: (the target's logprob [n], top-k logprobs [n, k], their ids), k >= 0
+    pooled: torch.Tensor | None = None  # [pooling chunks, hidden] float64 (runner/pooling.py), in the batch's order
 
 
 def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
@@ -434,6 +443,8 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
     sample_rows: list[int] = []
     prompt_rows: list[int] = []
     images: list[ImageRows] = []
+    pool_rows: list[int] = []
+    pool_lengths: list[int] = []
     for s in seqs:
         if s.prompt_targets:  # the first position whose logits give prompt logprobs, and on
             first = len(ids) + s.prompt_logprobs_from - s.start_pos
@@ -443,6 +454,10 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         ids.extend(s.token_ids)
         if s.sample:  # the last token's row, and with a draft every drafted token's too
             sample_rows.extend(range(len(ids) - 1 - len(s.draft), len(ids)))
+        if s.pool:  # a mean-pooling chunk's every row; a last-token request's last row
+            n = len(s.token_ids) if s.pool == "mean" else 1
+            pool_rows.extend(range(len(ids) - n, len(ids)))
+            pool_lengths.append(n)
     batch = ForwardBatch(
         ids,
         [SeqSpan(s.start_pos, 1, tuple(s.block_table)) for s in decodes],
@@ -451,6 +466,8 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         sample_rows,
         prompt_rows,
         images,
+        pool_rows,
+        pool_lengths,
     )
     return batch, seqs
 
