@@ -71,13 +71,13 @@ _LINES = {"application/x-ndjson": {"schema": {"type": "string"}}}
 
 @router.post("/api/chat", responses={200: {"model": ChatResponse, "content": _LINES}, **_GENERATION_ERRORS})
 async def ollama_chat(body: ChatRequest, request: Request) -> Response:
-    """Ollama's chat: the assistant's reply to `messages`, as NDJSON lines or (`"stream": false`) one object; images, tools, `format`, `options`, `think`, `keep_alive`."""
+    """The assistant's reply to Ollama's chat `messages`, as NDJSON lines or, with stream false, one object; images, tools, `format`, `options`, `think`, `keep_alive`."""
     return await answer(chat(body, request, request.app.state.shoal))
 
 
 @router.post("/api/generate", responses={200: {"model": GenerateResponse, "content": _LINES}, **_GENERATION_ERRORS})
 async def ollama_generate(body: GenerateRequest, request: Request) -> Response:
-    """Ollama's generate: a completion of `prompt` (in the chat template, or as given with `raw`), as NDJSON lines or one object."""
+    """A completion of Ollama's `prompt` (in the chat template, or as given with `raw`), as NDJSON lines or one object."""
     return await answer(generate(body, request, request.app.state.shoal))
 
 
@@ -89,7 +89,7 @@ async def ollama_tags(request: Request) -> JSONResponse:
 
 @router.post("/api/show", responses={200: {"model": ShowResponse}, **_errors(400, 401, 403, 404)})
 async def ollama_show(body: ShowRequest, request: Request) -> JSONResponse:
-    """One model's details: family, parameter count, quantization, context length (once loaded), template, capabilities."""
+    """One model's details (family, parameter count, quantization, context length once loaded, template, capabilities)."""
     return JSONResponse(await catalog.show(request.app.state.shoal, body.model or body.name))
 
 
@@ -101,13 +101,13 @@ async def ollama_version() -> JSONResponse:
 
 @router.post("/api/embed", responses={200: {"model": EmbedResponse}, **_errors(400, 401, 403, 404, 413, 500, 503)})
 async def ollama_embed(body: EmbedRequest, request: Request) -> Response:
-    """Ollama's embeddings: a vector per input, pooled as the model embeds (a model that does not embed: 400)."""
+    """A vector per input (Ollama's embeddings), pooled as the model embeds; a model that does not embed answers 400."""
     return await answer(_json(embed.embed(body, request, request.app.state.shoal)))
 
 
 @router.post("/api/embeddings", responses={200: {"model": EmbeddingsResponse}, **_errors(400, 401, 403, 404, 413, 500, 503)})
 async def ollama_embeddings(body: EmbeddingsRequest, request: Request) -> Response:
-    """Ollama's older embeddings route: one prompt's vector."""
+    """One prompt's vector (Ollama's older embeddings route)."""
     return await answer(_json(embed.embeddings(body, request, request.app.state.shoal)))
 
 
@@ -119,7 +119,7 @@ def _refuse(what: str):
     async def refuse() -> JSONResponse:
         raise APIError(400, f"{what} is not supported: shoal serves the model files it is given (--model, --models-dir, "
                             "the config's models) and downloads, builds, copies or deletes none")
-    refuse.__doc__ = f"Refused (400): {what}; shoal serves the model files it is given and downloads nothing."
+    refuse.__doc__ = f"{what.capitalize()} is refused (400), as shoal serves the model files it is given and downloads nothing."
     return refuse
 
 
