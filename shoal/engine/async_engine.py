@@ -36,7 +36,7 @@ from shoal.engine.engine import Engine
 from shoal.engine.stats import EngineFacts
 from shoal.multimodal import pixel_digest
 from shoal.runner.kv_sizing import WORKSPACE
-from shoal.types import GenerationRequest, RequestOutput
+from shoal.types import GenerationRequest, Pooling, PoolingParams, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from shoal.model.vision import PreparedImage, VisionSpec
@@ -171,6 +171,23 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, False))
 
+    def embedding_request(self, request_id: str, token_ids: list[int], dimensions: int | None = None, priority: int = 0,
+                          arrival_time: float | None = None) -> GenerationRequest:
+        """A prompt-only request for the pooled vector of `token_ids` (engine/pooled.py), pooled as the model
+        embeds (`pooling`), cut to `dimensions` and renormalized where given. Not checked yet: `check` it (in a
+        worker thread), then `embed` or `generate(checked=True)` it; its final output's `embedding` is the vector."""
+        pooling = self.pooling
+        mode, normalize = (pooling.mode, pooling.normalize) if pooling is not None else ("last", True)
+        return GenerationRequest(request_id, tuple(token_ids), SamplingParams(max_tokens=None), priority=priority,
+                                 arrival_time=arrival_time, pooling=PoolingParams(mode, normalize, dimensions))
+
+    async def embed(self, request: GenerationRequest, checked: bool = False) -> RequestOutput:
+        """A pooling request's final output (its `embedding`); raises as `generate` does."""
+        final = None
+        async for out in self.generate(request, checked=checked):
+            final = out
+        return final
+
     def check(self, request: GenerationRequest) -> None:
         """Everything the engine alone knows about a request (its ids within the vocabulary, its length within
         the context, its images' placeholders, its grammar compiled and cached): ValueError with a message for
@@ -192,6 +209,11 @@ class AsyncEngine:
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
+
+    @property
+    def pooling(self) -> Pooling | None:
+        """How the model embeds (its files' pooling, or --embeddings'), None: it serves no embeddings."""
+        return self.facts.pooling
 
     @property
     def facts(self) -> EngineFacts:
