@@ -198,6 +198,26 @@ def test_previous_response_id_across_three_turns_reuses_the_cache(srv, client):
     assert with_sys.instructions == "Be terse."
 
 
+def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(srv, client):
+    long = "the quick brown fox jumps over the lazy dog " * 60
+    n = client.chat.completions.create(model=model(srv), messages=[{"role": "user", "content": long}], max_tokens=1).usage.prompt_tokens
+    turns = [{"role": "user", "content": f"{i} {long}"} for i in range(2048 // n + 2)]  # more than the context holds
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model(srv), input=turns, max_output_tokens=2)
+    assert e.value.body["param"] == "input"
+    r = client.responses.create(model=model(srv), input=turns, truncation="auto", max_output_tokens=2)
+    assert r.truncation == "auto" and r.status in ("completed", "incomplete")
+    # dropped from the front, a turn at a time, only as many as needed: what is left is as many of the newest turns as fit
+    fits = []
+    for k in range(1, len(turns) + 1):
+        try:
+            fits.append(client.responses.create(model=model(srv), input=turns[-k:], max_output_tokens=2, store=False).usage.input_tokens)
+        except openai.BadRequestError:
+            break
+    assert 1 <= len(fits) < len(turns) and r.usage.input_tokens == fits[-1]
+    assert len(client.responses.input_items.list(r.id, limit=100).data) == len(turns)  # the input as given
+
+
 def test_stored_responses_get_list_and_delete(srv, client):
     r = client.responses.create(model=model(srv), input=[{"role": "user", "content": [{"type": "input_text", "text": "one"}]},
                                                          {"role": "user", "content": "two"}], max_output_tokens=3, **sampled())
@@ -299,6 +319,40 @@ def test_metrics_label_the_protocol(srv, client):
     with srv.http() as h:
         text = h.get("/metrics").text
     assert re.search(r'shoal:e2e_request_latency_seconds_count\{[^}]*protocol="openai_responses"[^}]*\} [1-9]', text)
+
+
+@pytest.fixture(scope="module")
+def thinking_srv(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("thinking"), max_position_embeddings=2048)
+    settings = ServerSettings(log_requests=False, reasoning_parser="deepseek_r1")  # replies start inside the reasoning
+    with LiveServer(tiny_engine(path, max_model_len=1024), settings) as s:
+        yield s
+
+
+def test_reasoning_is_its_own_item_and_effort_caps_it(thinking_srv):
+    client = thinking_srv.openai()
+    kw = dict(model=model(thinking_srv), input="Think first.", temperature=1.0, extra_body={"seed": 1, "ignore_eos": True})
+    free = client.responses.create(max_output_tokens=24, reasoning={"effort": "high"}, **kw)
+    assert [o.type for o in free.output] == ["reasoning"]  # random weights never close the reasoning themselves
+    assert free.status == "incomplete" and free.output_text == ""
+    thought = free.output[0].content[0].text
+    assert thought and free.output[0].content[0].type == "reasoning_text"
+    assert free.usage.output_tokens_details.reasoning_tokens == free.usage.output_tokens == 24  # all of it
+    capped = client.responses.create(max_output_tokens=300, reasoning={"effort": "minimal"}, **kw)  # at most 256 thinking
+    assert [o.type for o in capped.output] == ["reasoning", "message"]
+    assert capped.output[0].content[0].text.startswith(thought) and capped.output_text
+    assert 256 <= capped.usage.output_tokens_details.reasoning_tokens < capped.usage.output_tokens == 300  # and the end tag
+    with client.responses.stream(max_output_tokens=24, reasoning={"effort": "high"}, **kw) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    n = kinds.count("response.reasoning_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+                     *["response.reasoning_text.delta"] * n, "response.reasoning_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    # the reasoning goes back into the conversation with the reply it belongs to
+    turn = client.responses.create(previous_response_id=free.id, max_output_tokens=2, **{**kw, "input": "Go on."})
+    assert turn.usage.input_tokens_details.cached_tokens >= free.usage.input_tokens
 
 
 # ---------------------------------------------------------------- bad input, in OpenAI's format

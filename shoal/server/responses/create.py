@@ -34,6 +34,7 @@ from starlette.requests import Request
 from shoal.server.chat.images import ImageRef, render_conversation
 from shoal.server.chat.params import clipped_headers, engine_requests, resolve_params
 from shoal.server.chat.pipeline import Delta, DeltaPipeline
+from shoal.server.chat.reasoning import END, START
 from shoal.server.chat.render import ToolUse
 from shoal.server.chat.tools import ToolCall
 from shoal.server.errors import APIError, bad_request
@@ -110,23 +111,26 @@ async def create_response(body: ResponsesRequest, http: Request, state) -> JSONR
 async def _render(served, body: ResponsesRequest, earlier: list[dict], items: list[dict], tools: ToolUse | None,
                   template_kwargs: dict) -> tuple[list[dict], str, list[int], tuple]:
     """The conversation (the stored one and the new items) as a prompt. With `truncation: "auto"`, a prompt that
-    leaves no room in the context loses its oldest turns, a user message at a time, until it fits (or one is left)."""
+    leaves no room in the context loses its oldest turns, a user message at a time, until it fits (or one is left);
+    what is left is the context the response is stored with."""
     shown = [dict(t) for t in tools.tools] if tools is not None else None
     context, first = [*earlier, *items], len(earlier)
     while True:
+        cut = next((k for k in range(1, len(context)) if context[k]["type"] == "message" and context[k]["role"] == "user"), None)
+        truncate = body.truncation == "auto" and cut is not None
         refs: list[ImageRef] = []
         messages = conversation(context, body.instructions, refs, first)
         try:
             text, ids, images = await render_conversation(served, messages, refs, shown, template_kwargs)
         except APIError as e:
+            if truncate and "cannot fit" in e.message:  # too many characters to be worth tokenizing
+                context, first = context[cut:], max(0, first - cut)
+                continue
             if e.param == "messages":  # chat's name for the conversation: here it is the input
                 e.param = "input"
             raise
-        if body.truncation != "auto" or len(ids) < served.engine.max_model_len:
-            return context, text, ids, images
-        cut = next((k for k in range(1, len(context)) if context[k]["type"] == "message" and context[k]["role"] == "user"), None)
-        if cut is None:
-            return context, text, ids, images  # nothing more to drop: the engine's check says it is too long
+        if not truncate or len(ids) < served.engine.max_model_len:
+            return context, text, ids, images  # (too long without truncation: the engine's check says so)
         context, first = context[cut:], max(0, first - cut)
 
 
@@ -212,11 +216,15 @@ class _Output:
         return out
 
     def finish(self, status: str) -> list[bytes]:
-        """Close what is open; a reply with neither text nor calls still has its (empty) message, as OpenAI's."""
-        out = []
-        if not any(i["type"] in ("message", "function_call") for i in self.items):
-            out += self._open("message")
+        """Close what is open; an empty reply still has its (empty) message."""
+        out = self._open("message") if not self.items else []
         return out + self.close("incomplete" if status == "incomplete" else "completed")
+
+
+def _find(ids: list[int], tag: list[int], start: int) -> int | None:
+    """Where the token ids `tag` first occur in `ids` from `start` on."""
+    n = len(tag)
+    return next((k for k in range(start, len(ids) - n + 1) if n and ids[k : k + n] == tag), None)
 
 
 def _copy(item: dict) -> dict:
@@ -255,12 +263,23 @@ class _Job:
         }
 
     def _usage(self, out: RequestOutput, output: list[dict]) -> dict:
-        thought = "".join(p["text"] for i in output if i["type"] == "reasoning" for p in i["content"])
-        reasoning = len(self.served.engine.tokenizer.encode(thought, add_special_tokens=False)) if thought else 0
         inputs, generated = len(self.req.prompt_token_ids), out.num_generated_tokens
         return {"input_tokens": inputs, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
-                "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": min(reasoning, generated)},
+                "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(out, output)},
                 "total_tokens": inputs + generated}
+
+    def _reasoning_tokens(self, out: RequestOutput, output: list[dict]) -> int:
+        """The generated tokens from the reasoning's start to its end tag (included); all from the start when the
+        reply never closed it. Counted in the tokens generated, not by tokenizing the text again."""
+        if not any(i["type"] == "reasoning" for i in output):
+            return 0
+        ids = list(out.outputs[0].token_ids)
+        encode = self.served.engine.tokenizer.encode
+        start = 0 if self.reasoning_parser == "deepseek_r1" else _find(ids, encode(START, add_special_tokens=False), 0)
+        start = 0 if start is None else start
+        end = encode(END, add_special_tokens=False)
+        at = _find(ids, end, start)
+        return (at + len(end) if at is not None else len(ids)) - start
 
     @staticmethod
     def status(out: RequestOutput) -> tuple[str, dict | None]:
