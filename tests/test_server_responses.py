@@ -7,20 +7,18 @@ in OpenAI's format, and the guide's snippets run as written."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server_utils import LiveServer, tiny_engine
+from server_utils import Gate, LiveServer, tiny_engine
 from shoal.server import ServerSettings
 from shoal.server.chat.pipeline import Delta
 from shoal.server.chat.tools import ToolCall
@@ -312,6 +310,29 @@ def test_a_failure_mid_stream_ends_it_with_response_failed(srv):
     with srv.http() as h:  # not stored, and the server goes on
         assert h.get(f"/v1/responses/{failed['id']}").status_code == 404
         assert h.post("/v1/responses", json={"model": model(srv), "input": "hi", "max_output_tokens": 2}).status_code == 200
+
+
+def test_a_streaming_client_that_leaves_is_aborted_and_nothing_is_stored(srv):
+    e, stats = srv.engine, srv.engine.stats
+    baseline_free, aborted = e.pool.num_free, stats.requests_aborted
+    disconnects = srv.state.counters.client_disconnects
+    body = {"model": model(srv), "input": "Tell me a long story.", "stream": True, "max_output_tokens": 400, "ignore_eos": True}
+    with Gate(e, after_steps=2) as gate, srv.http() as h:
+        with h.stream("POST", "/v1/responses", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(json.loads(line.removeprefix("data: ")))
+                if len(lines) == 3:
+                    break
+        srv.wait_until(lambda: srv.state.counters.client_disconnects == disconnects + 1, what="the server to see the disconnect")
+        gate.open()
+        srv.wait_until(lambda: stats.requests_aborted == aborted + 1, what="the abort")
+    srv.wait_until(lambda: e.pool.num_free == baseline_free and e.num_running == 0 and e.num_waiting == 0, what="the blocks to return")
+    rid = lines[0]["response"]["id"]
+    assert rid not in srv.app.state.responses
+    with srv.http() as h:
+        assert h.get(f"/v1/responses/{rid}").status_code == 404
 
 
 def test_metrics_label_the_protocol(srv, client):
