@@ -278,6 +278,20 @@ def test_list_show_version_and_ps(srv, client, model_path):
         assert [p["name"] for p in ps] == [NAME]
 
 
+def test_a_ggufs_details_come_from_its_header(default_gguf_path):
+    """/api/show's family, parameter count and quantization for a GGUF: its metadata and tensor index, no weights read."""
+    import gguf
+
+    from shoal.server.ollama.catalog import _checkpoint, parameter_size
+
+    stat = default_gguf_path.stat()
+    info = _checkpoint(str(default_gguf_path), stat.st_size, stat.st_mtime_ns)
+    reader = gguf.GGUFReader(default_gguf_path)
+    assert info == {"format": "gguf", "family": "llama", "parameters": sum(int(t.n_elements) for t in reader.tensors),
+                    "quantization": default_gguf_path.stem.rsplit(".", 1)[1]}  # SmolLM2-135M-Instruct.Q4_1.gguf
+    assert parameter_size(info["parameters"]) == "134.5M" and parameter_size(1_700_000_000) == "1.7B" and parameter_size(8e9) == "8B"
+
+
 def test_images_reach_a_vision_model(tmp_path):
     """A base64 image on a user message (and on generate) goes before its text, as the OpenAI adapter places the
     same image part: the same prompt, its tokens then taken from the prefix cache."""

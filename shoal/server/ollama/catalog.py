@@ -32,9 +32,9 @@ def _checkpoint(path: str, size: int, mtime: int) -> dict:
     if p.suffix == ".gguf":
         import gguf
 
-        from shoal.model.loader import open_gguf
+        from shoal.model.gguf_loader import GGUFFileReader
 
-        reader = open_gguf(p)
+        reader = GGUFFileReader(p)  # not loader.open_gguf: that would take the parse a coming load was handed
         field = reader.fields.get("general.file_type")
         try:
             quant = gguf.LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_") if field is not None else ""

@@ -17,6 +17,7 @@ Ollama's habits kept:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -238,8 +239,7 @@ async def generate(body: GenerateRequest, http: Request, state) -> Response:
     structured = output_format(body.format)
     prompt = body.prompt or ""
     if body.raw:
-        check_prompt_chars(served, len(prompt), "prompt")
-        text, ids, spans = prompt, list(served.engine.tokenizer.encode(prompt)), ()
+        text, ids, spans = prompt, await asyncio.to_thread(_encode_raw, served, prompt), ()
     else:
         images = [ImageRef(f"images[{j}]", "image", data=data) for j, data in enumerate(body.images or ())]
         parts = [IMAGE_PART] * len(images) + ([{"type": "text", "text": prompt}] if prompt else [])
@@ -252,6 +252,12 @@ async def generate(body: GenerateRequest, http: Request, state) -> Response:
     (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, "format", prompt_param="prompt", images=spans)
     job = _Answer(served, body, req, "ollama_generate", None, start, loaded - start)
     return await job.respond(http, clipped_headers([clipped]))
+
+
+def _encode_raw(served, prompt: str) -> list[int]:
+    """A raw prompt's ids, as the tokenizer adds its special tokens (as /v1/completions encodes a prompt). Blocking."""
+    check_prompt_chars(served, len(prompt), "prompt")
+    return list(served.engine.tokenizer.encode(prompt))
 
 
 async def _load_only(state, name: str, body, start: float, empty: dict) -> Response:
