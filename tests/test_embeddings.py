@@ -150,6 +150,33 @@ def test_a_generation_model_with_embeddings_pools_its_last_token_normalized(tiny
         plain.validate(GenerationRequest("x", (5, 6), SamplingParams(), pooling=PoolingParams()))
 
 
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_a_gguf_pools_as_its_pooling_type_says(kind, qwen3_embedding, tmp_path):
+    """A GGUF of the tiny Qwen3 with `qwen3.pooling_type` (as convert_hf_to_gguf writes Qwen3-Embedding's): its
+    vectors are the folder's, pooled as the type says and normalized, as llama.cpp's server does."""
+    import gguf
+    from sentence_transformers import SentenceTransformer
+    from test_loader import write_gguf
+
+    write_gguf(qwen3_embedding, tmp_path / "emb.gguf", "qwen3", {}, extra=lambda w: w.add_pooling_type(getattr(gguf.PoolingType, kind)))
+    engine = tiny_engine(tmp_path / "emb.gguf")
+    assert (engine.pooling.mode, engine.pooling.normalize) == (kind.lower(), True)
+    st = SentenceTransformer(str(qwen3_embedding), device="cpu")
+    ids = [st.tokenizer(t)["input_ids"] for t in TEXTS]
+    hidden = [st.forward({"input_ids": torch.tensor([x]), "attention_mask": torch.ones(1, len(x), dtype=torch.long)})
+              ["token_embeddings"][0].double() for x in ids]
+    for vec, h in zip(embed(engine, ids), hidden):
+        want = h[-1] if kind == "LAST" else h.mean(0)
+        assert max_diff(vec, (want / want.norm()).tolist()) < 1e-5
+
+
+def test_the_embeddings_flag_reaches_the_engine_config():
+    from shoal.cli import build_parser, engine_config, serve_values
+
+    assert engine_config(serve_values(build_parser().parse_args(["serve", "--embeddings"]))).embeddings is True
+    assert engine_config(serve_values(build_parser().parse_args(["serve"]))).embeddings is False
+
+
 @pytest.mark.parametrize("layout", ["qwen3_embedding", "llama_mean"])
 def test_a_batch_and_chunks_give_each_input_its_vector_alone(layout, request):
     """In the default dtype with the batch-invariant attention: each input alone, all together beside each other,
