@@ -225,6 +225,12 @@ def test_stored_responses_get_list_and_delete(srv, client):
     assert [i.content[0].text for i in items.data] == ["two", "one"]  # newest first, as OpenAI's
     asc = client.responses.input_items.list(r.id, order="asc", limit=1)
     assert [i.content[0].text for i in asc.data] == ["one"] and asc.has_more
+    after = client.responses.input_items.list(r.id, order="asc", after=asc.data[0].id)
+    assert [i.content[0].text for i in after.data] == ["two"] and not after.has_more
+    with srv.http() as h:
+        for query, param in (("after=msg_nope", "after"), ("limit=0", "limit"), ("order=up", "order")):
+            bad = h.get(f"/v1/responses/{r.id}/input_items?{query}")
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, query
     with srv.http() as h:
         deleted = h.delete(f"/v1/responses/{r.id}")
         assert deleted.status_code == 200 and deleted.json() == {"id": r.id, "object": "response", "deleted": True}
