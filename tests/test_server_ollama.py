@@ -226,6 +226,25 @@ def test_generate_templated_raw_system_and_context(srv, client):
     assert follow.prompt_eval_count == len(templated.context) + more
 
 
+def test_suffix_fills_in_the_middle_with_the_models_tokens(tmp_path):
+    """A code model's fill-in-the-middle tokens (Qwen2.5-Coder's here) around the prompt and the suffix, as Ollama's
+    template for it writes them; no chat template."""
+    from transformers import AutoTokenizer
+
+    path = make_tiny_model("qwen2", tmp_path / "coder", vocab_size=416)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.add_tokens(["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"], special_tokens=True) == 3
+    tokenizer.save_pretrained(path)
+    with LiveServer(tiny_engine(path, max_model_len=256), ServerSettings(log_requests=False, served_model_name=NAME)) as s:
+        client = ollama.Client(host=s.url)
+        r = client.generate(model=NAME, prompt="def add(a, b):", suffix="    return c", options={**SAMPLED, "num_predict": 5})
+        with s.http() as h:
+            fim = h.post("/tokenize", json={"model": NAME, "prompt": "<|fim_prefix|>def add(a, b):<|fim_suffix|>    return c<|fim_middle|>"}).json()
+        assert r.prompt_eval_count == fim["count"] and r.context[: fim["count"]] == fim["tokens"]
+        assert {tokenizer.convert_tokens_to_ids(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")} <= set(fim["tokens"])
+        assert r.eval_count > 0
+
+
 def test_an_empty_request_loads_the_model(srv, client):
     r = client.generate(model=NAME)
     assert r.done and r.done_reason == "load" and r.response == ""
@@ -391,7 +410,8 @@ BAD = [
     ("/api/chat", _chat(messages=[{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]),
      400, "arguments"),
     ("/api/generate", _gen(template="{{ .Prompt }}"), 400, "template"),
-    ("/api/generate", _gen(suffix="end"), 400, "suffix"),
+    ("/api/generate", _gen(suffix="end"), 400, "fill-in-the-middle tokens"),  # this tokenizer has none
+    ("/api/generate", _gen(suffix="end", raw=True), 400, "suffix"),
     ("/api/generate", _gen(prompt=["a"]), 400, "prompt"),
     ("/api/generate", _gen(context=[1, "x"]), 400, "context"),
     ("/api/generate", _gen(raw=True, context=[10 ** 9]), 400, "vocabulary"),

@@ -9,6 +9,8 @@ Ollama's habits kept:
   - a request with no messages (chat) or no prompt (generate) loads the model and answers at once with
     `done_reason: "load"`; with `keep_alive: 0` it unloads the model once idle (`"unload"`);
   - a model named with the tag `:latest` is the model of that name;
+  - generate's `suffix` asks for the middle between `prompt` and it, in the model's fill-in-the-middle tokens
+    (`FIM_MARKERS`, as Ollama's templates for code models write them); a custom `template` is refused;
   - the timings are nanoseconds: `total_duration` from the request's arrival to its last line, `load_duration`
     the wait for the model (its load, when it was not loaded), `prompt_eval_duration` the prompt's computation
     up to the first token, `eval_duration` the generation after it. The counts are the engine's: the prompt's
@@ -24,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
+from functools import lru_cache
 from datetime import datetime, timezone
 from types import SimpleNamespace
 
@@ -223,13 +226,13 @@ async def chat(body: ChatRequest, http: Request, state) -> Response:
 async def generate(body: GenerateRequest, http: Request, state) -> Response:
     start = time.monotonic()
     name = model_name(state, body.model)
-    if not body.prompt and not body.images:
+    if not body.prompt and not body.images and not body.suffix:
         return await _load_only(state, name, body, start, {"response": ""})
     if body.template:
         raise bad_request("template: shoal renders prompts with the model's own (Jinja) chat template and cannot run an "
                           "Ollama Go template; send the whole prompt with \"raw\": true instead", "template")
-    if body.suffix:
-        raise bad_request("suffix (fill in the middle) is not supported: shoal has no fill-in-the-middle template", "suffix")
+    if body.suffix and (body.raw or body.images or body.system or body.context):
+        raise bad_request("suffix (fill in the middle) goes with a prompt alone: not with raw, images, system or context", "suffix")
     if body.raw and body.images:
         raise bad_request("images need the chat template to place them, so they cannot go with \"raw\": true", "images")
     if body.context and body.images:
@@ -238,7 +241,10 @@ async def generate(body: GenerateRequest, http: Request, state) -> Response:
     loaded = time.monotonic()
     structured = output_format(body.format)
     prompt = body.prompt or ""
-    if body.raw:
+    if body.suffix:
+        text = fill_in_the_middle(served, prompt, body.suffix)
+        text, ids, spans = text, await asyncio.to_thread(_encode_raw, served, text), ()
+    elif body.raw:
         text, ids, spans = prompt, await asyncio.to_thread(_encode_raw, served, prompt), ()
     else:
         images = [ImageRef(f"images[{j}]", "image", data=data) for j, data in enumerate(body.images or ())]
@@ -252,6 +258,31 @@ async def generate(body: GenerateRequest, http: Request, state) -> Response:
     (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, "format", prompt_param="prompt", images=spans)
     job = _Answer(served, body, req, "ollama_generate", None, start, loaded - start)
     return await job.respond(http, clipped_headers([clipped]))
+
+
+# Fill-in-the-middle markers as (before the prefix, before the suffix, where the middle goes): the prompt is the
+# three around the prefix and the suffix, as Ollama's templates for these models write it.
+FIM_MARKERS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2, Granite code
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
+
+
+@lru_cache(maxsize=8)
+def _fim_markers(tokenizer) -> tuple[str, str, str] | None:
+    vocab = tokenizer.get_vocab()
+    return next((m for m in FIM_MARKERS if all(t in vocab for t in m)), None)
+
+
+def fill_in_the_middle(served, prompt: str, suffix: str) -> str:
+    """generate's `suffix`: the prompt text for the middle between `prompt` and `suffix`, in the model's markers."""
+    markers = _fim_markers(served.engine.tokenizer)
+    if markers is None:
+        raise bad_request(f"suffix (fill in the middle) needs a model whose tokenizer has fill-in-the-middle tokens "
+                          f"(such as {', '.join(m[0] for m in FIM_MARKERS)}); model {served.name!r} has none", "suffix")
+    before, between, middle = markers
+    return f"{before}{prompt}{between}{suffix}{middle}"
 
 
 def _encode_raw(served, prompt: str) -> list[int]:
