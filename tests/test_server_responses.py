@@ -168,6 +168,9 @@ def test_a_function_tool_round_trip(srv, client):
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added", "response.function_call_arguments.delta",
                      "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     assert events[4].arguments == named.output[0].arguments and events[4].name == "get_weather"
+    # a forced call is the reply, so text.format (an agent's output type) has nothing to hold in that turn
+    formatted = client.responses.create(**kw, text={"format": {"type": "json_object"}})
+    assert [o.type for o in formatted.output] == ["function_call"] and formatted.output[0].arguments == named.output[0].arguments
 
 
 def test_previous_response_id_across_three_turns_reuses_the_cache(srv, client):
@@ -412,7 +415,6 @@ def test_reasoning_is_its_own_item_and_effort_caps_it(thinking_srv):
         ({"tools": [{"type": "function"}]}, 400, "tools[0].name", ["name"]),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "launch"}}, 400, "tool_choice.name", ["'launch'"]),
         ({"tool_choice": "required"}, 400, "tool_choice", ["no tools"]),
-        ({"tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, 400, "tool_choice", ["text.format"]),
         ({"text": {"format": {"type": "yaml"}}}, 400, "text.format", ["json_schema"]),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, 400, "text.format.schema", ["schema"]),
         ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort", ["minimal"]),
@@ -453,7 +455,13 @@ def test_an_oversized_body_is_a_413_in_openais_format(srv):
 # ---------------------------------------------------------------- the OpenAI Agents SDK
 
 
-def test_an_agent_runs_a_function_tool_to_completion(srv):
+class Total(BaseModel):
+    total: int = Field(ge=0, le=99)
+
+
+def test_an_agent_calls_its_tool_and_answers_to_completion(srv):
+    """The whole loop: a call to the tool (forced: a random-weight model calls none of its own accord), the tool's
+    result sent back, and a final answer held to the agent's output type."""
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
 
@@ -466,27 +474,30 @@ def test_an_agent_runs_a_function_tool_to_completion(srv):
         calls.append((a, b))
         return a + b
 
-    async def run():
+    def agent(**kw):
         client = AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        agent = agents.Agent(
-            name="calculator", instructions="Use the add tool.", tools=[add], tool_use_behavior="stop_on_first_tool",
+        return agents.Agent(
+            name="calculator", instructions="Use the add tool.", tools=[add],
             model=agents.OpenAIResponsesModel(model=model(srv), openai_client=client),
-            # a random-weight model calls no tool of its own accord: the call is forced (and so well formed)
+            # after the tool has run the SDK resets tool_choice, and the model answers in the output type's schema
             model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=300, temperature=1.0,
-                                                extra_body={"seed": 1}),
-        )
-        return await agents.Runner.run(agent, "What is 2 + 3?", max_turns=3)
+                                                extra_body={"seed": 1}), **kw)
 
-    result = asyncio.run(run())
+    result = asyncio.run(agents.Runner.run(agent(output_type=Total), "What is 2 + 3?", max_turns=4))
     assert len(calls) == 1
     a, b = calls[0]
     assert isinstance(a, int) and isinstance(b, int)
-    assert result.final_output == str(a + b)  # stop_on_first_tool: the tool's result (as text) is the run's answer
-    kinds = [type(i).__name__ for i in result.new_items]
-    assert kinds == ["ToolCallItem", "ToolCallOutputItem"]
-    (response,) = result.raw_responses
-    (call,) = [o for o in response.output if o.type == "function_call"]
+    assert [type(i).__name__ for i in result.new_items] == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert isinstance(result.final_output, Total) and 0 <= result.final_output.total <= 99
+    first, second = result.raw_responses
+    (call,) = [o for o in first.output if o.type == "function_call"]
     assert call.name == "add" and json.loads(call.arguments) == {"a": a, "b": b}
+    # the SDK sends the whole conversation again: the first turn's prompt and call come from the prefix cache
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    # stop_on_first_tool: the tool's result is the run's answer
+    calls.clear()
+    stopped = asyncio.run(agents.Runner.run(agent(tool_use_behavior="stop_on_first_tool"), "What is 2 + 3?", max_turns=3))
+    assert len(calls) == 1 and stopped.final_output == str(sum(calls[0]))
 
 
 # ---------------------------------------------------------------- an image

@@ -88,9 +88,8 @@ async def create_response(body: ResponsesRequest, http: Request, state) -> JSONR
     tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
     structured, param = output_format(body.text)
     if tools is not None and tools.forced:
-        if structured is not None:
-            raise bad_request(f"tool_choice {body.tool_choice!r} forces a tool call, so text.format cannot also constrain the reply",
-                              "tool_choice")
+        # The reply is the call, so text.format has nothing to hold: it is for the turns that answer in text. The
+        # Agents SDK sends both (an agent's output_type, and tool_choice "required" until a tool has run).
         structured, param = tools.constraint(served), "tools"
     template_kwargs, budget = reasoning_options(served, body.reasoning)
     earlier = previous.conversation if previous is not None else []
