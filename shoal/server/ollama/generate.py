@@ -173,8 +173,9 @@ def template_kwargs(served, think) -> dict:
     return {"enable_thinking": True, **({"reasoning_effort": think} if isinstance(think, str) else {})}
 
 
-def sampling(body, served, structured: StructuredOutput | None, prompt_len: int):
-    """The request's SamplingParams from its options (each through the server's chain), num_ctx applied."""
+def sampling(body, served, structured: StructuredOutput | None, prompt_len: int, templated: bool = True):
+    """The request's SamplingParams from its options (each through the server's chain), num_ctx applied. templated:
+    the prompt went through the chat template, whose own stop string (the plain fallback's) then applies too."""
     o = body.options or Options()
     if o.num_predict == 0:
         raise bad_request("options.num_predict must be a positive number of tokens, or -1 (no limit) or -2 (fill the context)",
@@ -186,7 +187,7 @@ def sampling(body, served, structured: StructuredOutput | None, prompt_len: int)
     max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = resolve_params(req, served, max_tokens=max_tokens, default_max_tokens=None, logprobs=logprobs,
-                            extra_stop=served.renderer.default_stop, structured=structured, tool_call=False)
+                            extra_stop=served.renderer.default_stop if templated else (), structured=structured, tool_call=False)
     try:
         if o.typical_p is not None:
             params = replace(params, typical_p=o.typical_p)
@@ -253,7 +254,7 @@ async def generate(body: GenerateRequest, http: Request, state) -> Response:
         text, ids, spans = await render_conversation(served, messages, images, None, template_kwargs(served, body.think))
     if body.context:
         ids = list(body.context) + list(ids)
-    params = sampling(body, served, structured, len(ids))
+    params = sampling(body, served, structured, len(ids), templated=not (body.raw or body.suffix))
     rid = f"ollama-generate-{uuid.uuid4().hex[:24]}"
     (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, "format", prompt_param="prompt", images=spans)
     job = _Answer(served, body, req, "ollama_generate", None, start, loaded - start)
