@@ -380,6 +380,7 @@ def test_reasoning_is_its_own_item_and_effort_caps_it(thinking_srv):
                      *["response.reasoning_text.delta"] * n, "response.reasoning_text.done", "response.content_part.done",
                      "response.output_item.done", "response.incomplete"]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 24
     # the reasoning goes back into the conversation with the reply it belongs to
     turn = client.responses.create(previous_response_id=free.id, max_output_tokens=2, **{**kw, "input": "Go on."})
     assert turn.usage.input_tokens_details.cached_tokens >= free.usage.input_tokens

@@ -286,7 +286,7 @@ class _Job:
         if c.finish_reason is FinishReason.ERROR:
             return "failed", {"code": "server_error", "message": out.error or "the request failed in the engine"}
         if c.finish_reason is FinishReason.ABORT:
-            return "cancelled", None
+            return "failed", {"code": "server_error", "message": "the request was aborted"}
         return ("incomplete" if c.finish_reason is FinishReason.LENGTH else "completed"), None
 
     def keep_final(self, body: dict) -> None:

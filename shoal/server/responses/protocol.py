@@ -122,7 +122,7 @@ class ResponseObject(_Response):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
     output: list[OutputItem]
     error: ResponseError | None = None
