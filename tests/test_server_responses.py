@@ -525,6 +525,13 @@ def test_an_input_image_reaches_the_model_as_chats_image_url_does(vl_srv):
         {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.output_text == chat.choices[0].message.content
+    # a continued turn renders the image again from the stored conversation: its tokens come from the prefix cache,
+    # and the tower does not run again
+    encoded = vl_srv.engine.runner.encoder.stats.images_encoded
+    more = client.responses.create(model=vl_srv.state.model_name, temperature=0, max_output_tokens=2, previous_response_id=r.id,
+                                   input="And now?")
+    assert more.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens
+    assert vl_srv.engine.runner.encoder.stats.images_encoded == encoded
     text_only = client.responses.create(model=vl_srv.state.model_name, max_output_tokens=1, input="What is this?")
     assert r.usage.input_tokens > text_only.usage.input_tokens + 4  # the image's tokens are in the prompt
     with vl_srv.http() as h:
