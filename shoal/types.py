@@ -216,7 +216,7 @@ class SamplingParams:
         return self.num_beams > 1
 
 
-POOLING_MODES = ("last", "mean")
+POOLING_MODES = ("last", "mean", "cls")
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ class Pooling:
     """How a model turns a prompt's final hidden states (after the final norm) into one vector: what an embedding
     model's files say (sentence-transformers' modules, a GGUF's `pooling_type`), or `--embeddings`' default."""
 
-    mode: str  # "last": the last token's hidden state; "mean": the mean over every prompt token
+    mode: str  # "last": the last token's hidden state; "mean": the mean over every prompt token; "cls": the first's (an encoder's)
     normalize: bool  # L2-normalized (a sentence-transformers Normalize module; llama.cpp's default)
     hidden_size: int = 0  # the vector's full length
     # The lengths the model was trained to be cut to (Matryoshka), where its files list them; None: any up to hidden_size
@@ -462,7 +462,8 @@ class ScheduledSeq:
     # placeholders it computes from them, and a model with M-RoPE the positions of every token.
     images: tuple = ()
     # A pooling request's chunk (runner/pooling.py): "mean" on every chunk (each gives the sum of its rows), "last"
-    # on the chunk that ends the prompt (its last row); "" for a sequence that samples or pools nothing this step.
+    # on the chunk that ends the prompt (its last row), "cls" on the one that starts it (its first row); "" for a
+    # sequence that samples or pools nothing this step.
     pool: str = ""
 
 

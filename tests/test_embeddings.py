@@ -242,6 +242,95 @@ def test_dimensions_cut_then_renormalize(qwen3_embedding):
         engine.validate(GenerationRequest("x", (5,), SamplingParams(), pooling=PoolingParams(dimensions=65)))
 
 
+# ---------------------------------------------------------------- the BERT family (an encoder)
+
+BERT_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789.,:()+=_",
+              "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "def", "add", "return",
+              *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz")]
+
+
+def make_tiny_bert(path: Path, seed: int = 0) -> Path:
+    """A random-weight BertModel folder with a WordPiece tokenizer (all-MiniLM's and bge's layout, tiny)."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.txt").write_text("\n".join(BERT_WORDS) + "\n")
+    tokenizer = transformers.BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
+    config = transformers.BertConfig(vocab_size=len(BERT_WORDS), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=128)
+    config.architectures = ["BertModel"]
+    torch.manual_seed(seed)
+    model = transformers.BertModel(config).eval()
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory) -> Path:
+    """all-MiniLM's layout: a BertModel, mean pooling, a Normalize module."""
+    return add_st_modules(make_tiny_bert(tmp_path_factory.mktemp("minilm"), seed=5), "mean_tokens", True)
+
+
+@pytest.fixture(scope="module")
+def bge(tmp_path_factory) -> Path:
+    """bge's layout: a BertModel, CLS pooling, a Normalize module."""
+    return add_st_modules(make_tiny_bert(tmp_path_factory.mktemp("bge"), seed=6), "cls_token", True)
+
+
+@pytest.mark.parametrize("layout", ["minilm", "bge"])
+def test_an_encoder_s_vectors_equal_sentence_transformers_alone_and_in_a_batch(layout, request):
+    from sentence_transformers import SentenceTransformer
+
+    path = request.getfixturevalue(layout)
+    st = SentenceTransformer(str(path), device="cpu")
+    ref = st.encode(TEXTS, convert_to_tensor=True, batch_size=1).double()
+    engine = tiny_engine(path, check_integrity=True)
+    assert engine.pooling.mode == ("mean" if layout == "minilm" else "cls")
+    assert engine.prefix_cache is None  # a prefix's hidden states depend on what follows it
+    ids = [st.tokenizer(t)["input_ids"] for t in TEXTS]
+    assert ids == [engine.tokenizer.encode(t) for t in TEXTS]
+    together = embed(engine, ids, prefix="batch")
+    for i, (vec, want) in enumerate(zip(together, ref)):
+        assert max_diff(vec, want.tolist()) < 1e-5
+        assert max_diff(embed(engine, [ids[i]], prefix=f"alone{i}-")[0], vec) < 1e-5
+    assert engine.pool.num_free == engine.runner.num_blocks  # no KV: every block back
+
+
+def test_an_encoder_computes_each_input_whole_and_refuses_text_generation(minilm):
+    engine = tiny_engine(minilm, max_num_batched_tokens=16)
+    ids = [engine.tokenizer.encode(t) for t in TEXTS]
+    assert len(ids[2]) > 16 and len(ids[1]) < 16
+    with pytest.raises(ValueError, match="whole"):
+        engine.validate(GenerationRequest("long", tuple(ids[2]), SamplingParams(), pooling=PoolingParams("mean")))
+    steps = []
+    real = engine.runner.execute
+    engine.runner.execute = lambda plan: steps.append([len(s.token_ids) for s in plan.seqs]) or real(plan)
+    embed(engine, [ids[1], ids[0], ids[1]])
+    assert sorted(n for step in steps for n in step) == sorted([len(ids[1]), len(ids[0]), len(ids[1])])  # never a chunk
+    with pytest.raises(ValueError, match="encoder"):
+        engine.validate(GenerationRequest("gen", tuple(ids[0]), SamplingParams(max_tokens=2)))
+
+
+def test_an_encoder_behind_the_http_route(minilm):
+    from sentence_transformers import SentenceTransformer
+
+    ref = SentenceTransformer(str(minilm), device="cpu").encode(TEXTS[:2])
+    with LiveServer(tiny_engine_config(minilm)) as srv:
+        client = srv.openai()
+        name = model_name(srv)
+        got = client.embeddings.create(model=name, input=TEXTS[:2], encoding_format="float")
+        for d, want in zip(got.data, ref):
+            assert max_diff(d.embedding, want.tolist()) < 1e-5
+        r = srv.http().post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 400 and "encoder" in r.json()["error"]["message"]
+        assert client.embeddings.create(model=name, input="hello").data  # the server goes on
+
+
 # ---------------------------------------------------------------- the HTTP route
 
 

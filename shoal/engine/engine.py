@@ -71,7 +71,9 @@ class Engine:
         self.pooling = pooling
         pool = KVBlockPool(runner.num_blocks, runner.block_size)
         cache = config.cache
-        prefix_cache = PrefixCache(pool, ttl=cache.prefix_cache_ttl, block_bytes=runner.bytes_per_block) if cache.enable_prefix_cache else None
+        self.causal = getattr(runner, "causal", True)  # an encoder's prefix has no KV of its own to reuse
+        prefix_cache = PrefixCache(pool, ttl=cache.prefix_cache_ttl, block_bytes=runner.bytes_per_block) \
+            if cache.enable_prefix_cache and self.causal else None
         self.kv = KVCacheManager(pool, prefix_cache, tier)
         self.tier = self.kv.tier
         sched = config.scheduler
@@ -82,7 +84,8 @@ class Engine:
         self.speculator = speculator
         self.stats = EngineStats()
         self.monitor = StatsMonitor(self)  # publishes `snapshot` after every step (engine/stats.py)
-        self._ctx = RequestContext(self.scheduler, tokenizer, self.eos_token_ids, max_model_len, self.vocab_size, self.stats)
+        self._ctx = RequestContext(self.scheduler, tokenizer, self.eos_token_ids, max_model_len, self.vocab_size, self.stats,
+                                   self.causal)
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._in_flight: deque = deque()  # (SchedulerOutput, the executor's ticket, when submitted): steps not back yet
@@ -99,6 +102,8 @@ class Engine:
         if request.pooling is not None:
             self._validate_pooling(request)
             return
+        if not self.causal:
+            raise ValueError("this model is an encoder: it serves embeddings only, not text")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
@@ -128,6 +133,10 @@ class Engine:
             raise ValueError(f"the input has {n} tokens but the context is {self.max_model_len} tokens")
         if request.images:
             raise ValueError("embeddings take text only")
+        budget = self.scheduler.config.max_num_batched_tokens
+        if not self.causal and n > budget:
+            raise ValueError(f"the input has {n} tokens, but an encoder computes an input whole, in one step of at "
+                             f"most {budget} tokens (--max-num-batched-tokens)")
         self.pooling.check_dimensions(request.pooling.dimensions)
 
     def add_request(self, request: GenerationRequest, checked: bool = False) -> None:

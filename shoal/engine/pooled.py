@@ -7,6 +7,7 @@ samples nothing: each chunk's step gives its part of the vector (`ScheduledSeq.p
 
     last   the final chunk's last row (the final norm's output at the last prompt token)
     mean   every chunk's row sum, added up here in float64, divided by the prompt's length at the end
+    cls    an encoder's first row (its input computed whole, in one step: Sequence.whole)
 
 then, in this order, the first `dimensions` values (Matryoshka) and the L2 normalization. A chunked prompt thereby
 gets the vector of the unchunked one (up to float32's rounding of each chunk's sum), and a batch gives each prompt
@@ -36,6 +37,7 @@ class PooledRequest(RequestState):
             params=request.params,
             priority=request.priority,
             pooling=request.pooling.mode,
+            whole=not self.ctx.causal,
         )
         self._sum: list[float] | None = None  # float64 running sum of the chunks' parts
         self.embedding: list[float] | None = None

@@ -39,6 +39,7 @@ class RequestContext:
     max_model_len: int
     vocab_size: int
     stats: EngineStats
+    causal: bool = True  # False: an encoder (BERT), whose inputs are computed whole and only embedded
 
     def constraint(self, params, grammar):
         """A new sequence's token constraint: its grammar's matcher, else its thinking budget, else none."""

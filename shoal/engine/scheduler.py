@@ -255,6 +255,8 @@ class Scheduler:
         if num_new > 1 and cost < math.inf:
             floor = min(num_new, self.kv.block_size)
             num_new = max(floor, min(num_new, chunk_within(cost, start)))
+        if seq.whole and num_new < seq.num_tokens - start:
+            return 0  # an encoder's input runs whole or waits
         return num_new
 
     def _with_draft(self, seq: Sequence, budget: int) -> int:
@@ -300,6 +302,8 @@ class Scheduler:
         if admission.pending:
             return WAITS_ON_TIER
         num_new = self._chunk(seq, budget, cost, start=max(admission.num_tokens, seq.num_computed_tokens))
+        if num_new == 0:
+            return None  # an encoder's whole input does not fit this step
         return num_new if self.kv.admit(seq, admission, num_new) else None
 
     # ------------------------------------------------------------ n > 1
@@ -365,7 +369,8 @@ class Scheduler:
             lp_from = max(start, seq.num_prompt_logprobs)
             targets = tuple(seq.token_ids[lp_from + 1 : min(end, seq.prompt_len - 1) + 1])
         sample = end == seq.num_tokens and seq.pooling is None
-        pool = seq.pooling if seq.pooling == "mean" or (seq.pooling == "last" and end == seq.num_tokens) else ""
+        p_mode = seq.pooling
+        pool = p_mode if p_mode == "mean" or (p_mode == "last" and end == seq.num_tokens) or (p_mode == "cls" and start == 0) else ""
         return ScheduledSeq(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:end]) + draft,

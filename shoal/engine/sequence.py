@@ -79,6 +79,8 @@ class Sequence:
     # KV: its blocks are not indexed in the prefix cache. "last" may start from a cached prefix (only its last row is
     # pooled, and that one is always computed); "mean" needs every row's hidden state, so it takes no hit.
     pooling: str | None = None
+    # An encoder's input (bidirectional attention): computed whole in one step, never in chunks.
+    whole: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -54,7 +54,9 @@ def read_pooling(path: Path, gguf_metadata: dict | None, hidden_size: int, hf_co
     if mode is None:
         return None
     dims = getattr(hf_config, "matryoshka_dimensions", None) if hf_config is not None else None
-    return _checked(Pooling(mode, normalize, hidden_size, tuple(int(d) for d in dims) if dims else None), str(modules_file))
+    encoder = "BertModel" in (getattr(hf_config, "architectures", None) or [])
+    return _checked(Pooling(mode, normalize, hidden_size, tuple(int(d) for d in dims) if dims else None), str(modules_file),
+                    encoder)
 
 
 def _st_mode(config: dict) -> str:
@@ -67,8 +69,8 @@ def _st_mode(config: dict) -> str:
     return ST_MODES.get(on[0], on[0])
 
 
-def _checked(pooling: Pooling, where: str) -> Pooling:
-    if pooling.mode not in SUPPORTED:
+def _checked(pooling: Pooling, where: str, encoder: bool = False) -> Pooling:
+    if pooling.mode not in SUPPORTED + (("cls",) if encoder else ()):
         raise ValueError(f"{where} asks for {pooling.mode} pooling; shoal pools a decoder's last token or its mean "
                          "(an encoder's CLS pooling needs the BERT family, which shoal does not serve yet)")
     return pooling

@@ -18,9 +18,10 @@ from shoal.model.config import ModelConfig
 from shoal.model.file_checks import ModelFileError
 from shoal.model.invariance import make_row_invariant
 from shoal.model.layers import bind_attributes
-from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config
+from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config, resolve_model_path
 from shoal.model.formats import GGUFLinear, served_bytes
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
+from shoal.model.bert import encoder_config, is_encoder, load_encoder
 from shoal.model.pooling_files import read_pooling
 from shoal.model.registry import model_class
 from shoal.model.vision import build_tower
@@ -68,6 +69,10 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     dtype = engine_dtype(config, device, gguf)
     if device.type == "cpu":
         keep_freed_memory()
+    if gguf is None and is_encoder(read_config(config.model)):
+        if group is not None:
+            raise ValueError("an encoder (BERT) runs on one rank: tensor and pipeline parallelism take decoders")
+        return build_encoder_part(config, device, dtype)
     quantization = resolve_quantization(config.quantization, device, dtype)
     split = layers = select = None  # this rank's TensorParallel, its stage's layer range, what it reads of the file
     if group is not None:
@@ -146,6 +151,36 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     runner = ModelRunner(model, spec, ckpt.eos_token_ids, device, dtype, attention, tower, config.cache.encoder_cache_memory)
     ckpt.state_dict = {}  # the model holds the weights now; drop the second copy
     return ModelPart(runner, ckpt, weights.name, max_model_len, embedding_pooling(config, ckpt, gguf, model.config.hidden_size))
+
+
+def build_encoder_part(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> ModelPart:
+    """An encoder (BERT) that only embeds (model/bert.py, runner/encoder_runner.py): no KV cache, so the engine's
+    block accounting runs on zero-byte blocks, as many as --max-num-seqs inputs of the whole context take."""
+    from shoal.runner.encoder_runner import EncoderRunner  # noqa: PLC0415
+
+    path = resolve_model_path(config.model)
+    model, tokenizer = load_encoder(path, dtype, device)
+    hf = model.config
+    hf.architectures = hf.architectures or ["BertModel"]
+    trained = hf.max_position_embeddings
+    if config.max_model_len and config.max_model_len > trained:
+        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's {trained} positions")
+    max_model_len = config.max_model_len or trained
+    block = config.cache.block_size
+    mc = encoder_config(hf)
+    runner = EncoderRunner(model, mc, device, dtype, config.scheduler.max_num_seqs * -(-max_model_len // block), block)
+    eos = tuple(t for t in (tokenizer.sep_token_id,) if t is not None)
+    ckpt = LoadedCheckpoint(hf_config=hf, state_dict={}, tokenizer=tokenizer, eos_token_ids=eos, generation_defaults={},
+                            path=path, format="hf")
+    pooling = read_pooling(path, None, mc.hidden_size, hf)
+    if pooling is None and config.embeddings:
+        pooling = Pooling("mean", True, mc.hidden_size)  # sentence-transformers' default for a plain encoder
+    if pooling is None:
+        raise ValueError(f"{path} is an encoder, which serves embeddings only, and its files name no pooling: serve it "
+                         "with --embeddings (mean pooling, normalized)")
+    log.info("encoder %s for embeddings: %s pooling%s, context %d tokens, no KV cache", mc.architecture, pooling.mode,
+             ", normalized" if pooling.normalize else "", max_model_len)
+    return ModelPart(runner, ckpt, "none", max_model_len, pooling)
 
 
 def embedding_pooling(config: EngineConfig, ckpt: LoadedCheckpoint, gguf, hidden_size: int) -> Pooling | None:

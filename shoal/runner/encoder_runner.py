@@ -1,0 +1,60 @@
+"""EncoderRunner: the runner of an encoder (BERT) that only embeds. The same interface as ModelRunner (`execute`
+a StepPlan, the sizes the engine reads), without a KV cache.
+
+Each scheduled sequence is a whole input (the scheduler never chunks an encoder's: `Sequence.whole`), so a step is
+a padded batch [B, L] with its attention mask, one call of the encoder, and its rows laid out as `forward_batch`
+lays them out, for the same pooling call as a decoder's (runner/pooling.py). The engine's block accounting runs on
+a pool of zero-byte blocks: nothing is written to them, and no prefix cache is kept (a prefix's hidden states
+depend on what follows it).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from shoal.runner.model_runner import StepLogits, forward_batch
+from shoal.runner.pooling import pool
+from shoal.types import StepOutput, StepPlan
+
+
+class EncoderRunner:
+    causal = False  # the engine keeps no prefix cache and computes each input whole
+
+    def __init__(self, model, config, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.config = config  # model.config.ModelConfig (model/bert.encoder_config)
+        self.device = device
+        self.dtype = dtype
+        self.kv_dtype = dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_block = 0
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.attention = SimpleNamespace(name="encoder")
+        self.encoder = None  # no image encoder cache
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        batch, seqs = forward_batch(plan)
+        if batch.empty or not batch.pool_rows:
+            return StepOutput([], {})
+        B, L = len(seqs), max(len(s.token_ids) for s in seqs)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids)
+            mask[i, : len(s.token_ids)] = 1
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state  # [B, L, H]
+        hidden = out[mask.to(self.device).bool()]  # [T, H]: each sequence's rows in turn, as forward_batch lays them
+        pooled = pool(hidden, batch.pool_rows, batch.pool_lengths)
+        logits = StepLogits(None, [], pooled)
+        return StepOutput([], {}, dict(zip((s.seq_id for s in seqs if s.pool), logits.pooled.tolist())))
+
+    # the prefix cache's second tier and copy-on-write never run without a prefix cache
+    def read_blocks(self, block_ids):
+        return []
+
+    def copy_blocks(self, copies) -> None:
+        pass
