@@ -230,6 +230,25 @@ def test_last_token_pooling_starts_from_a_cached_prefix_and_mean_pooling_does_no
         assert max_diff(out.embedding, embed(tiny_engine(path), [longer])[0]) < 1e-5
 
 
+def test_a_preempted_pooling_request_starts_its_sum_again(llama_mean):
+    """Preempted after some chunks (recompute from the start): the vector is the unpreempted one, not the earlier
+    chunks counted twice."""
+    engine = tiny_engine(llama_mean, max_num_batched_tokens=8, check_integrity=True)
+    ids = engine.tokenizer.encode(TEXTS[2])
+    want = embed(tiny_engine(llama_mean, max_num_batched_tokens=8), [ids])[0]
+    engine.add_request(GenerationRequest("p", tuple(ids), SamplingParams(), pooling=PoolingParams("mean", False)))
+    for _ in range(3):
+        engine.step()
+    seq = engine.scheduler.running[0]
+    assert 0 < seq.num_computed_tokens < len(ids)
+    engine.scheduler._preempt(seq)
+    out = None
+    while engine.has_unfinished():
+        out = next((o for o in engine.step() if o.finished), out)
+    assert seq.num_preemptions == 1
+    assert max_diff(out.embedding, want) < 1e-9
+
+
 def test_dimensions_cut_then_renormalize(qwen3_embedding):
     engine = tiny_engine(qwen3_embedding)
     ids = [engine.tokenizer.encode(TEXTS[1])]

@@ -40,6 +40,7 @@ class PooledRequest(RequestState):
             whole=not self.ctx.causal,
         )
         self._sum: list[float] | None = None  # float64 running sum of the chunks' parts
+        self._preemptions = 0  # the sequence's preemptions when the sum was last added to
         self.embedding: list[float] | None = None
         self.reason: FinishReason | None = None
         self.ctx.scheduler.add(self.seq)
@@ -64,7 +65,10 @@ class PooledRequest(RequestState):
         raise AssertionError("a pooling request samples nothing")
 
     def on_pooled(self, seq: Sequence, part: list[float]) -> None:
-        """One chunk's part (the scheduler has counted its tokens computed); the last chunk's ends the request."""
+        """One chunk's part (the scheduler has counted its tokens computed); the last chunk's ends the request.
+        A preempted sequence computes its prompt again from the start: the parts before it are dropped."""
+        if seq.num_preemptions != self._preemptions:
+            self._sum, self._preemptions = None, seq.num_preemptions
         if self._sum is None:
             self._sum = [float(x) for x in part]
         else:
