@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from shoal.config import EngineConfig
@@ -109,6 +109,26 @@ class _Sink:
         return True
 
 
+@dataclass(frozen=True)
+class _Model:
+    """What the door tells of a model that stays fixed while it is served."""
+
+    tokenizer: object
+    max_model_len: int
+    vocab_size: int
+    facts: EngineFacts
+    image_spec: VisionSpec | None
+    world_size: int
+    restarts_workers: bool
+    snapshot: object = None  # the engine's last, once it is gone
+
+    @classmethod
+    def of(cls, engine: Engine) -> _Model:
+        par = engine.config.parallel
+        return cls(engine.tokenizer, engine.max_model_len, engine.vocab_size, engine.facts,
+                   engine.vision.spec if engine.vision is not None else None, par.world_size, par.restart_workers)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine | Callable[[], Engine], turns: StepTurns | None = None, name: str = "shoal-engine") -> None:
         """`engine`: an Engine, or a function that builds one on the loop's thread (see the module docstring).
@@ -120,6 +140,7 @@ class AsyncEngine:
         self._drained = False  # set once the loop is over and the inbox emptied (_end_remaining)
         self._build = None if isinstance(engine, Engine) else engine
         self.engine: Engine | None = engine if self._build is None else None
+        self._model: _Model | None = _Model.of(self.engine) if self.engine is not None else None
         self.ready: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
@@ -192,23 +213,28 @@ class AsyncEngine:
         """Everything the engine alone knows about a request (its ids within the vocabulary, its length within
         the context, its images' placeholders, its grammar compiled and cached): ValueError with a message for
         the user. Read-only and thread-safe; may take long (a grammar), so the server calls it in a worker
-        thread."""
-        self.engine.validate(request)
+        thread. EngineStopped once the model was unloaded."""
+        engine = self.engine
+        if engine is None:
+            raise EngineStopped(self._stop_reason)
+        engine.validate(request)
 
     # ------------------------------------------------------------ the door: the model
+    # What does not change while the model is served, kept when the engine is built, so that a handler still
+    # holding its lease can read it after an unload has let the engine go.
     @property
     def tokenizer(self):
         """The model's transformers tokenizer (read-only use: encode, decode, its chat template)."""
-        return self.engine.tokenizer
+        return self._model.tokenizer
 
     @property
     def max_model_len(self) -> int:
         """The context served, in tokens: a prompt and its output together."""
-        return self.engine.max_model_len
+        return self._model.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        return self._model.vocab_size
 
     @property
     def pooling(self) -> Pooling | None:
@@ -218,56 +244,61 @@ class AsyncEngine:
     @property
     def facts(self) -> EngineFacts:
         """What is served, fixed at build time (plain data)."""
-        return self.engine.facts
+        return self._model.facts
 
     @property
     def snapshot(self):
-        """The numbers as of the last step (engine/stats.py, plain data)."""
-        return self.engine.snapshot
+        """The numbers as of the last step (engine/stats.py, plain data); after the engine is gone, its last."""
+        engine = self.engine
+        return engine.snapshot if engine is not None else self._model.snapshot
 
     @property
     def memory_bytes(self) -> int:
         """What the loaded model holds: its weights and KV pool on every rank, and a step's workspace."""
         world = self.world_size
-        return self.engine.facts.weight_bytes * world + self.engine.snapshot.kv_total_bytes * world + WORKSPACE
+        return self.facts.weight_bytes * world + self.snapshot.kv_total_bytes * world + WORKSPACE
 
     @property
     def image_spec(self) -> VisionSpec | None:
         """A vision model's image token (id and text); None for a text-only model."""
-        vision = self.engine.vision
-        return vision.spec if vision is not None else None
+        return self._model.image_spec
 
     def prepare_image(self, image, detail: str | None = None, encode: bool = True) -> PreparedImage:
         """A decoded RGB image -> its tokens and tiles (the model's own processor, keyed by its pixels); with
         `encode`, the tower runs on its tiles now, beside the engine's steps, and caches what it gives
         (runner/encoder_cache.py). Thread-safe: the server prepares a request's images in a pool."""
-        prepared = self.engine.vision.prepare(image, pixel_digest(image), detail)
+        engine = self.engine
+        if engine is None:
+            raise EngineStopped(self._stop_reason)
+        prepared = engine.vision.prepare(image, pixel_digest(image), detail)
         for tile in prepared.tiles if encode else ():
-            self.engine.runner.encoder.warm(tile)
+            engine.runner.encoder.warm(tile)
         return prepared
+
+    @property
+    def restarts_workers(self) -> bool:
+        """Whether lost ranks are started again (--restart-workers)."""
+        return self._model.restarts_workers
+
+    @property
+    def world_size(self) -> int:
+        """The processes that hold the model (tensor x pipeline parallel)."""
+        return self._model.world_size
 
     # ------------------------------------------------------------ the door: health
     @property
     def failure(self) -> str | None:
         """Why no step can run (a rank of a distributed model is gone), or None."""
-        return self.engine.executor.failure
+        engine = self.engine
+        return engine.executor.failure if engine is not None else None
 
     def down_ranks(self) -> list[int]:
-        return self.engine.executor.down_ranks()
+        engine = self.engine
+        return engine.executor.down_ranks() if engine is not None else []
 
     def cluster(self) -> dict:
         """Every rank's place, host and state (GET /cluster)."""
         return self.engine.executor.cluster()
-
-    @property
-    def restarts_workers(self) -> bool:
-        """Whether lost ranks are started again (--restart-workers)."""
-        return self.engine.config.parallel.restart_workers
-
-    @property
-    def world_size(self) -> int:
-        """The processes that hold the model (tensor x pipeline parallel)."""
-        return self.engine.config.parallel.world_size
 
     @property
     def num_waiting(self) -> int:
@@ -295,6 +326,7 @@ class AsyncEngine:
         if self._build is not None:
             try:
                 self.engine = self._build()
+                self._model = _Model.of(self.engine)
             except BaseException as exc:  # the server reports it; nothing to loop over
                 self.ready.set_exception(exc)
                 return
@@ -309,6 +341,7 @@ class AsyncEngine:
             self.engine.close()  # stop the other ranks, if any (this thread ran their collectives)
             # Shut down for good: whoever still holds this object (a caller's frame, a thread pool's last work
             # item) does not hold the engine's memory (weights, KV pool) with it.
+            self._model = replace(self._model, snapshot=self.engine.snapshot) if self._model is not None else None
             self.engine = None
 
     def _end_remaining(self) -> None:
