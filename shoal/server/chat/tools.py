@@ -414,6 +414,24 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
     return out
 
 
+def check_function_tools(tools: list, type_required: bool = True) -> None:
+    """OpenAI's function tools, `[{"type": "function", "function": {"name": ..., "parameters": ...}}]`, as chat
+    completions and Ollama take them: a 400 naming the first that is not one. type_required: False where the
+    protocol lets "type" be left out (Ollama's)."""
+    from shoal.server.errors import bad_request  # noqa: PLC0415 (the parsers above need no HTTP)
+
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        kind = t.get("type", None if type_required else "function") if isinstance(t, dict) else None
+        if kind != "function" or not isinstance(fn, dict):
+            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema (an object)", f"tools[{i}].function.parameters")
+
+
 def forced_calls_schema(tools: list[dict], name: str | None = None, parallel: bool = True) -> dict:
     """The JSON schema of a forced reply: a list of calls to the tools (one named tool when
     `name` is given), each `{"name", "arguments"}` with the tool's parameters."""

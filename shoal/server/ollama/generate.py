@@ -37,7 +37,7 @@ from shoal.server.chat.images import IMAGE_PART, ImageRef, render_conversation, 
 from shoal.server.chat.params import clipped_headers, constraint, engine_requests, resolve_params
 from shoal.server.chat.pipeline import DeltaPipeline
 from shoal.server.chat.render import ToolUse, check_prompt_chars
-from shoal.server.chat.tools import ToolCall
+from shoal.server.chat.tools import ToolCall, check_function_tools
 from shoal.server.errors import APIError, bad_request, from_value_error
 from shoal.server.models import parse_keep_alive
 from shoal.server.ollama.protocol import ChatRequest, GenerateRequest, Message, Options
@@ -138,15 +138,7 @@ def tool_use(tools: list[dict] | None) -> ToolUse | None:
     """Ollama's tools (OpenAI's function format), checked; the model decides whether to call one."""
     if not tools:
         return None
-    for i, t in enumerate(tools):
-        fn = t.get("function")
-        if t.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', f"tools[{i}]")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema (an object)", f"tools[{i}].function.parameters")
+    check_function_tools(tools, type_required=False)
     return ToolUse(tuple({"type": "function", "function": t["function"]} for t in tools), "auto")
 
 

@@ -30,7 +30,7 @@ from shoal.server.openai.protocol import ChatCompletionRequest, ChatMessage
 from shoal.server.chat.pipeline import DeltaPipeline
 from shoal.server.chat.images import IMAGE_PART, ImageRef, render_conversation, template_content
 from shoal.server.chat.render import ToolUse
-from shoal.server.chat.tools import ToolCall
+from shoal.server.chat.tools import ToolCall, check_function_tools
 from shoal.server.sse import DONE, DeltaEncoder, encode_event
 from shoal.server.streams import RequestTracker, engine_error, merged, run_to_end, tracked
 from shoal.types import GenerationRequest, RequestOutput
@@ -117,15 +117,7 @@ def tool_use(tools: list[dict] | None, choice, parallel: bool | None) -> ToolUse
         if choice not in (None, "none", "auto"):
             raise bad_request(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'!r} needs tools", "tool_choice")
         return None
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', f"tools[{i}]")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema (an object)", f"tools[{i}].function.parameters")
+    check_function_tools(tools)
     if choice == "none":
         return None  # the tools are hidden from the model
     parallel = parallel is not False
