@@ -28,7 +28,7 @@ from starlette.requests import Request
 from shoal.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from shoal.server.chat.params import clipped_headers, constraint, engine_requests, resolve_params
 from shoal.server.chat.pipeline import DeltaPipeline
-from shoal.server.chat.reasoning import END, START
+from shoal.server.chat.reasoning import thinking_budget as reasoning_budget
 from shoal.server.chat.images import IMAGE_PART, ImageRef, render_conversation, template_content
 from shoal.server.chat.render import ToolUse
 from shoal.server.chat.tools import ToolCall
@@ -224,12 +224,7 @@ def thinking_budget(served, body: MessagesRequest) -> ThinkingBudget | None:
     n = thinking["budget_tokens"]
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise bad_request("thinking.budget_tokens must be a non-negative integer", "thinking.budget_tokens")
-    parser = served.settings.reasoning_parser
-    if parser is None:
-        return None  # no known reasoning tags: the switch alone applies
-    encode = served.engine.tokenizer.encode
-    start = () if parser == "deepseek_r1" else tuple(encode(START, add_special_tokens=False))
-    return ThinkingBudget(n, tuple(encode(END, add_special_tokens=False)), start)
+    return reasoning_budget(served, n)
 
 
 async def render(served, body: CountTokensRequest, tools: ToolUse | None, encode: bool = True) -> tuple[str, list[int], tuple]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shoal.types import ThinkingBudget
+
 START, END = "<think>", "</think>"
 
 
@@ -88,3 +90,15 @@ class ReasoningSplitter:
 def split_reasoning(parser: str, text: str) -> Split:
     """The whole output at once."""
     return ReasoningSplitter(parser).feed(text, final=True)
+
+
+def thinking_budget(served, tokens: int) -> ThinkingBudget | None:
+    """A cap of `tokens` on the reasoning, for a model whose reasoning tags the server knows (--reasoning-parser);
+    None where it does not (the template's thinking switch alone applies). The engine ends the reasoning by
+    forcing its closing tag's tokens once the cap is reached."""
+    parser = served.settings.reasoning_parser
+    if parser is None:
+        return None
+    encode = served.engine.tokenizer.encode
+    start = () if parser == "deepseek_r1" else tuple(encode(START, add_special_tokens=False))  # R1 opens it in the template
+    return ThinkingBudget(tokens, tuple(encode(END, add_special_tokens=False)), start)

@@ -20,7 +20,7 @@ import uuid
 
 from shoal.server.chat.images import IMAGE_PART, ImageRef, template_content
 from shoal.server.chat.params import constraint
-from shoal.server.chat.reasoning import END, START
+from shoal.server.chat.reasoning import thinking_budget
 from shoal.server.chat.render import ToolUse
 from shoal.server.errors import bad_request
 from shoal.types import StructuredOutput, ThinkingBudget
@@ -280,9 +280,5 @@ def reasoning_options(served, reasoning: dict | None) -> tuple[dict, ThinkingBud
     if effort == "none":
         return {"enable_thinking": False}, None
     kwargs = {"enable_thinking": True, "reasoning_effort": effort}
-    cap, parser = EFFORT_BUDGETS[effort], served.settings.reasoning_parser
-    if cap is None or parser is None:
-        return kwargs, None
-    encode = served.engine.tokenizer.encode
-    start = () if parser == "deepseek_r1" else tuple(encode(START, add_special_tokens=False))
-    return kwargs, ThinkingBudget(cap, tuple(encode(END, add_special_tokens=False)), start)
+    cap = EFFORT_BUDGETS[effort]
+    return kwargs, (thinking_budget(served, cap) if cap is not None else None)
