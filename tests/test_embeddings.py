@@ -272,9 +272,18 @@ def make_tiny_bert(path: Path, seed: int = 0) -> Path:
     """A random-weight BertModel folder with a WordPiece tokenizer (all-MiniLM's and bge's layout, tiny)."""
     import transformers
 
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab = {w: i for i, w in enumerate(BERT_WORDS)}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                           special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    backend.decoder = decoders.WordPiece()
+    tokenizer = transformers.BertTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                                               pad_token="[PAD]", mask_token="[MASK]")
     path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(BERT_WORDS) + "\n")
-    tokenizer = transformers.BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
     config = transformers.BertConfig(vocab_size=len(BERT_WORDS), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=128, max_position_embeddings=128)
     config.architectures = ["BertModel"]
@@ -312,12 +321,67 @@ def test_an_encoder_s_vectors_equal_sentence_transformers_alone_and_in_a_batch(l
     assert engine.pooling.mode == ("mean" if layout == "minilm" else "cls")
     assert engine.prefix_cache is None  # a prefix's hidden states depend on what follows it
     ids = [st.tokenizer(t)["input_ids"] for t in TEXTS]
+    assert ids[1].count(BERT_WORDS.index("[UNK]")) == 0 and len(ids[2]) > 40  # real words and pieces, not [UNK]s
     assert ids == [engine.tokenizer.encode(t) for t in TEXTS]
     together = embed(engine, ids, prefix="batch")
     for i, (vec, want) in enumerate(zip(together, ref)):
         assert max_diff(vec, want.tolist()) < 1e-5
         assert max_diff(embed(engine, [ids[i]], prefix=f"alone{i}-")[0], vec) < 1e-5
     assert engine.pool.num_free == engine.runner.num_blocks  # no KV: every block back
+
+
+def write_bert_gguf(folder: Path, out: Path, pooling) -> Path:
+    """The tiny BERT folder as llama.cpp's convert_hf_to_gguf writes a `bert` GGUF: its metadata, the vocabulary in
+    phantom-space form ([CLS] as BOS), every tensor in float32 by gguf's name table."""
+    import gguf
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    writer = gguf.GGUFWriter(str(out), "bert")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(pooling)
+    tokens = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t for t in BERT_WORDS]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(tokens)
+    writer.add_bos_token_id(BERT_WORDS.index("[CLS]"))
+    writer.add_sep_token_id(BERT_WORDS.index("[SEP]"))
+    writer.add_unk_token_id(BERT_WORDS.index("[UNK]"))
+    writer.add_pad_token_id(BERT_WORDS.index("[PAD]"))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config.num_hidden_layers)
+    for hf_name, tensor in load_file(folder / "model.safetensors").items():
+        base, suffix = hf_name.rsplit(".", 1)
+        if base.startswith("pooler"):
+            continue  # sentence-transformers never reads BERT's pooler, and llama.cpp drops it
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["minilm", "bge"])
+def test_a_bert_gguf_embeds_as_its_folder_does(layout, request, tmp_path):
+    import gguf
+    from sentence_transformers import SentenceTransformer
+
+    folder = request.getfixturevalue(layout)
+    kind = gguf.PoolingType.MEAN if layout == "minilm" else gguf.PoolingType.CLS
+    engine = tiny_engine(write_bert_gguf(folder, tmp_path / "bert.gguf", kind))
+    assert (engine.pooling.mode, engine.pooling.normalize) == (("mean" if layout == "minilm" else "cls"), True)
+    st = SentenceTransformer(str(folder), device="cpu")
+    texts = [*TEXTS, "Hello, World: the Fox!"]
+    assert [engine.tokenizer.encode(t) for t in texts] == [st.tokenizer(t)["input_ids"] for t in texts]
+    ref = st.encode(texts, convert_to_tensor=True, batch_size=1).double()
+    for vec, want in zip(embed(engine, [engine.tokenizer.encode(t) for t in texts]), ref):
+        assert max_diff(vec, want.tolist()) < 1e-5
 
 
 def test_an_encoder_computes_each_input_whole_and_refuses_text_generation(minilm):

@@ -34,7 +34,7 @@ def read_pooling(path: Path, gguf_metadata: dict | None, hidden_size: int, hf_co
         if kind is None or int(kind) == 0:
             return None
         mode = GGUF_POOLING.get(int(kind), f"type {kind}")
-        return _checked(Pooling(mode, True, hidden_size), f"{path.name}'s {arch}.pooling_type")
+        return _checked(Pooling(mode, True, hidden_size), f"{path.name}'s {arch}.pooling_type", arch == "bert")
     modules_file = Path(path) / "modules.json"
     if not modules_file.is_file():
         return None

@@ -69,10 +69,10 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     dtype = engine_dtype(config, device, gguf)
     if device.type == "cpu":
         keep_freed_memory()
-    if gguf is None and is_encoder(read_config(config.model)):
+    if gguf.metadata.get("general.architecture") == "bert" if gguf is not None else is_encoder(read_config(config.model)):
         if group is not None:
             raise ValueError("an encoder (BERT) runs on one rank: tensor and pipeline parallelism take decoders")
-        return build_encoder_part(config, device, dtype)
+        return build_encoder_part(config, device, dtype, gguf)
     quantization = resolve_quantization(config.quantization, device, dtype)
     split = layers = select = None  # this rank's TensorParallel, its stage's layer range, what it reads of the file
     if group is not None:
@@ -153,13 +153,13 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     return ModelPart(runner, ckpt, weights.name, max_model_len, embedding_pooling(config, ckpt, gguf, model.config.hidden_size))
 
 
-def build_encoder_part(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> ModelPart:
+def build_encoder_part(config: EngineConfig, device: torch.device, dtype: torch.dtype, gguf=None) -> ModelPart:
     """An encoder (BERT) that only embeds (model/bert.py, runner/encoder_runner.py): no KV cache, so the engine's
     block accounting runs on zero-byte blocks, as many as --max-num-seqs inputs of the whole context take."""
     from shoal.runner.encoder_runner import EncoderRunner  # noqa: PLC0415
 
     path = resolve_model_path(config.model)
-    model, tokenizer = load_encoder(path, dtype, device)
+    model, tokenizer = load_encoder(path, dtype, device, gguf)
     hf = model.config
     hf.architectures = hf.architectures or ["BertModel"]
     trained = hf.max_position_embeddings
@@ -172,7 +172,7 @@ def build_encoder_part(config: EngineConfig, device: torch.device, dtype: torch.
     eos = tuple(t for t in (tokenizer.sep_token_id,) if t is not None)
     ckpt = LoadedCheckpoint(hf_config=hf, state_dict={}, tokenizer=tokenizer, eos_token_ids=eos, generation_defaults={},
                             path=path, format="hf")
-    pooling = read_pooling(path, None, mc.hidden_size, hf)
+    pooling = read_pooling(path, gguf.metadata if gguf is not None else None, mc.hidden_size, hf)
     if pooling is None and config.embeddings:
         pooling = Pooling("mean", True, mc.hidden_size)  # sentence-transformers' default for a plain encoder
     if pooling is None:
