@@ -110,6 +110,8 @@ ENGINE_OPTS = [
         "with float weights it costs 8-20%% of the speed; docs/guides/determinism.md)", kind="flag"),
     Opt("--attention", "auto", str, "attention backend: auto (batch-invariant with int8/int4 weights, sdpa with float "
         "ones), invariant, or sdpa (fastest; answers may change with the load)", choices=("auto", "invariant", "sdpa")),
+    Opt("--embeddings", False, None, "serve /v1/embeddings from a generation model too: last-token pooling, "
+        "L2-normalized (an embedding model's own pooling files need no flag; docs/guides/embeddings.md)", kind="flag"),
     Opt("--speculative", "auto", str, "speculative decoding: drafts verified by exact match, so no answer changes "
         "(docs/guides/speculative-decoding.md). auto: on with the batch-invariant attention (a draft model if "
         "--speculative-model is given, else n-gram prompt lookup); ngram; draft; off", choices=SPECULATIVE_METHODS),
@@ -149,6 +151,8 @@ PARALLEL_OPTS = [
 SERVER_OPTS = [
     Opt("--host", "127.0.0.1", str, "address to bind (default 127.0.0.1: this machine only)"),
     Opt("--port", 8000, int, "port to listen on"),
+    Opt("--ollama-port", None, int, "also listen on this port (Ollama's is 11434), for apps that assume Ollama's address: "
+        "the same routes and checks as --port (docs/guides/ollama.md)"),
     Opt("--api-key", None, str, "require this key (Authorization: Bearer KEY or x-api-key); default $SHOAL_API_KEY"),
     Opt("--allowed-origins", [], str, "browser origin allowed to call the server, with CORS (repeatable, or "
         "comma-separated; '*' allows all). Requests from other origins are refused (403); bound to loopback, "
@@ -158,6 +162,9 @@ SERVER_OPTS = [
     Opt("--max-waiting", None, int, "refuse new requests (503) while this many are waiting"),
     Opt("--max-sequences-per-request", 128, int, "most sequences one request may ask for: prompts x n "
         "(400 beyond)"),
+    Opt("--responses-store-max", 1024, int, "Responses API: most stored responses; the least recently used go first "
+        "(docs/guides/responses.md)"),
+    Opt("--responses-store-bytes", "64MiB", str, "Responses API: most bytes of stored responses, counted as their JSON"),
     Opt("--served-model-name", None, str, "the model's name in the API (default: the --model value)"),
     Opt("--chat-template", None, str, "a Jinja chat template file that replaces the model's"),
     Opt("--reasoning-parser", None, str, "split <think>...</think> into reasoning_content", choices=("deepseek_r1", "qwen3")),
@@ -320,6 +327,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
         num_threads=v["threads"],
         quantization=v.get("quantization"),
         attention="invariant" if v.get("deterministic") else v.get("attention", "auto"),
+        embeddings=bool(v.get("embeddings", False)),
         scheduler=SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"],
                                   max_prefill_beside_decodes=v["max_prefill_beside_decodes"],
                                   follow_up_window=v["follow_up_window_ms"] / 1000),
@@ -541,11 +549,14 @@ def server_settings(v: dict):
     return ServerSettings(
         host=v["host"],
         port=int(v["port"]),
+        ollama_port=int(v["ollama_port"]) if v.get("ollama_port") is not None else None,
         api_key=v["api_key"] or None,
         allowed_origins=tuple(origins),
         max_request_bytes=None if v["max_request_bytes"] in (None, "auto") else parse_bytes(v["max_request_bytes"]),
         max_waiting=v["max_waiting"],
         max_sequences_per_request=int(v["max_sequences_per_request"]),
+        responses_store_max=int(v["responses_store_max"]),
+        responses_store_bytes=parse_bytes(v["responses_store_bytes"]),
         served_model_name=v["served_model_name"],
         chat_template=v["chat_template"],
         reasoning_parser=v["reasoning_parser"],
@@ -598,6 +609,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except OSError as e:
         print(f"shoal: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
         return 1
+    sockets = [sock]
+    if settings.ollama_port is not None:  # Ollama's address too: the same app, so the same routes and checks
+        try:
+            sockets.append(listening_socket(settings.host, settings.ollama_port))
+        except OSError as e:
+            sock.close()
+            print(f"shoal: cannot listen on {settings.host}:{settings.ollama_port} (--ollama-port): {e.strerror or e}",
+                  file=sys.stderr)
+            return 1
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -616,6 +636,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         "/health answers 503 until the model is loaded)",
         ", ".join(s.name for s in specs), shown, port,
     )
+    if len(sockets) > 1:
+        logging.getLogger("shoal").info("also serving on http://%s:%d (Ollama's API under /api)", shown, sockets[1].getsockname()[1])
     if len(specs) > 1:
         budget = f"{life.memory / 2**30:.1f} GiB" if life.memory is not None else "no budget"
         logging.getLogger("shoal").info(
@@ -624,7 +646,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             "never" if life.keep_alive == float("inf") else f"{life.keep_alive:g} s")
     if (warning := exposure_warning(settings)) is not None:
         logging.getLogger("shoal").warning(warning)
-    server.run(sockets=[sock])
+    server.run(sockets=sockets)
     if failed:
         print(f"shoal: the model failed to load: {failed[0]}", file=sys.stderr)
         return 1

@@ -231,6 +231,10 @@ class EngineConfig:
     # "auto": invariant with int8/int4 weights (their kernels are row-invariant as they are, so only attention
     # costs anything: ~10% at one stream), sdpa with float weights (where the linears would need splitting too)
     attention: str = "auto"
+    # serve embeddings (/v1/embeddings) from a model whose files name no pooling: last-token pooling, L2-normalized
+    # (docs/guides/embeddings.md); a model whose files do (sentence-transformers' modules.json, a GGUF's
+    # pooling_type) embeds without it, as they say
+    embeddings: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 

@@ -526,6 +526,8 @@ def test_serve_listens_on_the_ollama_port_too_with_the_same_checks(model_path, t
                 pass
             time.sleep(0.3)
         url = f"http://127.0.0.1:{ollama_port}"
+        assert httpx.get(url + "/").text == "Ollama is running"  # Ollama's greeting, which apps probe, with no key
+        assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 307  # the main port's root is the dashboard's
         refused = httpx.get(url + "/api/tags")
         assert refused.status_code == 401 and set(refused.json()) == {"error"}
         foreign = httpx.get(url + "/api/tags", headers={"Authorization": "Bearer k3y", "Origin": "https://evil.example"})

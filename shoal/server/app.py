@@ -7,6 +7,8 @@ ready `Engine` it serves at once. Other models load on demand (server/models.py)
     POST /v1/chat/completions, POST /v1/completions,
     POST /tokenize, POST /detokenize                                     (openai/)
     POST /v1/messages, POST /v1/messages/count_tokens                    (anthropic/)
+    POST /v1/responses, GET/DELETE /v1/responses/{id}, .../input_items  (responses/)
+    Ollama's /api/chat, /api/generate, /api/tags, /api/show, ...         (ollama/)
     /v1/models and its loading, unloading and events; llama.cpp's and Ollama's (lifecycle.py)
     GET /health, GET /stats, GET /v1/cluster, GET /metrics, the dashboard (here)
 
@@ -25,7 +27,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
 from shoal import __version__
 from shoal.config import EngineConfig
@@ -35,7 +37,9 @@ from shoal.server.middleware import LOOPBACK_ORIGIN_REGEX, AccessMiddleware, is_
 from shoal.server.anthropic import router as anthropic_router
 from shoal.server.chat.params import CLIPPED_HEADER
 from shoal.server.openai import router as openai_router
+from shoal.server.ollama import router as ollama_router
 from shoal.server.openai.protocol import HealthResponse, StatsResponse, error_responses
+from shoal.server.responses import ResponseStore, router as responses_router
 from shoal.server.lifecycle import router as lifecycle_router
 from shoal.server.models import RETRY_LOADING_S, Lifecycle
 from shoal.server.settings import ServerSettings
@@ -75,14 +79,19 @@ def create_app(
 
     app = FastAPI(title="shoal", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.shoal = state
+    # the Responses API's stored responses (server/responses/store.py)
+    app.state.responses = ResponseStore(settings.responses_store_max, settings.responses_store_bytes)
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(anthropic_router)
+    app.include_router(responses_router)
+    app.include_router(ollama_router)
     app.include_router(lifecycle_router)
     _add_service_routes(app)
     _drop_default_422(app)
     # The routes' paths label /metrics' HTTP counter; anything else is "other" (bounded cardinality).
-    routes = [*app.routes, *openai_router.routes, *anthropic_router.routes, *lifecycle_router.routes]
+    routes = [*app.routes, *openai_router.routes, *anthropic_router.routes, *responses_router.routes, *ollama_router.routes,
+              *lifecycle_router.routes]
     state.routes = frozenset(r.path for r in routes if isinstance(getattr(r, "path", None), str))
     # Added first = innermost: CORS sits outside the key check, so preflights
     # pass and refusals still carry CORS headers.
@@ -164,8 +173,11 @@ def _add_service_routes(app: FastAPI) -> None:
                                  "pipeline_parallel_size": p.pipeline_parallel_size, "backend": None, "wire_dtype": None, "ranks": []})
         return JSONResponse({"model": m.name, "status": m.status, **m.engine.cluster()})
 
-    @app.get("/", include_in_schema=False, description="Redirects to the dashboard.")
-    async def root() -> RedirectResponse:
+    @app.get("/", include_in_schema=False, description="Redirects to the dashboard; on --ollama-port, Ollama's greeting.")
+    async def root(request: Request) -> Response:
+        ollama_port = request.app.state.shoal.settings.ollama_port
+        if ollama_port is not None and (request.scope.get("server") or (None, None))[1] == ollama_port:
+            return PlainTextResponse("Ollama is running")  # what Ollama answers there: apps probe it before they connect
         return RedirectResponse("/dashboard")
 
     @app.get("/dashboard", include_in_schema=False, description="The live dashboard: a page that polls /stats once a second.")

@@ -49,6 +49,7 @@ AUTO_REQUEST_BYTES_IMAGES = 32 << 20  # base64 images in one body, for a model t
 class ServerSettings:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
+    ollama_port: int | None = None  # also listen here (Ollama's address, 11434), serving the same app
     api_key: str | None = field(default=None, repr=False)  # None: no authentication; never in logs
     # Browser origins allowed to call the server (CORS, and the Origin check: a
     # request whose Origin is present and not allowed is refused); "*" allows all.
@@ -61,6 +62,10 @@ class ServerSettings:
     # Sequences one request may ask for: prompts x n.
     # One 2 KB body must not hold the server for minutes.
     max_sequences_per_request: int = 128
+    # OpenAI's Responses API: the stored responses (server/responses/store.py); past either bound the least
+    # recently used go first. Bytes are the records' JSON: a long agent session repeats its context every turn.
+    responses_store_max: int = 1024
+    responses_store_bytes: int = 64 << 20
     served_model_name: str | None = None  # default: the --model value
     chat_template: Path | None = None  # a Jinja file that replaces the model's template
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: split <think>...</think> out
@@ -115,12 +120,19 @@ class ServerSettings:
         errors = []
         if not 0 <= self.port <= 65535:
             errors.append(f"port must be in [0, 65535], got {self.port}")
+        if self.ollama_port is not None and not 1 <= self.ollama_port <= 65535:
+            errors.append(f"ollama_port must be in [1, 65535], got {self.ollama_port}")
+        elif self.ollama_port is not None and self.ollama_port == self.port:
+            errors.append(f"ollama_port must differ from port ({self.port}): the app already listens there")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             errors.append(f"max_request_bytes must be positive, got {self.max_request_bytes}")
         if self.max_waiting is not None and self.max_waiting < 0:
             errors.append(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_sequences_per_request < 1:
             errors.append(f"max_sequences_per_request must be at least 1, got {self.max_sequences_per_request}")
+        if self.responses_store_max < 1 or self.responses_store_bytes < 1:
+            errors.append(f"responses_store_max and responses_store_bytes must be positive, got {self.responses_store_max} "
+                          f"and {self.responses_store_bytes}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             errors.append(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

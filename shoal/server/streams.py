@@ -21,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from shoal.engine.async_engine import EngineStopped, EngineUnavailable, RequestFailed
 from shoal.server.errors import APIError, new_request_id, server_failure, unavailable
+from shoal.server.metrics import PROTOCOLS
 from shoal.server.sse import DONE, dumps, encode_event
 from shoal.server.models import RETRY_LOADING_S
 from shoal.server.state import release_admission
@@ -218,6 +219,8 @@ class RequestTracker:
     for the request histograms' `protocol` label (metrics.PROTOCOLS)."""
 
     def __init__(self, served, request_id: str, requests: Sequence[GenerationRequest], protocol: str) -> None:
+        if protocol not in PROTOCOLS:  # a new adapter names its label there, so dashboards know every value
+            raise ValueError(f"protocol {protocol!r} is not in metrics.PROTOCOLS")
         self.served = served
         self.request_id = request_id
         self.protocol = protocol
