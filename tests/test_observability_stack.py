@@ -75,7 +75,8 @@ def concrete(expr: str) -> str:
 
 
 def scrape(srv) -> tuple[dict[str, str], set[str], dict[str, float]]:
-    """{family: type}, the series names and {series labelled by model_name alone: value} of a /metrics scrape."""
+    """{family: type}, the series names and {series labelled by model_name alone: value} of a /metrics scrape (a
+    request histogram's series summed over its `protocol` label)."""
     with srv.http() as h:
         r = h.get("/metrics", headers=AUTH)
     assert r.status_code == 200, r.text
@@ -84,8 +85,8 @@ def scrape(srv) -> tuple[dict[str, str], set[str], dict[str, float]]:
         families[f.name] = f.type
         for s in f.samples:
             series.add(s.name)
-            if not {k for k in s.labels if k != "model_name"}:  # one model: its series is the server's
-                values[s.name] = s.value
+            if not {k for k in s.labels if k not in ("model_name", "protocol")}:  # one model: its series is the server's
+                values[s.name] = values.get(s.name, 0.0) + s.value
     return families, series, values
 
 
@@ -286,7 +287,7 @@ def test_every_panel_and_guide_query_has_data_in_prometheus(srv, prometheus):
     _, _, now = scrape(srv)
     done = now["shoal:e2e_request_latency_seconds_count"]
     generated = now["shoal:generation_tokens_total"]
-    prom.wait_until(lambda: prom.value("shoal:e2e_request_latency_seconds_count") == done
+    prom.wait_until(lambda: prom.value("sum(shoal:e2e_request_latency_seconds_count)") == done
                     and prom.value("shoal:generation_tokens_total") == generated, "Prometheus to scrape the traffic")
 
     # the dashboard's instance variable lists this server

@@ -374,6 +374,21 @@ def test_embed_gives_the_engines_vectors(model_path):
         assert bad.status_code == 400 and "input[1]" in bad.json()["error"]
 
 
+def test_langchain_ollama_embeddings(model_path):
+    """LangChain's OllamaEmbeddings, unmodified: documents in one batch and a query, the vectors /v1/embeddings gives."""
+    from langchain_ollama import OllamaEmbeddings
+
+    with LiveServer(tiny_engine(model_path, max_model_len=256, embeddings=True), ServerSettings(log_requests=False, served_model_name=NAME)) as s:
+        texts = ["a tide pool", "a shoal of fish"]
+        embedder = OllamaEmbeddings(model=NAME, base_url=s.url)
+        documents, query = embedder.embed_documents(texts), embedder.embed_query("a shoal of fish")
+        with s.http() as h:
+            ref = [d["embedding"] for d in h.post("/v1/embeddings", json={"model": NAME, "input": texts}).json()["data"]]
+    assert len(documents) == 2 and all(len(v) == len(ref[0]) > 0 for v in documents)
+    assert documents == ref  # the same batch, so the same vectors
+    assert query == pytest.approx(ref[1], abs=1e-5)  # alone: within float64 pooling's rounding of the batch's
+
+
 # ---------------------------------------------------------------- bad input
 
 
