@@ -18,6 +18,7 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class StoredResponse:
     body: dict  # the response object as the client got it
