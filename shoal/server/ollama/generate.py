@@ -26,7 +26,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
-from functools import lru_cache
 from datetime import datetime, timezone
 from types import SimpleNamespace
 
@@ -262,10 +261,14 @@ FIM_MARKERS = (
 )
 
 
-@lru_cache(maxsize=8)
 def _fim_markers(tokenizer) -> tuple[str, str, str] | None:
-    vocab = tokenizer.get_vocab()
-    return next((m for m in FIM_MARKERS if all(t in vocab for t in m)), None)
+    """The first set of markers all in the vocabulary (looked up per token: no copy of the vocabulary, and no cache
+    holding an unloaded model's tokenizer)."""
+    def known(token: str) -> bool:
+        i = tokenizer.convert_tokens_to_ids(token)
+        return i is not None and i != tokenizer.unk_token_id
+
+    return next((m for m in FIM_MARKERS if all(known(t) for t in m)), None)
 
 
 def fill_in_the_middle(served, prompt: str, suffix: str) -> str:
