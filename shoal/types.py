@@ -216,7 +216,7 @@ class SamplingParams:
         return self.num_beams > 1
 
 
-POOLING_MODES = ("last", "mean", "cls")
+POOLING_MODES = ("last", "mean", "cls", "score")
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,7 @@ class Pooling:
     model's files say (sentence-transformers' modules, a GGUF's `pooling_type`), or `--embeddings`' default."""
 
     mode: str  # "last": the last token's hidden state; "mean": the mean over every prompt token; "cls": the first's (an encoder's)
+    # "score": a cross-encoder's classifier logits on its input (a query and document pair), num_labels of them: it reranks
     normalize: bool  # L2-normalized (a sentence-transformers Normalize module; llama.cpp's default)
     hidden_size: int = 0  # the vector's full length
     # The lengths the model was trained to be cut to (Matryoshka), where its files list them; None: any up to hidden_size

@@ -41,6 +41,7 @@ def test_the_served_document_is_the_one_fuzzed(srv):
                    ("/v1/models", "post"), ("/v1/models", "delete"), ("/v1/models/{name}", "get"), ("/v1/models/{name}", "delete"),
                    ("/v1/models/events", "get"), ("/v1/messages", "post"), ("/v1/messages/count_tokens", "post"),
                    ("/health", "get"), ("/stats", "get"), ("/v1/cluster", "get"), ("/metrics", "get"), ("/tokenize", "post"), ("/detokenize", "post"), ("/v1/embeddings", "post"),
+                   ("/v1/rerank", "post"),
                    ("/v1/responses", "post"), ("/v1/responses/{response_id}", "get"), ("/v1/responses/{response_id}", "delete"),
                    ("/v1/responses/{response_id}/input_items", "get"), ("/api/chat", "post"), ("/api/generate", "post"),
                    ("/api/embed", "post"), ("/api/embeddings", "post"), ("/api/tags", "get"), ("/api/show", "post"),

@@ -8,6 +8,7 @@ samples nothing: each chunk's step gives its part of the vector (`ScheduledSeq.p
     last   the final chunk's last row (the final norm's output at the last prompt token)
     mean   every chunk's row sum, added up here in float64, divided by the prompt's length at the end
     cls    an encoder's first row (its input computed whole, in one step: Sequence.whole)
+    score  a cross-encoder's classifier scores on its (query, document) pair, computed whole as cls is (reranking)
 
 then, in this order, the first `dimensions` values (Matryoshka) and the L2 normalization. A chunked prompt thereby
 gets the vector of the unchunked one (up to float32's rounding of each chunk's sum), and a batch gives each prompt

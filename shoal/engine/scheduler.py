@@ -370,7 +370,7 @@ class Scheduler:
             targets = tuple(seq.token_ids[lp_from + 1 : min(end, seq.prompt_len - 1) + 1])
         sample = end == seq.num_tokens and seq.pooling is None
         p_mode = seq.pooling
-        pool = p_mode if p_mode == "mean" or (p_mode == "last" and end == seq.num_tokens) or (p_mode == "cls" and start == 0) else ""
+        pool = p_mode if p_mode == "mean" or (p_mode == "last" and end == seq.num_tokens) or (p_mode in ("cls", "score") and start == 0) else ""
         return ScheduledSeq(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:end]) + draft,

@@ -5,6 +5,10 @@ model/pooling_files.py). The forward is transformers' own `BertModel` with the c
 towers are (model/vision.py): every row of an input attends to every other, so an input is computed whole, in one
 step, and nothing of it is kept (runner/encoder_runner.py).
 
+A cross-encoder (sentence-transformers' CrossEncoder layout: a `BertForSequenceClassification` folder) reranks: a
+(query, document) pair is one input `[CLS] q [SEP] d [SEP]` with segment ids 0 then 1, and its score is the
+classifier's logit on the pooled [CLS] row, through the activation CrossEncoder.predict applies (`score_activation`).
+
 A GGUF of architecture `bert` (as llama.cpp's convert_hf_to_gguf writes one) loads into the same module: its
 config from the metadata, each tensor by gguf's own name table for BERT, dequantized to float; its WordPiece
 vocabulary back from llama.cpp's phantom-space form (a word's first piece "▁word", a continuation "word", for
@@ -20,11 +24,31 @@ import torch
 
 from shoal.model.config import ModelConfig
 
-ENCODER_ARCHITECTURES = ("BertModel",)
+ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
+CROSS_ENCODER = "BertForSequenceClassification"  # sentence-transformers' CrossEncoder layout: it reranks
 
 
 def is_encoder(hf_config) -> bool:
     return any(a in ENCODER_ARCHITECTURES for a in (getattr(hf_config, "architectures", None) or []))
+
+
+def is_cross_encoder(hf_config) -> bool:
+    return CROSS_ENCODER in (getattr(hf_config, "architectures", None) or [])
+
+
+def score_activation(hf_config):
+    """What a cross-encoder's logits go through, as sentence-transformers' CrossEncoder.predict applies it: the
+    activation its config names (`sentence_transformers.activation_fn`), else a sigmoid for one label and none for
+    several. ValueError for one shoal does not apply (only Sigmoid and Identity)."""
+    named = (getattr(hf_config, "sentence_transformers", None) or {}).get("activation_fn")
+    if named is None:
+        named = "Sigmoid" if hf_config.num_labels == 1 else "Identity"
+    kind = str(named).rsplit(".", 1)[-1]
+    if kind == "Sigmoid":
+        return torch.sigmoid
+    if kind == "Identity":
+        return lambda x: x
+    raise ValueError(f"the cross-encoder's activation {named!r} is not served (shoal applies Sigmoid or Identity)")
 
 
 def encoder_config(hf) -> ModelConfig:
@@ -44,9 +68,16 @@ def load_encoder(path: Path, dtype: torch.dtype, device: torch.device, gguf_read
 
     if gguf_reader is not None:
         return _load_gguf(gguf_reader, dtype, device)
-    model = transformers.AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
+    auto = transformers.AutoModelForSequenceClassification if is_cross_encoder(read_hf_config(path)) else transformers.AutoModel
+    model = auto.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def read_hf_config(path: Path):
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(path)
 
 
 PHANTOM = "\u2581"

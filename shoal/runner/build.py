@@ -21,7 +21,7 @@ from shoal.model.layers import bind_attributes
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config, resolve_model_path
 from shoal.model.formats import GGUFLinear, served_bytes
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
-from shoal.model.bert import encoder_config, is_encoder, load_encoder
+from shoal.model.bert import encoder_config, is_cross_encoder, is_encoder, load_encoder, score_activation
 from shoal.model.pooling_files import read_pooling
 from shoal.model.registry import model_class
 from shoal.model.vision import build_tower
@@ -168,10 +168,16 @@ def build_encoder_part(config: EngineConfig, device: torch.device, dtype: torch.
     max_model_len = config.max_model_len or trained
     block = config.cache.block_size
     mc = encoder_config(hf)
-    runner = EncoderRunner(model, mc, device, dtype, config.scheduler.max_num_seqs * -(-max_model_len // block), block)
+    scores = is_cross_encoder(hf)
+    runner = EncoderRunner(model, mc, device, dtype, config.scheduler.max_num_seqs * -(-max_model_len // block), block,
+                           score=score_activation(hf) if scores else None, sep_token_id=tokenizer.sep_token_id)
     eos = tuple(t for t in (tokenizer.sep_token_id,) if t is not None)
     ckpt = LoadedCheckpoint(hf_config=hf, state_dict={}, tokenizer=tokenizer, eos_token_ids=eos, generation_defaults={},
                             path=path, format="hf")
+    if scores:  # a cross-encoder reranks: its part is its classifier's scores, not a vector to embed
+        log.info("cross-encoder %s for reranking: %d label(s), context %d tokens, no KV cache", mc.architecture,
+                 hf.num_labels, max_model_len)
+        return ModelPart(runner, ckpt, "none", max_model_len, Pooling("score", False, hf.num_labels))
     pooling = read_pooling(path, gguf.metadata if gguf is not None else None, mc.hidden_size, hf)
     if pooling is None and config.embeddings:
         pooling = Pooling("mean", True, mc.hidden_size)  # sentence-transformers' default for a plain encoder

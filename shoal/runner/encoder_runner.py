@@ -6,6 +6,11 @@ a padded batch [B, L] with its attention mask, one call of the encoder, and its 
 lays them out, for the same pooling call as a decoder's (runner/pooling.py). The engine's block accounting runs on
 a pool of zero-byte blocks: nothing is written to them, and no prefix cache is kept (a prefix's hidden states
 depend on what follows it).
+
+A cross-encoder (model/bert.py) scores instead: each input is a pair `[CLS] q [SEP] d [SEP]`, whose segment ids
+(BERT's token_type_ids) are 0 up to the first [SEP] and 1 after it, and each sequence's part is the classifier's
+logits through the model's activation (`score`), transformers' own BertForSequenceClassification forward, as
+sentence-transformers' CrossEncoder.predict runs it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from shoal.types import StepOutput, StepPlan
 class EncoderRunner:
     causal = False  # the engine keeps no prefix cache and computes each input whole
 
-    def __init__(self, model, config, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model, config, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int,
+                 score=None, sep_token_id: int | None = None) -> None:
         self.model = model
         self.config = config  # model.config.ModelConfig (model/bert.encoder_config)
         self.device = device
@@ -34,6 +40,8 @@ class EncoderRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.attention = SimpleNamespace(name="encoder")
         self.encoder = None  # no image encoder cache
+        self.score = score  # a cross-encoder's activation on its logits (model/bert.score_activation); None: it embeds
+        self.sep_token_id = sep_token_id  # where a pair's second segment starts (after the first [SEP])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -46,11 +54,25 @@ class EncoderRunner:
         for i, s in enumerate(seqs):
             ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids)
             mask[i, : len(s.token_ids)] = 1
+        if self.score is not None:
+            return self._scores(seqs, ids, mask)
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state  # [B, L, H]
         hidden = out[mask.to(self.device).bool()]  # [T, H]: each sequence's rows in turn, as forward_batch lays them
         pooled = pool(hidden, batch.pool_rows, batch.pool_lengths)
         logits = StepLogits(None, [], pooled)
         return StepOutput([], {}, dict(zip((s.seq_id for s in seqs if s.pool), logits.pooled.tolist())))
+
+    def _scores(self, seqs, ids: torch.Tensor, mask: torch.Tensor) -> StepOutput:
+        """A cross-encoder's step: each pair's logits through the activation, [num_labels] per sequence."""
+        types = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            if self.sep_token_id in s.token_ids:
+                types[i, s.token_ids.index(self.sep_token_id) + 1 : len(s.token_ids)] = 1
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                            token_type_ids=types.to(self.device)).logits  # [B, num_labels]
+        scores = self.score(logits.float()).double()
+        rows = [i for i, s in enumerate(seqs) if s.pool]
+        return StepOutput([], {}, dict(zip((seqs[i].seq_id for i in rows), scores[rows].tolist())))
 
     # the prefix cache's second tier and copy-on-write never run without a prefix cache
     def read_blocks(self, block_ids):

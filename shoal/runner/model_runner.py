@@ -456,7 +456,7 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
             sample_rows.extend(range(len(ids) - 1 - len(s.draft), len(ids)))
         if s.pool:  # a mean-pooling chunk's every row; a last-token request's last row; a CLS request's first
             n = len(s.token_ids) if s.pool == "mean" else 1
-            first = len(ids) - len(s.token_ids) if s.pool == "cls" else len(ids) - n
+            first = len(ids) - len(s.token_ids) if s.pool in ("cls", "score") else len(ids) - n
             pool_rows.extend(range(first, first + n))
             pool_lengths.append(n)
     batch = ForwardBatch(

@@ -66,8 +66,8 @@ HISTOGRAMS = {
     "gen_len": _hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
 }
 # The `protocol` label of the request histograms: each adapter package passes its own to RequestTracker.
-PROTOCOLS = ("openai_chat", "openai_completions", "openai_responses", "openai_embeddings", "anthropic_messages", "ollama_chat",
-             "ollama_generate", "ollama_embed")
+PROTOCOLS = ("openai_chat", "openai_completions", "openai_responses", "openai_embeddings", "openai_rerank", "anthropic_messages",
+             "ollama_chat", "ollama_generate", "ollama_embed")
 HTTP_REQUESTS = Family("shoal:http_requests", "counter", "HTTP requests answered, by route and status (unknown paths count as `other`).", ("route", "status"))
 
 # Read at scrape time from each model's engine snapshot and counters (_SnapshotCollector); each gets model_name first.

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible adapter: /v1/chat/completions, /v1/completions, /v1/embeddings, and vLLM's /tokenize, /detokenize (/v1/models
+"""The OpenAI-compatible adapter: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/rerank (Jina's and Cohere's
+shape, as llama.cpp and vLLM serve it), and vLLM's /tokenize, /detokenize (/v1/models
 is the life-cycle API's: server/lifecycle.py)."""
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from shoal.server.openai.protocol import (
     error_responses,
 )
 from shoal.server.openai.embeddings import router as embeddings_router
+from shoal.server.openai.rerank import router as rerank_router
 from shoal.server.openai.tokenize import router as tokenize_router
 from shoal.server.streams import answer_when_loaded
 
 router = APIRouter()
 router.include_router(tokenize_router)
 router.include_router(embeddings_router)
+router.include_router(rerank_router)
 
 _GENERATION_ERRORS = error_responses(400, 401, 403, 404, 413, 500, 503, 507)
 

@@ -126,6 +126,9 @@ async def create_embeddings(body: EmbeddingRequest, http: Request, state) -> JSO
         raise bad_request(f"model {served.model_name!r} does not serve embeddings: its files name no pooling "
                           "(sentence-transformers' modules.json, a GGUF's pooling_type), and it was not served with "
                           "--embeddings", "model")
+    if pooling.mode == "score":
+        raise bad_request(f"model {served.model_name!r} is a cross-encoder: it scores (query, document) pairs on "
+                          "/v1/rerank and gives no embeddings", "model")
     if body.dimensions is not None:
         try:
             pooling.check_dimensions(body.dimensions)
