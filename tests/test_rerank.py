@@ -223,3 +223,11 @@ def test_a_classifier_of_several_labels_does_not_rerank(tmp_path):
         assert r.status_code == 400
         err = r.json()["error"]
         assert err["param"] == "model" and "3 labels" in err["message"]
+
+
+def test_metrics_carry_the_openai_rerank_protocol(server):
+    import re
+
+    assert server.http().post("/v1/rerank", json={"query": "count me", "documents": ["a", "b"]}).status_code == 200
+    text = server.http().get("/metrics").text
+    assert re.search(r'shoal:e2e_request_latency_seconds_count\{[^}]*protocol="openai_rerank"[^}]*\} [1-9]', text)
