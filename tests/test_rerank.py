@@ -201,6 +201,17 @@ def test_a_decoder_cannot_rerank(tmp_path):
         assert srv.http().post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
 
 
+def test_the_engine_refuses_a_pooling_mode_its_model_does_not_pool_by(cross_encoder, tmp_path):
+    """The engine's own check, for callers that skip the server: a cross-encoder scores, an embedder embeds."""
+    engine = tiny_engine(cross_encoder)
+    for mode in ("mean", "last", "cls"):
+        with pytest.raises(ValueError, match=f"this model pools by 'score', not '{mode}'"):
+            engine.validate(GenerationRequest("x", (5, 6, 7), SamplingParams(), pooling=PoolingParams(mode)))
+    embedder = tiny_engine(make_tiny_bert(tmp_path / "bert"), embeddings=True)
+    with pytest.raises(ValueError, match=r"this model pools by '\w+', not 'score'"):
+        embedder.validate(GenerationRequest("y", (5, 6, 7), SamplingParams(), pooling=PoolingParams("score", normalize=False)))
+
+
 def test_the_guide_s_rerank_snippets_run_against_a_live_server(server):
     """docs/guides/embeddings.md's reranking snippets, as written but for the address and model name."""
     from test_embeddings import guide_blocks

@@ -128,6 +128,8 @@ class Engine:
         if self.pooling is None:
             raise ValueError("this model does not serve embeddings: its files name no pooling (sentence-transformers' "
                              "modules.json, a GGUF's pooling_type), and it was not served with --embeddings")
+        if request.pooling.mode != self.pooling.mode:  # a cross-encoder's "score" is not an embedding, nor the reverse
+            raise ValueError(f"this model pools by {self.pooling.mode!r}, not {request.pooling.mode!r}")
         n = len(request.prompt_token_ids)
         if n > self.max_model_len:
             raise ValueError(f"the input has {n} tokens but the context is {self.max_model_len} tokens")
