@@ -1,9 +1,11 @@
 """EncoderRunner: the runner of an encoder (BERT) that only embeds. The same interface as ModelRunner (`execute`
 a StepPlan, the sizes the engine reads), without a KV cache.
 
-Each scheduled sequence is a whole input (the scheduler never chunks an encoder's: `Sequence.whole`), so a step is
-a padded batch [B, L] with its attention mask, one call of the encoder, and its rows laid out as `forward_batch`
-lays them out, for the same pooling call as a decoder's (runner/pooling.py). The engine's block accounting runs on
+Each scheduled sequence is a whole input (the scheduler never chunks an encoder's: `Sequence.whole`), and each is
+run alone, unpadded: an input's vector then depends on nothing but the input, bitwise, whatever else the step holds
+(a padded batch through transformers' module changed the last bits with its neighbours; the determinism shoal
+promises covers embeddings too). Its rows are laid out as `forward_batch` lays them out, for the same pooling call
+as a decoder's (runner/pooling.py). The engine's block accounting runs on
 a pool of zero-byte blocks: nothing is written to them, and no prefix cache is kept (a prefix's hidden states
 depend on what follows it).
 
@@ -48,29 +50,24 @@ class EncoderRunner:
         batch, seqs = forward_batch(plan)
         if batch.empty or not batch.pool_rows:
             return StepOutput([], {})
-        B, L = len(seqs), max(len(s.token_ids) for s in seqs)
-        ids = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s.token_ids)] = torch.tensor(s.token_ids)
-            mask[i, : len(s.token_ids)] = 1
+        inputs = [torch.tensor([s.token_ids], dtype=torch.long, device=self.device) for s in seqs]  # [1, L] each
         if self.score is not None:
-            return self._scores(seqs, ids, mask)
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state  # [B, L, H]
-        hidden = out[mask.to(self.device).bool()]  # [T, H]: each sequence's rows in turn, as forward_batch lays them
+            return self._scores(seqs, inputs)
+        # [T, H]: each sequence's rows in turn, as forward_batch lays them
+        hidden = torch.cat([self.model(input_ids=ids).last_hidden_state[0] for ids in inputs])
         pooled = pool(hidden, batch.pool_rows, batch.pool_lengths)
         logits = StepLogits(None, [], pooled)
         return StepOutput([], {}, dict(zip((s.seq_id for s in seqs if s.pool), logits.pooled.tolist())))
 
-    def _scores(self, seqs, ids: torch.Tensor, mask: torch.Tensor) -> StepOutput:
+    def _scores(self, seqs, inputs: list[torch.Tensor]) -> StepOutput:
         """A cross-encoder's step: each pair's logits through the activation, [num_labels] per sequence."""
-        types = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):
+        logits = []
+        for s, ids in zip(seqs, inputs):
+            types = torch.zeros_like(ids)
             if self.sep_token_id in s.token_ids:
-                types[i, s.token_ids.index(self.sep_token_id) + 1 : len(s.token_ids)] = 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                            token_type_ids=types.to(self.device)).logits  # [B, num_labels]
-        scores = self.score(logits.float()).double()
+                types[0, s.token_ids.index(self.sep_token_id) + 1 :] = 1
+            logits.append(self.model(input_ids=ids, token_type_ids=types).logits[0])  # [num_labels]
+        scores = self.score(torch.stack(logits).float()).double()
         rows = [i for i, s in enumerate(seqs) if s.pool]
         return StepOutput([], {}, dict(zip((seqs[i].seq_id for i in rows), scores[rows].tolist())))
 
