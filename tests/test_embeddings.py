@@ -385,6 +385,27 @@ def test_a_bert_gguf_embeds_as_its_folder_does(layout, request, tmp_path):
         assert max_diff(vec, want.tolist()) < 1e-5
 
 
+def test_an_encoder_serves_sentence_transformers_max_seq_length(minilm, tmp_path):
+    """sentence_bert_config.json's max_seq_length is the encoder's context: an input sentence-transformers would cut
+    is refused in words, never embedded whole into a vector it would not give."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "short"
+    shutil.copytree(minilm, folder)
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16, "do_lower_case": False}))
+    assert SentenceTransformer(str(folder), device="cpu").max_seq_length == 16  # the library reads it so too
+    engine = tiny_engine(folder)
+    assert engine.max_model_len == 16 and tiny_engine(minilm).max_model_len > 16
+    p = engine.pooling
+    with pytest.raises(ValueError, match="the input has 20 tokens but the context is 16 tokens"):
+        engine.validate(GenerationRequest("long", tuple(range(5, 25)), SamplingParams(), pooling=PoolingParams(p.mode, p.normalize)))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": "long"}))
+    with pytest.raises(ValueError, match="max_seq_length must be a positive integer, not 'long'"):
+        tiny_engine(folder)
+
+
 def test_an_encoder_computes_each_input_whole_and_refuses_text_generation(minilm):
     engine = tiny_engine(minilm, max_num_batched_tokens=16)
     ids = [engine.tokenizer.encode(t) for t in TEXTS]

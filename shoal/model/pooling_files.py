@@ -59,6 +59,21 @@ def read_pooling(path: Path, gguf_metadata: dict | None, hidden_size: int, hf_co
                     encoder)
 
 
+def max_seq_length(path: Path) -> int | None:
+    """sentence-transformers' `max_seq_length` (sentence_bert_config.json): the longest input the model was trained
+    to embed (all-MiniLM's 256, of BERT's 512 positions); None where the folder names none."""
+    file = Path(path) / "sentence_bert_config.json"
+    if not file.is_file():
+        return None
+    try:
+        n = json.loads(file.read_text()).get("max_seq_length")
+    except (ValueError, AttributeError):
+        raise ValueError(f"{file.name}: not a JSON object") from None
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"{file.name}: max_seq_length must be a positive integer, not {n!r}")
+    return n
+
+
 def _st_mode(config: dict) -> str:
     """A sentence-transformers Pooling module's mode: `pooling_mode`, or the one `pooling_mode_*` flag set."""
     if "pooling_mode" in config:

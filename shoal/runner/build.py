@@ -22,7 +22,7 @@ from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, pla
 from shoal.model.formats import GGUFLinear, served_bytes
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
 from shoal.model.bert import encoder_config, is_cross_encoder, is_encoder, load_encoder, score_activation
-from shoal.model.pooling_files import read_pooling
+from shoal.model.pooling_files import max_seq_length, read_pooling
 from shoal.model.registry import model_class
 from shoal.model.vision import build_tower
 from shoal.model.tensor_parallel import TensorParallel, connect_ranks, shard_model
@@ -165,7 +165,9 @@ def build_encoder_part(config: EngineConfig, device: torch.device, dtype: torch.
     trained = hf.max_position_embeddings
     if config.max_model_len and config.max_model_len > trained:
         raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's {trained} positions")
-    max_model_len = config.max_model_len or trained
+    # sentence-transformers' max_seq_length where the folder gives one: longer inputs are refused (as OpenAI's API
+    # refuses them), not embedded whole into vectors sentence-transformers would not give (it cuts them)
+    max_model_len = config.max_model_len or min(trained, (max_seq_length(path) if gguf is None else None) or trained)
     block = config.cache.block_size
     mc = encoder_config(hf)
     scores = is_cross_encoder(hf)
