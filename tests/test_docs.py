@@ -336,6 +336,7 @@ OUTSIDE_NAMES = {
     "ignore_merges": "an option of tokenizers' BPE model",
     "SyncBackend": "httpcore's network backend",
     "Host": "the HTTP header",
+    "BertForSequenceClassification": "transformers' class a cross-encoder's folder names, which the encoder runs",
 }
 MODULE_ALIASES = {"nn": "torch.nn"}  # as shoal's files import them
 
