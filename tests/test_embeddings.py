@@ -268,8 +268,8 @@ BERT_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqr
               *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz")]
 
 
-def make_tiny_bert(path: Path, seed: int = 0) -> Path:
-    """A random-weight BertModel folder with a WordPiece tokenizer (all-MiniLM's and bge's layout, tiny)."""
+def wordpiece_tokenizer():
+    """make_tiny_bert's WordPiece tokenizer over BERT_WORDS."""
     import transformers
 
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -281,8 +281,15 @@ def make_tiny_bert(path: Path, seed: int = 0) -> Path:
     backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                            special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     backend.decoder = decoders.WordPiece()
-    tokenizer = transformers.BertTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-                                               pad_token="[PAD]", mask_token="[MASK]")
+    return transformers.BertTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                                          pad_token="[PAD]", mask_token="[MASK]")
+
+
+def make_tiny_bert(path: Path, seed: int = 0) -> Path:
+    """A random-weight BertModel folder with a WordPiece tokenizer (all-MiniLM's and bge's layout, tiny)."""
+    import transformers
+
+    tokenizer = wordpiece_tokenizer()
     path.mkdir(parents=True, exist_ok=True)
     config = transformers.BertConfig(vocab_size=len(BERT_WORDS), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=128, max_position_embeddings=128)
@@ -378,6 +385,115 @@ def test_a_bert_gguf_embeds_as_its_folder_does(layout, request, tmp_path):
     engine = tiny_engine(write_bert_gguf(folder, tmp_path / "bert.gguf", kind))
     assert (engine.pooling.mode, engine.pooling.normalize) == (("mean" if layout == "minilm" else "cls"), True)
     st = SentenceTransformer(str(folder), device="cpu")
+    texts = [*TEXTS, "Hello, World: the Fox!"]
+    assert [engine.tokenizer.encode(t) for t in texts] == [st.tokenizer(t)["input_ids"] for t in texts]
+    ref = st.encode(texts, convert_to_tensor=True, batch_size=1).double()
+    for vec, want in zip(embed(engine, [engine.tokenizer.encode(t) for t in texts]), ref):
+        assert max_diff(vec, want.tolist()) < 1e-5
+
+
+def make_tiny_nomic(path: Path, seed: int = 0) -> Path:
+    """A random-weight NomicBertModel folder (nomic-embed-text's layout, tiny: rotary positions, a SwiGLU MLP)."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = transformers.NomicBertConfig(vocab_size=len(BERT_WORDS), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=96, max_position_embeddings=128, layer_norm_eps=1e-12,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    config.architectures = ["NomicBertModel"]
+    torch.manual_seed(seed)
+    model = transformers.NomicBertModel(config).eval()
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or "layernorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    wordpiece_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def nomic(tmp_path_factory) -> Path:
+    """nomic-embed-text's layout: a NomicBertModel, mean pooling, a Normalize module."""
+    return add_st_modules(make_tiny_nomic(tmp_path_factory.mktemp("nomic"), seed=7), "mean_tokens", True)
+
+
+def test_a_nomic_bert_folder_s_vectors_equal_sentence_transformers_alone_and_in_a_batch(nomic):
+    """transformers' NomicBertModel (rotary positions, SwiGLU) through the encoder path: within 1e-5 of
+    sentence-transformers' vectors, and the same bits alone as in a batch."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(nomic), device="cpu")
+    assert type(st[0].auto_model).__name__ == "NomicBertModel"
+    ref = st.encode(TEXTS, convert_to_tensor=True, batch_size=1).double()
+    engine = tiny_engine(nomic, check_integrity=True)
+    assert (engine.pooling.mode, engine.pooling.normalize) == ("mean", True)
+    assert type(engine.runner.model).__name__ == "NomicBertModel"
+    assert engine.prefix_cache is None
+    ids = [st.tokenizer(t)["input_ids"] for t in TEXTS]
+    assert ids == [engine.tokenizer.encode(t) for t in TEXTS] and len(ids[2]) > 40
+    together = embed(engine, ids, prefix="batch")
+    for i, (vec, want) in enumerate(zip(together, ref)):
+        assert len(vec) == 64
+        assert max_diff(vec, want.tolist()) < 1e-5
+        assert embed(engine, [ids[i]], prefix=f"alone{i}-")[0] == vec  # alone, bitwise: each input runs unpadded
+    assert engine.pool.num_free == engine.runner.num_blocks
+
+
+def write_nomic_gguf(folder: Path, out: Path, pooling) -> Path:
+    """The tiny nomic folder as llama.cpp's convert_hf_to_gguf writes a `nomic-bert` GGUF from nomic's own checkpoint:
+    its metadata (rope.freq_base the rotary base), the vocabulary as `write_bert_gguf` writes it, every tensor in
+    float32 by gguf's NOMIC_BERT name table (nomic's fused Wqkv as one `attn_qkv`)."""
+    import gguf
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    writer = gguf.GGUFWriter(str(out), "nomic-bert")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(pooling)
+    writer.add_token_type_count(config.type_vocab_size)
+    tokens = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t for t in BERT_WORDS]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(tokens)
+    writer.add_bos_token_id(BERT_WORDS.index("[CLS]"))
+    writer.add_sep_token_id(BERT_WORDS.index("[SEP]"))
+    writer.add_unk_token_id(BERT_WORDS.index("[UNK]"))
+    writer.add_pad_token_id(BERT_WORDS.index("[PAD]"))
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT, config.num_hidden_layers)
+    # transformers saves a NomicBertModel under nomic's own names (emb_ln, encoder.layers.N.attn.Wqkv, mlp.fc11, ...,
+    # its conversion_mapping run backwards): what convert_hf_to_gguf reads from nomic-embed-text's folder
+    out_tensors = {f"{table.get_name(name.rsplit('.', 1)[0])}.{name.rsplit('.', 1)[1]}": tensor
+                   for name, tensor in load_file(folder / "model.safetensors").items()}
+    assert out_tensors["blk.0.attn_qkv.weight"].shape == (3 * config.hidden_size, config.hidden_size)  # fused q, k, v
+    assert {"token_embd.weight", "token_types.weight", "token_embd_norm.bias", "blk.1.ffn_gate.weight",
+            "blk.1.layer_output_norm.weight", "blk.1.attn_output_norm.bias"} <= set(out_tensors)
+    for name, tensor in out_tensors.items():
+        writer.add_tensor(name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_nomic_bert_gguf_embeds_as_its_folder_does(nomic, tmp_path):
+    import gguf
+    from sentence_transformers import SentenceTransformer
+
+    engine = tiny_engine(write_nomic_gguf(nomic, tmp_path / "nomic.gguf", gguf.PoolingType.MEAN))
+    assert (engine.pooling.mode, engine.pooling.normalize) == ("mean", True)
+    model = engine.runner.model
+    assert type(model).__name__ == "NomicBertModel" and model.config.rope_parameters["rope_theta"] == 1000.0
+    st = SentenceTransformer(str(nomic), device="cpu")
     texts = [*TEXTS, "Hello, World: the Fox!"]
     assert [engine.tokenizer.encode(t) for t in texts] == [st.tokenizer(t)["input_ids"] for t in texts]
     ref = st.encode(texts, convert_to_tensor=True, batch_size=1).double()

@@ -34,7 +34,7 @@ def read_pooling(path: Path, gguf_metadata: dict | None, hidden_size: int, hf_co
         if kind is None or int(kind) == 0:
             return None
         mode = GGUF_POOLING.get(int(kind), f"type {kind}")
-        return _checked(Pooling(mode, True, hidden_size), f"{path.name}'s {arch}.pooling_type", arch == "bert")
+        return _checked(Pooling(mode, True, hidden_size), f"{path.name}'s {arch}.pooling_type", arch in ("bert", "nomic-bert"))
     modules_file = Path(path) / "modules.json"
     if not modules_file.is_file():
         return None
@@ -54,7 +54,7 @@ def read_pooling(path: Path, gguf_metadata: dict | None, hidden_size: int, hf_co
     if mode is None:
         return None
     dims = getattr(hf_config, "matryoshka_dimensions", None) if hf_config is not None else None
-    encoder = "BertModel" in (getattr(hf_config, "architectures", None) or [])
+    encoder = bool({"BertModel", "NomicBertModel"} & set(getattr(hf_config, "architectures", None) or []))
     return _checked(Pooling(mode, normalize, hidden_size, tuple(int(d) for d in dims) if dims else None), str(modules_file),
                     encoder)
 

@@ -21,7 +21,7 @@ from shoal.model.layers import bind_attributes
 from shoal.model.loader import LoadedCheckpoint, load_checkpoint, open_gguf, planned_weight_format, read_config, resolve_model_path
 from shoal.model.formats import GGUFLinear, served_bytes
 from shoal.model.quant import Int4Linear, Int8Linear, WeightFormat
-from shoal.model.bert import encoder_config, is_cross_encoder, is_encoder, load_encoder, score_activation
+from shoal.model.bert import GGUF_ENCODERS, encoder_config, is_cross_encoder, is_encoder, load_encoder, score_activation
 from shoal.model.pooling_files import max_seq_length, read_pooling
 from shoal.model.registry import model_class
 from shoal.model.vision import build_tower
@@ -69,7 +69,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     dtype = engine_dtype(config, device, gguf)
     if device.type == "cpu":
         keep_freed_memory()
-    if gguf.metadata.get("general.architecture") == "bert" if gguf is not None else is_encoder(read_config(config.model)):
+    if gguf.metadata.get("general.architecture") in GGUF_ENCODERS if gguf is not None else is_encoder(read_config(config.model)):
         if group is not None:
             raise ValueError("an encoder (BERT) runs on one rank: tensor and pipeline parallelism take decoders")
         return build_encoder_part(config, device, dtype, gguf)
