@@ -374,6 +374,23 @@ def test_embed_gives_the_engines_vectors(model_path):
         assert bad.status_code == 400 and "input[1]" in bad.json()["error"]
 
 
+def test_embed_cuts_an_input_to_the_context_unless_truncate_is_false(model_path):
+    """Ollama's `truncate` (default true): an input over the context is cut, its end dropped, and embeds as its first
+    max_model_len tokens do; with false it is a 400 naming the input."""
+    with LiveServer(tiny_engine(model_path, max_model_len=256, embeddings=True), ServerSettings(log_requests=False, served_model_name=NAME)) as s:
+        long = " ".join(f"word{i}" for i in range(400))
+        ids = s.engine.tokenizer.encode(long)
+        assert len(ids) > 256
+        with s.http() as h:
+            cut = h.post("/api/embed", json={"model": NAME, "input": long})
+            want = h.post("/v1/embeddings", json={"model": NAME, "input": ids[:256]}).json()["data"][0]["embedding"]
+            refused = h.post("/api/embed", json={"model": NAME, "input": ["short", long], "truncate": False})
+            older = h.post("/api/embeddings", json={"model": NAME, "prompt": long})
+        assert cut.status_code == 200 and cut.json()["prompt_eval_count"] == 256 and cut.json()["embeddings"][0] == want
+        assert refused.status_code == 400 and "input[1]" in refused.json()["error"]
+        assert older.status_code == 200 and older.json()["embedding"] == want
+
+
 def test_langchain_ollama_embeddings(model_path):
     """LangChain's OllamaEmbeddings, unmodified: documents in one batch and a query, the vectors /v1/embeddings gives."""
     from langchain_ollama import OllamaEmbeddings

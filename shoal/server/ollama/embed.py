@@ -2,9 +2,9 @@
 
 Each input is one prompt-only request (`AsyncEngine.embedding_request`, pooled as the model embeds), batched
 with everything else the engine runs. A model that does not embed (no pooling in its files, not served with
---embeddings) is a 400, as Ollama answers for a model without the capability. Ollama cuts an input longer than
-the context (`truncate`, default true); here such an input is refused with a 400 naming it, whatever `truncate`
-says, since a cut vector would silently stand for text it never saw.
+--embeddings) is a 400, as Ollama answers for a model without the capability. An input longer than the context
+is cut to it, its end dropped, as Ollama does by default (`truncate`, default true: apps send long chunks and
+expect a vector); with `"truncate": false` it is a 400 naming the input, as Ollama's is.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 from starlette.requests import Request
 
-from shoal.server.chat.render import check_prompt_chars
+from shoal.server.chat.render import check_prompt_chars, max_prompt_chars
 from shoal.server.errors import bad_request
 from shoal.server.ollama.generate import model_name, ns
 from shoal.server.ollama.protocol import EmbeddingsRequest, EmbedRequest
@@ -35,11 +35,16 @@ def _inputs(value) -> list[str]:
     return items
 
 
-def _tokenize(served, items: list[str]) -> list[list[int]]:
-    out = []
+def _tokenize(served, items: list[str], truncate: bool) -> list[list[int]]:
+    """Each input's ids; with `truncate`, cut to the context (the text first to what could fit, so a huge input
+    costs no more tokenizing than a full one)."""
+    out, most = [], served.engine.max_model_len
     for i, x in enumerate(items):
-        check_prompt_chars(served, len(x), f"input[{i}]")
-        out.append(list(served.engine.tokenizer.encode(x)))
+        if truncate:
+            out.append(list(served.engine.tokenizer.encode(x[: max_prompt_chars(served)]))[:most])
+        else:
+            check_prompt_chars(served, len(x), f"input[{i}]")
+            out.append(list(served.engine.tokenizer.encode(x)))
     return out
 
 
@@ -51,7 +56,8 @@ def _check(engine, reqs) -> None:
             raise bad_request(f"input[{i}]: {e}", "input") from None
 
 
-async def _vectors(http: Request, state, name: str, keep_alive, items: list[str], dimensions: int | None):
+async def _vectors(http: Request, state, name: str, keep_alive, items: list[str], dimensions: int | None,
+                   truncate: bool = True):
     """The served model, each item's vector, the prompt tokens, and the seconds spent getting the model."""
     start = time.monotonic()
     served = await state.admit(model_name(state, name), keep_alive)
@@ -66,7 +72,7 @@ async def _vectors(http: Request, state, name: str, keep_alive, items: list[str]
             pooling.check_dimensions(dimensions)
         except ValueError as e:
             raise bad_request(str(e), "dimensions") from None
-    ids = await asyncio.to_thread(_tokenize, served, items)
+    ids = await asyncio.to_thread(_tokenize, served, items, truncate)
     rid = f"ollama-embed-{time.monotonic_ns():x}"
     arrival = time.monotonic()
     reqs = [engine.embedding_request(rid if len(ids) == 1 else f"{rid}-{i}", x, dimensions, arrival_time=arrival)
@@ -79,7 +85,8 @@ async def _vectors(http: Request, state, name: str, keep_alive, items: list[str]
 
 async def embed(body: EmbedRequest, http: Request, state) -> dict:
     start = time.monotonic()
-    vectors, tokens, loaded = await _vectors(http, state, body.model, body.keep_alive, _inputs(body.input), body.dimensions)
+    vectors, tokens, loaded = await _vectors(http, state, body.model, body.keep_alive, _inputs(body.input), body.dimensions,
+                                             body.truncate is not False)
     return {"model": body.model, "embeddings": vectors, "total_duration": ns(time.monotonic() - start),
             "load_duration": ns(loaded), "prompt_eval_count": tokens}
 

@@ -125,7 +125,7 @@ class ShowRequest(_Request):
 class EmbedRequest(_Request):
     model: str = Field(..., min_length=1)
     input: str | list[str] | None = None
-    truncate: StrictBool | None = None
+    truncate: StrictBool | None = None  # Ollama's: an input over the context is cut (None, true) or refused (false)
     options: Options | None = None
     keep_alive: KeepAlive = None
     dimensions: Int | None = None
