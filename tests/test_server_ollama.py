@@ -226,6 +226,34 @@ def test_generate_templated_raw_system_and_context(srv, client):
     assert follow.prompt_eval_count == len(templated.context) + more
 
 
+GO_TEMPLATE = "{{- if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end -}}\n<|im_start|>user\n{{ .Prompt }}<|im_end|>\n"
+
+
+def test_a_go_template_renders_as_go_would():
+    """gotemplate.py against what Go's text/template gives for the same templates (worked by hand from its rules:
+    a false `if` writes nothing, `{{-`/`-}}` drop the white space beside them, a missing field is empty)."""
+    from shoal.server.ollama import gotemplate
+
+    assert gotemplate.render(GO_TEMPLATE, {"System": "", "Prompt": "hi"}) == "<|im_start|>user\nhi<|im_end|>\n"
+    assert gotemplate.render(GO_TEMPLATE, {"System": "Be terse.", "Prompt": "hi"}) == (
+        "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n")
+    assert gotemplate.render("{{ if .A }}a{{ else if .B }}b{{ else }}c{{ end }}|{{/* note */}}{{ .Missing }}.", {"B": "1"}) == "b|."
+    assert gotemplate.render("x  {{- .P -}}  y", {"P": "p"}) == "xpy"
+    for bad in ("{{ range .Messages }}{{ end }}", "{{ $x := 1 }}", "{{ else }}", "{{ end }}", "{{ if .A }}", "{{ json .P }}"):
+        with pytest.raises(ValueError, match="^template: "):
+            gotemplate.render(bad, {})
+
+
+def test_generate_runs_its_own_go_template(srv, client):
+    """A generate request's `template` over its system and prompt: the same prompt as the rendered text sent raw."""
+    rendered = "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+    templated = client.generate(model=NAME, prompt="Hello", system="Be terse.", template=GO_TEMPLATE, options={**SAMPLED, "num_predict": 6})
+    raw = client.generate(model=NAME, prompt=rendered, raw=True, options={**SAMPLED, "num_predict": 6})
+    assert templated.prompt_eval_count == raw.prompt_eval_count and templated.response == raw.response
+    ignored = client.generate(model=NAME, prompt=rendered, raw=True, template="{{ range .X }}{{ end }}", options={**SAMPLED, "num_predict": 6})
+    assert ignored.response == raw.response  # raw: no template is run, as Ollama's rule says
+
+
 def test_suffix_fills_in_the_middle_with_the_models_tokens(tmp_path):
     """A code model's fill-in-the-middle tokens (Qwen2.5-Coder's here) around the prompt and the suffix, as Ollama's
     template for it writes them; no chat template."""
@@ -441,7 +469,9 @@ BAD = [
     ("/api/chat", _chat(messages=[{"role": "user", "content": "x", "images": ["AAAA"]}]), 400, "images"),
     ("/api/chat", _chat(messages=[{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]),
      400, "arguments"),
-    ("/api/generate", _gen(template="{{ .Prompt }}"), 400, "template"),
+    ("/api/generate", _gen(template="{{ range .Messages }}{{ .Content }}{{ end }}"), 400, "template"),
+    ("/api/generate", _gen(template="{{ .Prompt | upper }}"), 400, "template"),
+    ("/api/generate", _gen(template="{{ if .System }}x"), 400, "template"),
     ("/api/generate", _gen(suffix="end"), 400, "fill-in-the-middle tokens"),  # this tokenizer has none
     ("/api/generate", _gen(suffix="end", raw=True), 400, "suffix"),
     ("/api/generate", _gen(prompt=["a"]), 400, "prompt"),

@@ -10,7 +10,8 @@ Ollama's habits kept:
     `done_reason: "load"`; with `keep_alive: 0` it unloads the model once idle (`"unload"`);
   - a model named with the tag `:latest` is the model of that name;
   - generate's `suffix` asks for the middle between `prompt` and it, in the model's fill-in-the-middle tokens
-    (`FIM_MARKERS`, as Ollama's templates for code models write them); a custom `template` is refused;
+    (`FIM_MARKERS`, as Ollama's templates for code models write them); a request's own `template` is run over its
+    system, prompt and suffix where it keeps to Go's fields, if/else and comments (gotemplate.py), else refused;
   - the timings are nanoseconds: `total_duration` from the request's arrival to its last line, `load_duration`
     the wait for the model (its load, when it was not loaded), `prompt_eval_duration` the prompt's computation
     up to the first token, `eval_duration` the generation after it. The counts are the engine's: the prompt's
@@ -39,6 +40,7 @@ from shoal.server.chat.render import ToolUse, check_prompt_chars
 from shoal.server.chat.tools import ToolCall, check_function_tools
 from shoal.server.errors import APIError, bad_request, from_value_error
 from shoal.server.models import parse_keep_alive
+from shoal.server.ollama import gotemplate
 from shoal.server.ollama.protocol import ChatRequest, GenerateRequest, Message, Options
 from shoal.server.streams import RequestTracker, engine_error, merged, run_to_end, tracked
 from shoal.types import FinishReason, GenerationRequest, RequestOutput, StructuredOutput, TokenLogprobs
@@ -220,10 +222,10 @@ async def generate(body: GenerateRequest, http: Request, state) -> Response:
     name = model_name(state, body.model)
     if not body.prompt and not body.images and not body.suffix:
         return await _load_only(state, name, body, start, {"response": ""})
-    if body.template:
-        raise bad_request("template: shoal renders prompts with the model's own (Jinja) chat template and cannot run an "
-                          "Ollama Go template; send the whole prompt with \"raw\": true instead", "template")
-    if body.suffix and (body.raw or body.images or body.system or body.context):
+    templated = bool(body.template) and not body.raw  # raw: the prompt as it is, whatever the template (Ollama's rule)
+    if templated and body.images:
+        raise bad_request("images need the model's chat template to place them, so they cannot go with a template", "images")
+    if body.suffix and not templated and (body.raw or body.images or body.system or body.context):
         raise bad_request("suffix (fill in the middle) goes with a prompt alone: not with raw, images, system or context", "suffix")
     if body.raw and body.images:
         raise bad_request("images need the chat template to place them, so they cannot go with \"raw\": true", "images")
@@ -233,7 +235,13 @@ async def generate(body: GenerateRequest, http: Request, state) -> Response:
     loaded = time.monotonic()
     structured = output_format(body.format)
     prompt = body.prompt or ""
-    if body.suffix:
+    if templated:  # the request's own Go template over its system, prompt and suffix
+        try:
+            text = gotemplate.render(body.template, {"System": body.system or "", "Prompt": prompt, "Suffix": body.suffix or ""})
+        except ValueError as e:
+            raise bad_request(str(e), "template") from None
+        text, ids, spans = text, await asyncio.to_thread(_encode_raw, served, text), ()
+    elif body.suffix:
         text = fill_in_the_middle(served, prompt, body.suffix)
         text, ids, spans = text, await asyncio.to_thread(_encode_raw, served, text), ()
     elif body.raw:
@@ -245,7 +253,7 @@ async def generate(body: GenerateRequest, http: Request, state) -> Response:
         text, ids, spans = await render_conversation(served, messages, images, None, template_kwargs(served, body.think))
     if body.context:
         ids = list(body.context) + list(ids)
-    params = sampling(body, served, structured, len(ids), templated=not (body.raw or body.suffix))
+    params = sampling(body, served, structured, len(ids), templated=not (body.raw or body.suffix or templated))
     rid = f"ollama-generate-{uuid.uuid4().hex[:24]}"
     (req,), (clipped,) = await engine_requests(served, rid, [(text, ids)], params, "format", prompt_param="prompt", images=spans)
     job = _Answer(served, body, req, "ollama_generate", None, start, loaded - start)
