@@ -25,7 +25,6 @@ import sys
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -296,10 +295,7 @@ def make_tiny_bert(path: Path, seed: int = 0) -> Path:
     config.architectures = ["BertModel"]
     torch.manual_seed(seed)
     model = transformers.BertModel(config).eval()
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_norms_and_biases(model)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
@@ -338,6 +334,25 @@ def test_an_encoder_s_vectors_equal_sentence_transformers_alone_and_in_a_batch(l
     assert engine.pool.num_free == engine.runner.num_blocks  # no KV: every block back
 
 
+def perturb_norms_and_biases(model) -> None:
+    """Random init leaves norms at 1 and biases at 0, which hides a layout mistake: move them off."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name.lower() or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def write_wordpiece_vocab(writer) -> None:
+    """The tiny WordPiece vocabulary as llama.cpp's converter writes a BERT's: phantom-space form, [CLS] as BOS."""
+    tokens = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t for t in BERT_WORDS]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(tokens)
+    writer.add_bos_token_id(BERT_WORDS.index("[CLS]"))
+    writer.add_sep_token_id(BERT_WORDS.index("[SEP]"))
+    writer.add_unk_token_id(BERT_WORDS.index("[UNK]"))
+    writer.add_pad_token_id(BERT_WORDS.index("[PAD]"))
+
+
 def write_bert_gguf(folder: Path, out: Path, pooling) -> Path:
     """The tiny BERT folder as llama.cpp's convert_hf_to_gguf writes a `bert` GGUF: its metadata, the vocabulary in
     phantom-space form ([CLS] as BOS), every tensor in float32 by gguf's name table."""
@@ -355,13 +370,7 @@ def write_bert_gguf(folder: Path, out: Path, pooling) -> Path:
     writer.add_layer_norm_eps(config.layer_norm_eps)
     writer.add_causal_attention(False)
     writer.add_pooling_type(pooling)
-    tokens = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t for t in BERT_WORDS]
-    writer.add_tokenizer_model("bert")
-    writer.add_token_list(tokens)
-    writer.add_bos_token_id(BERT_WORDS.index("[CLS]"))
-    writer.add_sep_token_id(BERT_WORDS.index("[SEP]"))
-    writer.add_unk_token_id(BERT_WORDS.index("[UNK]"))
-    writer.add_pad_token_id(BERT_WORDS.index("[PAD]"))
+    write_wordpiece_vocab(writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config.num_hidden_layers)
     for hf_name, tensor in load_file(folder / "model.safetensors").items():
         base, suffix = hf_name.rsplit(".", 1)
@@ -403,10 +412,7 @@ def make_tiny_nomic(path: Path, seed: int = 0) -> Path:
     config.architectures = ["NomicBertModel"]
     torch.manual_seed(seed)
     model = transformers.NomicBertModel(config).eval()
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or "layernorm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_norms_and_biases(model)
     model.save_pretrained(path, safe_serialization=True)
     wordpiece_tokenizer().save_pretrained(path)
     return path
@@ -461,13 +467,7 @@ def write_nomic_gguf(folder: Path, out: Path, pooling) -> Path:
     writer.add_causal_attention(False)
     writer.add_pooling_type(pooling)
     writer.add_token_type_count(config.type_vocab_size)
-    tokens = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t for t in BERT_WORDS]
-    writer.add_tokenizer_model("bert")
-    writer.add_token_list(tokens)
-    writer.add_bos_token_id(BERT_WORDS.index("[CLS]"))
-    writer.add_sep_token_id(BERT_WORDS.index("[SEP]"))
-    writer.add_unk_token_id(BERT_WORDS.index("[UNK]"))
-    writer.add_pad_token_id(BERT_WORDS.index("[PAD]"))
+    write_wordpiece_vocab(writer)
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT, config.num_hidden_layers)
     # transformers saves a NomicBertModel under nomic's own names (emb_ln, encoder.layers.N.attn.Wqkv, mlp.fc11, ...,
     # its conversion_mapping run backwards): what convert_hf_to_gguf reads from nomic-embed-text's folder

@@ -13,7 +13,7 @@ import torch
 
 from server_utils import LiveServer, tiny_engine, tiny_engine_config
 from shoal.types import GenerationRequest, PoolingParams, SamplingParams
-from test_embeddings import make_tiny_bert, max_diff
+from test_embeddings import make_tiny_bert, max_diff, perturb_norms_and_biases
 from tiny_models import make_tiny_model
 
 QUERY = "what does the fox eat"
@@ -32,10 +32,7 @@ def make_tiny_cross_encoder(path: Path, seed: int = 0, num_labels: int = 1) -> P
     config.initializer_range = 0.3  # at 0.02 a random BERT's [CLS] row hardly depends on its input: every score alike
     torch.manual_seed(seed)
     model = transformers.BertForSequenceClassification(config).eval()
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_norms_and_biases(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
