@@ -186,6 +186,30 @@ async def engine_requests(served, rid: str, prompts: list[tuple[str | None, list
     return [req for req, _ in fitted], [clip for _, clip in fitted]
 
 
+async def pooled_requests(served, rid: str, inputs: list[list[int]], param: str, dimensions: int | None = None,
+                          name_one: bool = True) -> list[GenerationRequest]:
+    """engine_requests for prompt-only requests (embeddings, a cross-encoder's scores): per input the engine's
+    pooled request (ids `rid`, or `rid-i` for several, one arrival time), checked once, in a worker thread, and
+    handed on as checked. A refusal is a 400 naming `param[i]` (only `param` for a single input unless
+    `name_one`); a model unloaded under it, the 503 a request in flight gets."""
+    arrival = time.monotonic()
+    reqs = [served.engine.embedding_request(rid if len(inputs) == 1 else f"{rid}-{i}", ids, dimensions, arrival_time=arrival)
+            for i, ids in enumerate(inputs)]
+    try:
+        await asyncio.to_thread(_check_pooled, served.engine, reqs, param, name_one or len(reqs) > 1)
+    except EngineDeadError as e:
+        raise engine_error(e, rid) from None
+    return reqs
+
+
+def _check_pooled(engine, reqs: list[GenerationRequest], param: str, indexed: bool) -> None:
+    for i, req in enumerate(reqs):
+        try:
+            engine.check(req)
+        except ValueError as e:
+            raise bad_request(f"{param}[{i}]: {e}" if indexed else str(e), param) from None
+
+
 # ---------------------------------------------------------------- the engine's checks
 
 

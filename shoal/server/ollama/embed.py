@@ -14,6 +14,7 @@ import time
 
 from starlette.requests import Request
 
+from shoal.server.chat.params import pooled_requests
 from shoal.server.chat.render import check_prompt_chars, max_prompt_chars
 from shoal.server.errors import bad_request
 from shoal.server.ollama.generate import model_name, ns
@@ -48,14 +49,6 @@ def _tokenize(served, items: list[str], truncate: bool) -> list[list[int]]:
     return out
 
 
-def _check(engine, reqs) -> None:
-    for i, req in enumerate(reqs):
-        try:
-            engine.check(req)
-        except ValueError as e:
-            raise bad_request(f"input[{i}]: {e}", "input") from None
-
-
 async def _vectors(http: Request, state, name: str, keep_alive, items: list[str], dimensions: int | None,
                    truncate: bool = True):
     """The served model, each item's vector, the prompt tokens, and the seconds spent getting the model."""
@@ -74,10 +67,7 @@ async def _vectors(http: Request, state, name: str, keep_alive, items: list[str]
             raise bad_request(str(e), "dimensions") from None
     ids = await asyncio.to_thread(_tokenize, served, items, truncate)
     rid = f"ollama-embed-{time.monotonic_ns():x}"
-    arrival = time.monotonic()
-    reqs = [engine.embedding_request(rid if len(ids) == 1 else f"{rid}-{i}", x, dimensions, arrival_time=arrival)
-            for i, x in enumerate(ids)]
-    await asyncio.to_thread(_check, engine, reqs)
+    reqs = await pooled_requests(served, rid, ids, "input", dimensions)
     async with tracked(served, rid, reqs, "ollama_embed") as tracker:
         finals = await run_to_end(engine, reqs, http, tracker)
     return [list(out.embedding) for out in finals], sum(len(x) for x in ids), loaded

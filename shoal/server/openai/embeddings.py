@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
-import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from shoal.server.chat.params import Int
+from shoal.server.chat.params import Int, pooled_requests
 from shoal.server.chat.render import check_prompt_chars
 from shoal.server.errors import bad_request
 from shoal.server.openai.common import new_id
@@ -137,23 +136,10 @@ async def create_embeddings(body: EmbeddingRequest, http: Request, state) -> JSO
     items = input_items(body.input)
     ids = await asyncio.to_thread(tokenize_inputs, served, items)
     rid = new_id("embd")
-    arrival = time.monotonic()
-    reqs = [engine.embedding_request(rid if len(ids) == 1 else f"{rid}-{i}", x, body.dimensions, arrival_time=arrival)
-            for i, x in enumerate(ids)]
-    await asyncio.to_thread(_check, engine, reqs)
+    reqs = await pooled_requests(served, rid, ids, "input", body.dimensions, name_one=False)
     async with tracked(served, rid, reqs, "openai_embeddings") as tracker:
         finals = await run_to_end(engine, reqs, http, tracker)
     tokens = sum(len(x) for x in ids)
     data = [{"object": "embedding", "index": i, "embedding": encode_vector(out.embedding, encoding)} for i, out in enumerate(finals)]
     return JSONResponse({"object": "list", "data": data, "model": served.model_name,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "id": rid})
-
-
-def _check(engine, reqs) -> None:
-    """The engine's checks (vocabulary, context) as a 400 naming `input`, with the input's index where several."""
-    for i, req in enumerate(reqs):
-        try:
-            engine.check(req)
-        except ValueError as e:
-            where = f"input[{i}]: " if len(reqs) > 1 else ""
-            raise bad_request(f"{where}{e}", "input") from None

@@ -13,14 +13,13 @@ and vLLM's (/rerank, /v1/rerank, /v2/rerank). A model that does not rerank (not 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from shoal.server.chat.params import Int
+from shoal.server.chat.params import Int, pooled_requests
 from shoal.server.chat.render import check_prompt_chars
 from shoal.server.errors import bad_request
 from shoal.server.openai.common import new_id
@@ -127,9 +126,7 @@ async def create_rerank(body: RerankRequest, http: Request, state) -> JSONRespon
         raise bad_request(f"top_n must be at least 1 (0 or absent: every document), got {body.top_n}", "top_n")
     ids = await asyncio.to_thread(tokenize_pairs, served, body.query, texts)
     rid = new_id("rerank")
-    arrival = time.monotonic()
-    reqs = [engine.embedding_request(rid if len(ids) == 1 else f"{rid}-{i}", x, arrival_time=arrival) for i, x in enumerate(ids)]
-    await asyncio.to_thread(_check, engine, reqs)
+    reqs = await pooled_requests(served, rid, ids, "documents")
     async with tracked(served, rid, reqs, "openai_rerank") as tracker:
         finals = await run_to_end(engine, reqs, http, tracker)
     scores = [out.embedding[0] for out in finals]
@@ -140,12 +137,3 @@ async def create_rerank(body: RerankRequest, http: Request, state) -> JSONRespon
     tokens = sum(len(x) for x in ids)
     return JSONResponse({"id": rid, "object": "list", "model": served.model_name, "results": results,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
-
-def _check(engine, reqs) -> None:
-    """The engine's checks (vocabulary, context) as a 400 naming `documents`, with the document's index."""
-    for i, req in enumerate(reqs):
-        try:
-            engine.check(req)
-        except ValueError as e:
-            raise bad_request(f"documents[{i}]: {e}", "documents") from None
