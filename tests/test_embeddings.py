@@ -66,9 +66,13 @@ def llama_mean(tmp_path_factory) -> Path:
 def embed(engine, token_lists, dimensions=None, prefix="e") -> list[list[float]]:
     """Every token list's vector, all added at once (one batch), through the engine's step loop."""
     p = engine.pooling
+    return run_pooled(engine, token_lists, PoolingParams(p.mode, p.normalize, dimensions), prefix)
+
+
+def run_pooled(engine, token_lists, pooling: PoolingParams, prefix: str) -> list[list[float]]:
+    """Each token list's pooled output (`embedding`), all added at once (one batch), through the step loop."""
     for i, ids in enumerate(token_lists):
-        engine.add_request(GenerationRequest(f"{prefix}{i}", tuple(ids), SamplingParams(),
-                                             pooling=PoolingParams(p.mode, p.normalize, dimensions)))
+        engine.add_request(GenerationRequest(f"{prefix}{i}", tuple(ids), SamplingParams(), pooling=pooling))
     outs = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -353,15 +357,11 @@ def write_wordpiece_vocab(writer) -> None:
     writer.add_pad_token_id(BERT_WORDS.index("[PAD]"))
 
 
-def write_bert_gguf(folder: Path, out: Path, pooling) -> Path:
-    """The tiny BERT folder as llama.cpp's convert_hf_to_gguf writes a `bert` GGUF: its metadata, the vocabulary in
-    phantom-space form ([CLS] as BOS), every tensor in float32 by gguf's name table."""
+def encoder_gguf_writer(out: Path, arch: str, config, pooling):
+    """A GGUFWriter for an encoder, with the metadata llama.cpp's converter writes for every BERT-like one."""
     import gguf
-    import transformers
-    from safetensors.torch import load_file
 
-    config = transformers.AutoConfig.from_pretrained(folder)
-    writer = gguf.GGUFWriter(str(out), "bert")
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -370,6 +370,18 @@ def write_bert_gguf(folder: Path, out: Path, pooling) -> Path:
     writer.add_layer_norm_eps(config.layer_norm_eps)
     writer.add_causal_attention(False)
     writer.add_pooling_type(pooling)
+    return writer
+
+
+def write_bert_gguf(folder: Path, out: Path, pooling) -> Path:
+    """The tiny BERT folder as llama.cpp's convert_hf_to_gguf writes a `bert` GGUF: its metadata, the vocabulary in
+    phantom-space form ([CLS] as BOS), every tensor in float32 by gguf's name table."""
+    import gguf
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    writer = encoder_gguf_writer(out, "bert", config, pooling)
     write_wordpiece_vocab(writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config.num_hidden_layers)
     for hf_name, tensor in load_file(folder / "model.safetensors").items():
@@ -455,17 +467,9 @@ def write_nomic_gguf(folder: Path, out: Path, pooling) -> Path:
     from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(folder)
-    writer = gguf.GGUFWriter(str(out), "nomic-bert")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    writer = encoder_gguf_writer(out, "nomic-bert", config, pooling)
     writer.add_head_count_kv(config.num_attention_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_eps(config.layer_norm_eps)
-    writer.add_causal_attention(False)
-    writer.add_pooling_type(pooling)
     writer.add_token_type_count(config.type_vocab_size)
     write_wordpiece_vocab(writer)
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT, config.num_hidden_layers)

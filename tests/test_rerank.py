@@ -13,7 +13,7 @@ import torch
 
 from server_utils import LiveServer, tiny_engine, tiny_engine_config
 from shoal.types import GenerationRequest, PoolingParams, SamplingParams
-from test_embeddings import make_tiny_bert, max_diff, perturb_norms_and_biases
+from test_embeddings import make_tiny_bert, max_diff, perturb_norms_and_biases, run_pooled
 from tiny_models import make_tiny_model
 
 QUERY = "what does the fox eat"
@@ -52,15 +52,7 @@ def reference(cross_encoder):
 
 def scores(engine, pairs, prefix="s") -> list[float]:
     """Each token list's score, all added at once (one batch), through the engine's step loop."""
-    for i, ids in enumerate(pairs):
-        engine.add_request(GenerationRequest(f"{prefix}{i}", tuple(ids), SamplingParams(), pooling=PoolingParams("score", False)))
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                assert o.error is None, o.error
-                outs[o.request_id] = o
-    return [outs[f"{prefix}{i}"].embedding[0] for i in range(len(pairs))]
+    return [out[0] for out in run_pooled(engine, pairs, PoolingParams("score", False), prefix)]
 
 
 def test_scores_equal_sentence_transformers_cross_encoder_alone_and_in_a_batch(cross_encoder, reference):
