@@ -486,8 +486,7 @@ LOWBIT_AVX2 inline __m256i scale_pairs(const uint8_t* p) {
 }
 
 // NH halves of the panel from half h0: both in one pass (each broadcast feeds two vpmaddubsw) or one (fewer
-// registers: with the block sums, the super-block's integer sums and the float accumulators of both halves, four
-// rows spill).
+// registers: kpanel_avx2_rows says which type takes which).
 template <int Bits, int R, int NH>
 LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0, int h0) {
   constexpr KLayout lay = k_layout(Bits);
@@ -669,13 +668,22 @@ void kpanels_vnni(const KArgs& a, int64_t p, int64_t r0, int64_t nr) {
   }
 }
 
+// AVX2 at several rows: Q4_K and Q6_K take both halves in one pass (each activation broadcast feeds two
+// vpmaddubsw: 1.3-1.7x and 1.1-1.3x a half at a time, from 8 to 128 rows); Q5_K, whose fifth-bit lines need two
+// more registers a half, a half at a time (as fast or 10% faster). benchmarks/NOTES.md, twenty-eighth round.
+template <int Bits, int R>
+void kpanel_avx2_rows(const KArgs& a, int64_t p, int64_t r0) {
+  if constexpr (Bits == 5) return kpanel_avx2<Bits, R, 1>(a, p, r0, 0), kpanel_avx2<Bits, R, 1>(a, p, r0, 1);
+  else return kpanel_avx2<Bits, R, 2>(a, p, r0, 0);
+}
+
 template <int Bits>
 void kpanel(const KArgs& a, int64_t p, int64_t r0, int64_t nr, int path) {
   if (path == 2) {
-    switch (nr) {  // one row: both halves at once; more: a half at a time (registers)
-      case 4: return kpanel_avx2<Bits, 4, 1>(a, p, r0, 0), kpanel_avx2<Bits, 4, 1>(a, p, r0, 1);
-      case 3: return kpanel_avx2<Bits, 3, 1>(a, p, r0, 0), kpanel_avx2<Bits, 3, 1>(a, p, r0, 1);
-      case 2: return kpanel_avx2<Bits, 2, 1>(a, p, r0, 0), kpanel_avx2<Bits, 2, 1>(a, p, r0, 1);
+    switch (nr) {
+      case 4: return kpanel_avx2_rows<Bits, 4>(a, p, r0);
+      case 3: return kpanel_avx2_rows<Bits, 3>(a, p, r0);
+      case 2: return kpanel_avx2_rows<Bits, 2>(a, p, r0);
       default: return kpanel_avx2<Bits, 1, 2>(a, p, r0, 0);
     }
   }
