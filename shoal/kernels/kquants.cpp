@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "lowbit.h"
 
@@ -319,53 +320,86 @@ at::Tensor gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t t, int6
 // ---- activations rounded as ggml's Q8_K: per 256 inputs one scale, int8 codes, and the codes' sums per 16 ----
 
 struct Q8K {
-  const int8_t* q;     // [M, K]
-  const float* d;      // [M, S]
-  const int16_t* bs;   // [M, S, 16]
+  const int8_t* q;       // [M, K]
+  const float* d;        // [M, S]
+  const int16_t* bs;     // [M, S, 16]
+  const int32_t* pairs;  // [M, S, 4]: blocks 2k and 2k + 1's sums (of 32 codes) as two int16, for vpmaddwd
+  const int32_t* m32;    // [M, S, 16]: per block of 16, -32 times the sums of the codes at inputs 4i, 4i + 1 and at
+                         // 4i + 2, 4i + 3, as two int16 (where AVX2's Q6_K sums of an output's lane pair start)
   int64_t K, S;
 };
 
+// a row's 256 inputs from `from` as float32 (exact for every input dtype)
+void widen_inputs(const char* row, int64_t from, at::ScalarType t, float* v) {
+  if (t == at::kBFloat16) {
+    const auto* x = reinterpret_cast<const c10::BFloat16*>(row) + from;
+    for (int i = 0; i < kSuper; ++i) v[i] = static_cast<float>(x[i]);
+  } else if (t == at::kHalf) {
+    const auto* x = reinterpret_cast<const c10::Half*>(row) + from;
+    for (int i = 0; i < kSuper; ++i) v[i] = static_cast<float>(x[i]);
+  } else {
+    std::memcpy(v, reinterpret_cast<const float*>(row) + from, kSuper * sizeof(float));
+  }
+}
+
 // quantize_row_q8_K_ref with the sign of the scale taken from the largest magnitude rather than the value
 // there: the codes and the scale both change sign where ggml's differ, so every product d * q and every sum
-// of them is the same number. Compiled once for every CPU, so every path rounds the same codes.
+// of them is the same number. Compiled once for every CPU, so every path rounds the same codes; the loops are
+// written in integers where they can be (the largest magnitude as the largest bit pattern of |v|, a NaN or an
+// infinity as an exponent of all ones), so the compiler vectorizes them without changing a result.
 __attribute__((optimize("fp-contract=off")))
 void quantize_q8k(const char* x, int64_t stride, at::ScalarType t, int64_t r0, int64_t r1, int8_t* q, float* d, int16_t* bs,
-                  int64_t K) {
+                  int32_t* pairs, int32_t* m32, int64_t K) {
   const int64_t S = K / kSuper;
-  float v[kSuper];
+  alignas(64) float v[kSuper];
   for (int64_t r = r0; r < r1; ++r) {
     const char* row = x + r * stride;
     for (int64_t s = 0; s < S; ++s) {
-      float amax = 0.0f, total = 0.0f;
+      widen_inputs(row, s * kSuper, t, v);
+      uint32_t top = 0, special = 0;
       for (int i = 0; i < kSuper; ++i) {
-        v[i] = lowbit::input(row, s * kSuper + i, t);
-        amax = std::max(amax, std::fabs(v[i]));
-        total += v[i];
+        uint32_t bits;
+        std::memcpy(&bits, v + i, 4);
+        bits &= 0x7fffffffu;
+        top = std::max(top, bits);
+        special |= (bits & 0x7f800000u) == 0x7f800000u;
       }
+      float amax;
+      std::memcpy(&amax, &top, 4);
+      const int64_t i = r * S + s;
       int8_t* qs = q + r * K + s * kSuper;
-      int16_t* sums = bs + (r * S + s) * 16;
-      if (!std::isfinite(total) || amax == 0.0f) {
+      int16_t* sums = bs + i * 16;
+      if (special || amax == 0.0f) {
         // zeros give zeros; a NaN or infinity reaches the scale, so the row's outputs are not finite and the
         // sampler fails that request alone (never laundered into codes)
         std::memset(qs, 0, kSuper);
         std::memset(sums, 0, 16 * sizeof(int16_t));
-        d[r * S + s] = std::isfinite(total) ? 0.0f : total;
+        std::memset(pairs + i * 4, 0, 4 * sizeof(int32_t));
+        std::memset(m32 + i * 16, 0, 16 * sizeof(int32_t));
+        d[i] = special ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
         continue;
       }
       const float iscale = 127.0f / amax;
       for (int g = 0; g < 16; ++g) {
-        int sum = 0;
-        for (int i = 16 * g; i < 16 * g + 16; ++i) {
-          const float f = iscale * v[i] + 12582912.0f;  // round to nearest even (ggml's nearest_int)
+        int sum = 0, even = 0;
+        for (int e = 16 * g; e < 16 * g + 16; ++e) {
+          const float f = iscale * v[e] + 12582912.0f;  // round to nearest even (ggml's nearest_int)
           int32_t bits;
           std::memcpy(&bits, &f, 4);
           const int c = std::min(127, (bits & 0x007fffff) - 0x00400000);
-          qs[i] = static_cast<int8_t>(c);
+          qs[e] = static_cast<int8_t>(c);
           sum += c;
+          even += (e & 2) ? 0 : c;
         }
         sums[g] = static_cast<int16_t>(sum);
+        m32[i * 16 + g] = static_cast<int32_t>(static_cast<uint16_t>(-32 * even) |
+                                               (static_cast<uint32_t>(static_cast<uint16_t>(-32 * (sum - even))) << 16));
       }
-      d[r * S + s] = 1.0f / iscale;
+      for (int k = 0; k < 4; ++k) {
+        const int lo = sums[4 * k] + sums[4 * k + 1], hi = sums[4 * k + 2] + sums[4 * k + 3];
+        pairs[i * 4 + k] = static_cast<int32_t>(static_cast<uint16_t>(lo) | (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16));
+      }
+      d[i] = 1.0f / iscale;
     }
   }
 }
@@ -376,12 +410,6 @@ struct KArgs {
   float* y;
   int64_t M, N, P;
 };
-
-// a pair of blocks' activation sums (blocks 2i and 2i + 1 of 32) as two int16 in one int32, for vpmaddwd
-inline int32_t sum_pair(const int16_t* bs, int i) {
-  const int a = bs[4 * i] + bs[4 * i + 1], b = bs[4 * i + 2] + bs[4 * i + 3];
-  return static_cast<int32_t>(static_cast<uint16_t>(a) | (static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16));
-}
 
 // ---- AVX-512 VNNI: a panel's 16 outputs in one vector; NP adjacent panels share each activation broadcast ----
 
@@ -459,7 +487,7 @@ LOWBIT_VNNI void kpanel_vnni(const KArgs& a, int64_t p, int64_t r0) {
           __m512i msum = _mm512_setzero_si512();
           for (int k = 0; k < 4; ++k) {
             const __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb[q] + lay.scales + 128 + 32 * k)));
-            msum = _mm512_add_epi32(msum, _mm512_madd_epi16(mn, _mm512_set1_epi32(sum_pair(a.x.bs + i * 16, k))));
+            msum = _mm512_add_epi32(msum, _mm512_madd_epi16(mn, _mm512_set1_epi32(a.x.pairs[i * 4 + k])));
           }
           const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb[q] + lay.d + 32)));
           acc[q][r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum), acc[q][r]);
@@ -475,9 +503,12 @@ LOWBIT_VNNI void kpanel_vnni(const KArgs& a, int64_t p, int64_t r0) {
 }
 
 // ---- AVX2: both halves of 8 outputs per activation broadcast; vpmaddubsw, then vpmaddwd with the scales ----
-// A pair sum of codes times activations is at most 2 * 63 * 127 = 16,002 (Q6_K), 7,874 (Q5_K), 3,810 (Q4_K): an
-// int16 sum holds 2, 4 and 8 of them, so Q6_K widens after every line, Q5_K after every two, Q4_K once a block.
-// The widening multiplies by the block's scale, both lanes of an output's pair holding it.
+// A pair sum of codes times activations is at most 2 * 15 * 127 = 3,810 (Q4_K) and 7,874 (Q5_K): an int16 sum
+// holds 8 and 4 of them, so Q4_K widens once a block of 32 and Q5_K after every two lines. Q6_K's sums start from
+// -32 times the sum of the activations they will meet (`m32`, from the rounding), so they hold sum((c - 32) * q_x),
+// at most 8 * 32 * 127 = 32,512 in magnitude at every step of a block of 16 (two lines): it widens once a block,
+// and needs no correction after. The widening multiplies by the block's scale, both lanes of an output's pair
+// holding it.
 
 // the scales of outputs 8h..8h+7 (8 bytes at p) as int16 pairs [s0, s0, s1, s1, ...]
 LOWBIT_AVX2 inline __m256i scale_pairs(const uint8_t* p) {
@@ -490,7 +521,7 @@ LOWBIT_AVX2 inline __m256i scale_pairs(const uint8_t* p) {
 template <int Bits, int R, int NH>
 LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0, int h0) {
   constexpr KLayout lay = k_layout(Bits);
-  constexpr int kWiden = Bits == 4 ? 4 : Bits == 5 ? 2 : 1;  // lines per int16 sum
+  constexpr int kWiden = Bits == 4 ? 4 : 2;  // lines per int16 sum
   const int64_t S = a.x.S, K = a.x.K;
   const __m256i low4 = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), two = _mm256_set1_epi8(0x30);
   __m256 acc[R][NH];
@@ -508,8 +539,10 @@ LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0, int h0) {
       __m256i s16[R][NH];
       for (int L = 0; L < 4; ++L) {
         if (L % kWiden == 0)
-          for (int r = 0; r < R; ++r)
-            for (int hh = 0; hh < NH; ++hh) s16[r][hh] = _mm256_setzero_si256();
+          for (int r = 0; r < R; ++r) {
+            const __m256i start = Bits == 6 ? _mm256_set1_epi32(a.x.m32[((r0 + r) * S + s) * 16 + 2 * j + L / 2]) : _mm256_setzero_si256();
+            for (int hh = 0; hh < NH; ++hh) s16[r][hh] = start;
+          }
         __m256i lo[NH], hi[NH];
         for (int hh = 0; hh < NH; ++hh) {
           const int h = h0 + hh;
@@ -544,13 +577,7 @@ LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0, int h0) {
           const int64_t sub = Bits < 6 ? j : 2 * j + L / 2;
           for (int hh = 0; hh < NH; ++hh) {
             const __m256i sc = scale_pairs(sb + lay.scales + 16 * sub + 8 * (h0 + hh));
-            for (int r = 0; r < R; ++r) {
-              isum[r][hh] = _mm256_add_epi32(isum[r][hh], _mm256_madd_epi16(s16[r][hh], sc));
-              if (Bits == 6 && L % 2 == 1) {  // the block of 16 ends: take off sc * 32 * sum(q_x), as sc * (16 s + 16 s)
-                const int16_t bsum = a.x.bs[((r0 + r) * S + s) * 16 + sub];
-                isum[r][hh] = _mm256_sub_epi32(isum[r][hh], _mm256_madd_epi16(sc, _mm256_set1_epi16(static_cast<int16_t>(16 * bsum))));
-              }
-            }
+            for (int r = 0; r < R; ++r) isum[r][hh] = _mm256_add_epi32(isum[r][hh], _mm256_madd_epi16(s16[r][hh], sc));
           }
         }
       }
@@ -558,17 +585,20 @@ LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0, int h0) {
     for (int hh = 0; hh < NH; ++hh) {
       const int h = h0 + hh;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.d + 16 * h)));
+      __m256i mn[4];
+      __m256 dmin = _mm256_setzero_ps();
+      if constexpr (Bits < 6) {  // the minimums of block pairs, read once for every row
+        for (int k = 0; k < 4; ++k)
+          mn[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.scales + 128 + 32 * k + 16 * h)));
+        dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.d + 32 + 16 * h)));
+      }
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * S + s;
         const __m256 dx = _mm256_set1_ps(a.x.d[i]);
         acc[r][hh] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[r][hh]), acc[r][hh]);
         if constexpr (Bits < 6) {
           __m256i msum = _mm256_setzero_si256();
-          for (int k = 0; k < 4; ++k) {
-            const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.scales + 128 + 32 * k + 16 * h)));
-            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mn, _mm256_set1_epi32(sum_pair(a.x.bs + i * 16, k))));
-          }
-          const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + lay.d + 32 + 16 * h)));
+          for (int k = 0; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mn[k], _mm256_set1_epi32(a.x.pairs[i * 4 + k])));
           acc[r][hh] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(msum), acc[r][hh]);
         }
       }
@@ -709,14 +739,16 @@ at::Tensor k_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t
   TORCH_CHECK(w.size(1) == S, "gguf_linear: packed weights [", P, ", ", S, ", ", packed_bytes(t), "] expected");
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y.to(st);
-  at::Tensor scratch = at::empty({M * S * (4 + 32) + M * K}, x.options().dtype(at::kByte));
+  at::Tensor scratch = at::empty({M * S * (4 + 16 + 64 + 32) + M * K}, x.options().dtype(at::kByte));
   float* xd = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
-  int16_t* xbs = reinterpret_cast<int16_t*>(xd + M * S);
+  int32_t* xpairs = reinterpret_cast<int32_t*>(xd + M * S);
+  int32_t* xm32 = xpairs + M * S * 4;
+  int16_t* xbs = reinterpret_cast<int16_t*>(xm32 + M * S * 16);
   int8_t* xq = reinterpret_cast<int8_t*>(xbs + M * S * 16);
   const char* xp = static_cast<const char*>(x.data_ptr());
   const int64_t stride = x.stride(0) * x.element_size();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { quantize_q8k(xp, stride, st, r0, r1, xq, xd, xbs, K); });
-  const KArgs a{{xq, xd, xbs, K, S}, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, P};
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { quantize_q8k(xp, stride, st, r0, r1, xq, xd, xbs, xpairs, xm32, K); });
+  const KArgs a{{xq, xd, xbs, xpairs, xm32, K, S}, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, P};
   const int path = lowbit::matmul_path(), bits = bits_of(t);
   // threads take pairs of panels (a thread's share stays contiguous in memory)
   at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
