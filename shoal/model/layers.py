@@ -7,6 +7,9 @@ Projections are fused (q|k|v into one matrix, gate|up into another) because on
 a 2-core CPU each linear call has a fixed cost: 30 layers x 5 fewer calls per
 step is measurable. The checkpoint names stay HF's; `weights.STACKED_PARAMS` maps them.
 
+What each layer is (its attention's window, rope and softcap, its norms, its MLP's activation) comes from
+its `spec.LayerSpec`, which the family builds; nothing here reads a family's name.
+
 Beside this file: weights.py loads a checkpoint into these layers, and
 invariance.py makes their matmuls batch-invariant where the host's are not.
 """
@@ -22,6 +25,7 @@ from torch import nn
 
 from shoal import kernels
 from shoal.model.config import ModelConfig
+from shoal.model.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, default_layers, rope_of
 
 class Layer(nn.Module):
     """An nn.Module whose call is its forward.
@@ -70,12 +74,17 @@ def bind_attributes(model: nn.Module) -> None:
 
 
 class RMSNorm(Layer):
-    def __init__(self, dim: int, eps: float) -> None:
+    """unit_offset: Gemma's kind, x * (1 + w) in float32 rounded once (spec.NormSpec); else HF Llama's."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         if kernels.native_for(x):  # one op where torch runs about fifteen
             return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # HF normalizes in float32 and casts back before scaling.
@@ -83,16 +92,18 @@ class RMSNorm(Layer):
 
 
 class Rotary(Layer):
-    """cos/sin tables for every position, HF's rotate-half layout."""
+    """cos/sin tables for every position, HF's rotate-half layout, over the rotated part of a head (`rope`:
+    the layer's; None: the model's own, from its config)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, rope: RopeSpec | None = None) -> None:
         super().__init__()
+        rope = rope or rope_of(config.hf_config, config.head_dim)
         if torch.get_default_device().type == "meta":  # a model built before its weights (runner/build.py): shapes
             # only; the tables are computed after to_empty (and torch's meta arange would import torch._dynamo, ~0.6 s)
             for name in ("cos", "sin"):
-                self.register_buffer(name, torch.empty(max_positions, config.head_dim), persistent=False)
+                self.register_buffer(name, torch.empty(max_positions, rope.rotary_dim), persistent=False)
             return
-        inv_freq, scaling = rope_inv_freq(config)
+        inv_freq, scaling = rope_inv_freq(config, rope, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
@@ -127,40 +138,59 @@ class RopeTables(NamedTuple):
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-    """x: [T, H, D] rotated by its token's position (see Rotary.forward); in place on the native path."""
+    """x: [T, H, D] rotated by its token's position (see Rotary.forward); in place on the native path. Tables
+    narrower than the head rotate its first dimensions and pass the rest (partial rotary, as HF's Phi-3)."""
+    rotated = rope.cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotated].contiguous(), rope), x[..., rotated:]), dim=-1)
     if rope.native:
         return kernels.rope_(x, rope.cos, rope.signed_sin)
     return torch.addcmul(x * rope.cos, x.roll(x.shape[-1] // 2, dims=-1), rope.signed_sin)
 
 
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling, as transformers computes them."""
+def rope_inv_freq(config: ModelConfig, rope: RopeSpec | None = None, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling of a layer's rope (None: the model's), as transformers computes them.
+
+    LongRoPE (Phi-3) has two sets of factors, and transformers picks one per forward by the sequence's
+    length: the long ones past `original_max_position_embeddings`. The tables here are built once, so the
+    choice is made once, by the context served (`max_positions`), as llama.cpp makes it by its context size:
+    up to the original length, the short factors (what transformers gives every sequence that fits); past it,
+    the long ones for every sequence (what transformers gives a sequence longer than the original length).
+    """
+    rope = rope or rope_of(config.hf_config, config.head_dim)
     hf = config.hf_config
-    params = getattr(hf, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
+    rope_type = rope.rope_type
     if rope_type == "default":
-        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        dim = config.head_dim
-        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+        dim = rope.rotary_dim
+        return 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
     if rope_type == "dynamic":
         raise NotImplementedError("dynamic NTK rope scaling changes with sequence length; not supported yet")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    kwargs = {} if rope.layer_type is None else {"layer_type": rope.layer_type}
+    if rope_type == "longrope":
+        kwargs["seq_len"] = max_positions if max_positions is not None else config.max_position_embeddings
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", **kwargs)
     return inv_freq.float(), float(scaling)
 
 
 class Attention(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear, spec: LayerSpec | None = None) -> None:
+        """spec: the layer's (None: the model's default, spec.default_layers)."""
         super().__init__()
+        spec = spec or default_layers(config).layers[0]
+        a: AttentionSpec = spec.attention
         self.c = config
         parts = (config.q_size, config.kv_size, config.kv_size)
         self.qkv_proj = linear(config.hidden_size, sum(parts), config.attention_bias, parts)
         self.o_proj = linear(config.q_size, config.hidden_size, False)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.scale = config.head_dim**-0.5
+        self.qk_norm = a.qk_norm
+        if a.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, spec.norms.unit_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, spec.norms.unit_offset)
+        self.scale, self.window, self.softcap = a.scale, a.window, a.softcap
 
     def forward(self, x: torch.Tensor, rope, kv: torch.Tensor, meta) -> torch.Tensor:
         """kv: this layer's cache [2, Hkv, blocks, block_size, D]; meta: the attention backend's metadata for the step."""
@@ -170,80 +200,117 @@ class Attention(Layer):
         # q and k sit side by side in qkv: rotate them in one go, [T, Hq + Hkv, D].
         qk = qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].view(T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
+        if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, : c.num_heads]), self.k_norm(qk[:, c.num_heads :])), dim=1)
         qk = apply_rope(qk, rope)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-        return self.o_proj(meta.forward(q, k, v, kv, self.scale).reshape(T, c.q_size))
+        return self.o_proj(meta.forward(q, k, v, kv, self.scale, window=self.window, softcap=self.softcap).reshape(T, c.q_size))
 
 
 class MLP(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
+    def __init__(self, config: ModelConfig, linear=float_linear, spec: LayerSpec | None = None) -> None:
         super().__init__()
         self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size, False, (config.intermediate_size,) * 2)
         self.down_proj = linear(config.intermediate_size, config.hidden_size, False)
+        self.activation = (spec.mlp if spec is not None else MlpSpec()).activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if kernels.native_for(gate_up):
+        if self.activation == "silu" and kernels.native_for(gate_up):
             act = kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
         return self.down_proj(act)
 
 
 class DecoderLayer(Layer):
-    def __init__(self, config: ModelConfig, linear=float_linear) -> None:
+    """Attention and MLP, each with its residual add, and the norms its spec places around them (named as the
+    checkpoint names them: spec.NormSpec)."""
+
+    def __init__(self, config: ModelConfig, linear=float_linear, spec: LayerSpec | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, linear)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, linear)
+        self.spec = spec = spec or default_layers(config).layers[0]
+        n = spec.norms
+        for name in n.names:
+            setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, n.unit_offset))
+        self.self_attn = Attention(config, linear, spec)
+        self.mlp = MLP(config, linear, spec)
+        # (pre-attention, post-attention, pre-MLP, post-MLP), None where the layer has none; a plain tuple, not
+        # registered twice: the modules are registered above under the checkpoint's names
+        self.norms = tuple(None if name is None else getattr(self, name) for name in (n.pre_attention, n.post_attention, n.pre_mlp, n.post_mlp))
 
     def forward(self, x, rope, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        pre_attn, post_attn, pre_mlp, post_mlp = self.norms
+        h = self.self_attn(pre_attn(x), rope, kv, meta)
+        x = x + (h if post_attn is None else post_attn(h))
+        h = self.mlp(pre_mlp(x))
+        return x + (h if post_mlp is None else post_mlp(h))
 
 
 class DecoderModel(Layer):
-    """Embeddings, N pre-norm decoder layers, final norm: the HF `model.` prefix."""
+    """Embeddings, N decoder layers as their specs say, final norm: the HF `model.` prefix."""
 
     def __init__(self, config: ModelConfig, max_positions: int, linear=float_linear, first: bool = True, last: bool = True,
-                 rotary=Rotary) -> None:
+                 rotary=Rotary, spec: ModelSpec | None = None) -> None:
         """first / last: whether this holds the model's first / last layers (a pipeline stage may hold neither):
         the embedding lives on the first stage, the final norm is applied on the last. rotary: the class of
-        the position tables (the family's)."""
+        the position tables (the family's). spec: this model's (or stage's) layers (None: spec.default_layers)."""
         super().__init__()
+        self.spec = spec = spec or default_layers(config)
+        if len(spec.layers) != config.num_layers:
+            raise ValueError(f"{len(spec.layers)} layer specs for {config.num_layers} layers")
+        self.config, self.rotary_class = config, rotary
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size) if first else None
-        self.rotary = rotary(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, linear) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # one table per distinct rope (Gemma 3: local and global), shared by the layers that use it
+        self.ropes: tuple[RopeSpec, ...] = tuple(dict.fromkeys(layer.attention.rope for layer in spec.layers))
+        self.rope_index = [self.ropes.index(layer.attention.rope) for layer in spec.layers]
+        self.set_max_positions(max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config, linear, layer) for layer in spec.layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.final_norm_unit_offset)
         self.last = last
+        self.fused = spec.fusable  # the native fused path computes these layers (LayerSpec.fusable)
+
+    def set_max_positions(self, max_positions: int, device: torch.device | None = None) -> None:
+        """(Re)build the rope tables for positions [0, max_positions) (the served context, runner/build.py)."""
+        self.rotaries = nn.ModuleList(self.rotary_class(self.config, max_positions, rope) for rope in self.ropes)
+        if device is not None:
+            self.rotaries.to(device)
+
+    @property
+    def rotary(self) -> Rotary:
+        """The first layer's position tables (a model with one rope: its only ones)."""
+        return self.rotaries[0]
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None, embeds=None):
         """hidden: the previous pipeline stage's output, in place of embedding input_ids. embeds: (rows [N],
         values [N, hidden]) that replace those rows' token embeddings (an image's, from its encoder)."""
-        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, hidden]
+        if hidden is None:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+            if self.spec.embed_scale is not None:  # rounded to the model's dtype first, as HF's Gemma does
+                x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        else:
+            x = hidden
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
-        rope = self.rotary(positions, x.dtype)
-        if kernels.native_for(x):
-            return self._forward_fused(x, rope, kv_caches, meta)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv, meta)
+        ropes = [rotary(positions, x.dtype) for rotary in self.rotaries]
+        if self.fused and kernels.native_for(x):
+            return self._forward_fused(x, ropes, kv_caches, meta)
+        for layer, kv, r in zip(self.layers, kv_caches, self.rope_index):
+            x = layer(x, ropes[r], kv, meta)
         return self.norm(x) if self.last else x
 
-    def _forward_fused(self, x, rope, kv_caches, meta):
+    def _forward_fused(self, x, ropes, kv_caches, meta):
         """The same layers with each residual add fused into the norm that follows it (native ops):
-        x <- x + delta and h <- RMSNorm(x) in one op, so a layer is norm, attention, add+norm, MLP."""
+        x <- x + delta and h <- RMSNorm(x) in one op, so a layer is norm, attention, add+norm, MLP.
+        Only for layers of two plain norms (LayerSpec.fusable)."""
         layers = self.layers
-        h = layers[0].input_layernorm(x)
-        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
-            x, h = kernels.add_rms_norm(x, layer.self_attn(h, rope, kv, meta), layer.post_attention_layernorm.weight,
-                                        layer.post_attention_layernorm.eps)
+        h = layers[0].norms[0](x)
+        for i, (layer, kv, r) in enumerate(zip(layers, kv_caches, self.rope_index)):
+            pre_mlp = layer.norms[2]
+            x, h = kernels.add_rms_norm(x, layer.self_attn(h, ropes[r], kv, meta), pre_mlp.weight, pre_mlp.eps)
             delta = layer.mlp(h)
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm if self.last else None
+            norm = layers[i + 1].norms[0] if i + 1 < len(layers) else self.norm if self.last else None
             if norm is None:  # a pipeline stage before the last: the residual stream goes on
                 return x + delta
             x, h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
@@ -256,6 +323,8 @@ class DecoderForCausalLM(nn.Module):
     qk_norm = False
     attention_bias: bool | None = None  # None: as the config says
     rotary = Rotary  # the position tables' class (M-RoPE for Qwen2-VL)
+    # ModelConfig -> ModelSpec: what each layer is (spec.py); a family with other layers gives its own
+    model_spec = staticmethod(default_layers)
 
     def __init__(self, hf_config, max_positions: int, linear=float_linear, layers: tuple[int, int] | None = None) -> None:
         """linear(in, out, bias, parts) builds the decoder's projections: `quant.WeightFormat.linear`
@@ -272,11 +341,14 @@ class DecoderForCausalLM(nn.Module):
         self.config = ModelConfig.from_hf(hf_config, qk_norm=self.qk_norm, attention_bias=self.attention_bias)
         self.head_dim = self.config.head_dim
         total = self.config.num_layers
+        self.spec = self.model_spec(self.config)  # every layer's, the whole model's
         self.layer_range = layers or (0, total)
         first = self.layer_range[0] == 0
+        spec = self.spec
         if self.layer_range != (0, total):
             self.config = replace(self.config, num_layers=self.layer_range[1] - self.layer_range[0])
-        self.model = DecoderModel(self.config, max_positions, linear, first, self.layer_range[1] == total, self.rotary)
+            spec = replace(spec, layers=spec.layers[self.layer_range[0] : self.layer_range[1]])
+        self.model = DecoderModel(self.config, max_positions, linear, first, self.layer_range[1] == total, self.rotary, spec)
         if not self.config.tie_word_embeddings and first:
             self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # set by WeightFormat.finish_head: replaces the (tied) head
@@ -296,4 +368,7 @@ class DecoderForCausalLM(nn.Module):
         else:
             w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
             logits = F.linear(hidden, w).float()
-        return logits if self.gather_logits is None else self.gather_logits(logits)
+        if self.gather_logits is not None:
+            logits = self.gather_logits(logits)
+        cap = self.spec.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2's final softcap

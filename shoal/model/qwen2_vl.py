@@ -24,8 +24,8 @@ from shoal.model.qwen2 import Qwen2ForCausalLM
 class MRotary(Rotary):
     """The tables of M-RoPE: positions [3, T] pick, for each rotary frequency, the row of its section."""
 
-    def __init__(self, config, max_positions: int) -> None:
-        super().__init__(config, max_positions)
+    def __init__(self, config, max_positions: int, rope=None) -> None:
+        super().__init__(config, max_positions, rope)
         section = list(config.hf_config.rope_parameters["mrope_section"])
         half = config.head_dim // 2
         if sum(section) != half:

@@ -66,7 +66,7 @@ def shard_model(model, tp: TensorParallel, linear) -> None:
     c = whole.sharded(shard)
     hidden = tp.widths("hidden")[tp.rank]
     for layer in model.model.layers:  # the layers' own constructors at the rank's shape, then the split outputs
-        layer.self_attn, layer.mlp = Attention(c, linear), MLP(c, linear)
+        layer.self_attn, layer.mlp = Attention(c, linear, layer.spec), MLP(c, linear, layer.spec)
         layer.self_attn.o_proj = linear(sum(tp.widths("heads", c.head_dim)), hidden, False)
         layer.mlp.down_proj = linear(sum(tp.widths("intermediate")), hidden, False)
     if shard.vocab is not None:

@@ -139,7 +139,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     shape = KVShape(spec.bytes_per_block // spec.block_size, spec.block_size)
     max_model_len, why = served_context(shape, spec.num_blocks, trained=trained, requested=config.max_model_len, pool=pool,
                                         cache=str(kv_dtype).removeprefix("torch."))
-    model.model.rotary = model.rotary(model.config, max_model_len).to(device)  # buffers computed at construction
+    model.model.set_max_positions(max_model_len, device)  # the rope tables for the context served, computed at construction
     if rank == 0:
         log.info("context %d tokens (%s); KV pool %s = %d tokens of %s at %d bytes a token (%s); %s attention",
                  max_model_len, why, size_words(spec.num_blocks * spec.bytes_per_block), spec.num_blocks * spec.block_size,

@@ -27,6 +27,32 @@ from dataclasses import dataclass
 import torch
 
 
+class _ModelWindow:
+    """What a layer that names no window gets: the backend's own, the model's (ModelConfig.sliding_window)."""
+
+    def __repr__(self) -> str:
+        return "MODEL_WINDOW"
+
+
+# metadata.forward(..., window=MODEL_WINDOW): the backend's window. A layer of a model whose layers differ (Gemma's
+# local and global layers, spec.AttentionSpec.window) names its own, None for none; each backend builds what a
+# window needs (its masks) once per step and window.
+MODEL_WINDOW = _ModelWindow()
+
+
+def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float, cap: float) -> torch.Tensor:
+    """q [B, H, M, D], k/v [B, H, S, D]; visible: [.., M, S] bool (True: seen) or None (all) -> [B, H, M, D].
+
+    transformers' eager attention with a logit softcap (Gemma 2): scores = cap * tanh(q.k * scale / cap),
+    then the mask and a float32 softmax. SDPA's kernels have no softcap.
+    """
+    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    s = torch.tanh(s / cap).mul_(cap)
+    if visible is not None:
+        s.masked_fill_(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+
+
 @dataclass(frozen=True)
 class SeqSpan:
     """One sequence's tokens in a step: `length` query tokens from position `start_pos`."""

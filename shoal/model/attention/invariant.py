@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal import kernels
-from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
+from shoal.model.attention.common import MODEL_WINDOW, SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
 from shoal.model.invariance import wide_dtype, wide_matmul
 
 # Keys per tile: the length of every p.v reduction. 128 keys x 64 dims is 16 KiB of
@@ -69,11 +69,24 @@ class InvariantMetadata:
     backend: InvariantAttention
     slot_mapping: torch.Tensor  # [T] long
     groups: list[_Group] = field(default_factory=list)
+    window: int | None = None  # the sliding window the groups' masks hide keys outside of
+    spans: tuple = ()  # (decodes, chunks): what prepare was given, for another window's metadata
+    other_windows: dict = field(default_factory=dict)  # window -> the step's metadata for it, built on first use
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of this step; kv [2, Hkv, blocks, block_size, D]: the layer's cache."""
+    def for_window(self, window) -> InvariantMetadata:
+        """The step's metadata for layers with `window` (MODEL_WINDOW: the backend's): this, or built once per step."""
+        if window is MODEL_WINDOW or window == self.window:
+            return self
+        if window not in self.other_windows:
+            self.other_windows[window] = self.backend.prepare(*self.spans, window=window)
+        return self.other_windows[window]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float,
+                window=MODEL_WINDOW, softcap: float | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of this step; kv [2, Hkv, blocks, block_size, D]: the layer's cache.
+        window: the layer's sliding window (None: none; MODEL_WINDOW: the backend's); softcap: its logit softcap."""
         write_kv(kv, k, v, self.slot_mapping)
-        return self.backend.attend(q, kv, self, scale)
+        return self.backend.attend(q, kv, self.for_window(window), scale, softcap)
 
 
 @dataclass
@@ -86,10 +99,16 @@ class NativeMetadata:
     row_seq: torch.Tensor  # [T] int32: the row's sequence (its table)
     row_pos: torch.Tensor  # [T] int32: the row's position
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float,
+                window=MODEL_WINDOW, softcap: float | None = None) -> torch.Tensor:
+        """window: as InvariantMetadata.forward's, one argument of the op. softcap: the op has none yet, so a model
+        with softcapped layers gets the torch path (make_attention_backend)."""
         b = self.backend
+        if softcap is not None:
+            raise ValueError("the native invariant attention op has no logit softcap: build the backend with native=False")
+        window = b.window if window is MODEL_WINDOW else window
         return kernels.invariant_attention(q, k, v, kv, self.slot_mapping, self.tables, self.row_seq, self.row_pos,
-                                           scale, b.window or 0, b.group_size)
+                                           scale, window or 0, b.group_size)
 
 
 class InvariantAttention:
@@ -117,15 +136,17 @@ class InvariantAttention:
         self.pad_single_row = torch_cpu and (self.wide or dtype) in (torch.float32, torch.float16, torch.bfloat16)
 
     # ------------------------------------------------------------ plan -> metadata
-    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan]) -> InvariantMetadata | NativeMetadata:
+    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan], window=MODEL_WINDOW) -> InvariantMetadata | NativeMetadata:
+        """window: the one the torch path's masks are for (MODEL_WINDOW: the backend's); the native op takes it per call."""
         if self.native:
             return self._native(decodes + chunks)
-        meta = InvariantMetadata(self, slot_mapping(decodes + chunks, self.block_size, self.device))
+        window = self.window if window is MODEL_WINDOW else window
+        meta = InvariantMetadata(self, slot_mapping(decodes + chunks, self.block_size, self.device), window=window, spans=(decodes, chunks))
         if decodes:
-            meta.groups.append(self._group(0, decodes, 1))
+            meta.groups.append(self._group(0, decodes, 1, window))
         row = len(decodes)
         for s in chunks:
-            meta.groups.append(self._group(row, [s], s.length))
+            meta.groups.append(self._group(row, [s], s.length, window))
             row += s.length
         return meta
 
@@ -145,7 +166,7 @@ class InvariantAttention:
         tables_t, seq_t, pos_t = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in (tables, seq, pos))
         return NativeMetadata(self, slot_mapping(spans, self.block_size, self.device), tables_t, seq_t, pos_t)
 
-    def _group(self, row_start: int, spans: list[SeqSpan], queries: int) -> _Group:
+    def _group(self, row_start: int, spans: list[SeqSpan], queries: int, window: int | None) -> _Group:
         T, bpt = self.tile, self.blocks_per_tile
         n = -(-max(s.context_len for s in spans) // T)
         ids: list[int] = []
@@ -156,7 +177,7 @@ class InvariantAttention:
             pos = torch.tensor([s.start_pos for s in spans], device=self.device)
         else:  # one chunk: its positions
             pos = torch.arange(spans[0].start_pos, spans[0].context_len, device=self.device)
-        hidden = ~visible_keys(torch.arange(n * T, device=self.device), pos, self.window)  # [rows, n * TILE]
+        hidden = ~visible_keys(torch.arange(n * T, device=self.device), pos, window)  # [rows, n * TILE]
         cols = hidden.any(dim=0).nonzero()
         mask_from = int(cols[0]) if len(cols) else n * T
         mask = None
@@ -167,11 +188,13 @@ class InvariantAttention:
         return _Group(row_start, len(spans), queries, n, torch.tensor(ids, dtype=torch.long, device=self.device), mask_from, mask)
 
     # ------------------------------------------------------------ forward
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, meta: InvariantMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D]; kv [2, Hkv, blocks, block_size, D] -> [T, Hq, D]."""
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, meta: InvariantMetadata, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """q [T, Hq, D]; kv [2, Hkv, blocks, block_size, D] -> [T, Hq, D]. softcap: the layer's logit softcap
+        (scores -> softcap * tanh(scores / softcap), elementwise, so as invariant as the scores)."""
         if isinstance(meta, NativeMetadata):
             none = q.new_empty(0, self.num_kv_heads, q.shape[-1])
-            return meta.forward(q, none, none, kv, scale)
+            return meta.forward(q, none, none, kv, scale, softcap=softcap)
         _, Hq, D = q.shape
         Hkv, G = self.num_kv_heads, self.group_size
         q = q * scale  # HF scales the scores; the same factor on the queries (exact for head_dim 64, 256)
@@ -185,18 +208,20 @@ class InvariantAttention:
                 qg = rows.view(B, Hkv, G, D).transpose(0, 1)
             else:  # a chunk's rows, query heads folded into the rows: [Hkv, 1, G * L, D]
                 qg = rows.view(L, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, 1, G * L, D)
-            o = self._tiles(qg, k, v, g)  # [Hkv, B, M, D]
+            o = self._tiles(qg, k, v, g, softcap)  # [Hkv, B, M, D]
             o = o.transpose(0, 1).reshape(B, Hq, D) if L == 1 else o.view(Hkv, G, L, D).permute(2, 0, 1, 3).reshape(L, Hq, D)
             if out is None:
                 return o
             out[g.row_start : g.row_start + B * L] = o
         return out
 
-    def _tiles(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group) -> torch.Tensor:
+    def _tiles(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group, softcap: float | None = None) -> torch.Tensor:
         """q [Hkv, B, M, D] (scaled); k, v [Hkv, B, n * TILE, D] -> [Hkv, B, M, D]."""
         Hkv, B, M, D = q.shape
         n, T = g.num_tiles, self.tile
         s = self.matmul(q, k.transpose(-1, -2))  # [Hkv, B, M, n * TILE]
+        if softcap is not None:
+            s = torch.tanh(s.float() / softcap).mul_(softcap)
         if g.hidden is not None:
             s[..., g.mask_from :].masked_fill_(g.hidden, float("-inf"))
         p = torch.softmax(s, dim=-1, dtype=torch.float32)

@@ -29,7 +29,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from shoal.model.attention.common import SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
+from shoal.model.attention.common import MODEL_WINDOW, SeqSpan, gather_blocks, slot_mapping, softcapped, visible_keys, write_kv
 
 
 @dataclass
@@ -63,11 +63,25 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] bool
     decode_context_len: int | None = None  # instead of the mask when one sequence decodes: its keys, all visible
     chunks: list[ChunkMeta] = field(default_factory=list)
+    window: int | None = None  # the sliding window these masks hide keys outside of
+    backend: SdpaAttention | None = None
+    spans: tuple = ()  # (decodes, chunks): what prepare was given, for another window's metadata
+    other_windows: dict = field(default_factory=dict)  # window -> the step's metadata for it, built on first use
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of this step; kv [2, Hkv, blocks, block_size, D]: the layer's cache."""
+    def for_window(self, window) -> AttentionMetadata:
+        """The step's metadata for layers with `window` (MODEL_WINDOW: the backend's): this, or built once per step."""
+        if window is MODEL_WINDOW or window == self.window:
+            return self
+        if window not in self.other_windows:
+            self.other_windows[window] = self.backend.prepare(*self.spans, window=window)
+        return self.other_windows[window]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float,
+                window=MODEL_WINDOW, softcap: float | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of this step; kv [2, Hkv, blocks, block_size, D]: the layer's cache.
+        window: the layer's sliding window (None: none; MODEL_WINDOW: the backend's); softcap: its logit softcap."""
         write_kv(kv, k, v, self.slot_mapping)
-        return paged_attention(q, kv, self, scale)
+        return paged_attention(q, kv, self.for_window(window), scale, softcap)
 
 
 class SdpaAttention:
@@ -79,9 +93,11 @@ class SdpaAttention:
         self.window = sliding_window
         self.device = device
 
-    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan]) -> AttentionMetadata:
-        dev, bs, G, window = self.device, self.block_size, self.group_size, self.window
-        meta = AttentionMetadata(slot_mapping=slot_mapping(decodes + chunks, bs, dev), num_decodes=len(decodes))
+    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan], window=MODEL_WINDOW) -> AttentionMetadata:
+        dev, bs, G = self.device, self.block_size, self.group_size
+        window = self.window if window is MODEL_WINDOW else window
+        meta = AttentionMetadata(slot_mapping=slot_mapping(decodes + chunks, bs, dev), num_decodes=len(decodes), window=window,
+                                 backend=self, spans=(decodes, chunks))
         if decodes:
             max_blocks = max(len(s.block_table) for s in decodes)
             meta.decode_block_tables = torch.tensor(
@@ -168,6 +184,7 @@ def paged_attention(
     kv: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,  # a logit softcap: eager attention (common.softcapped) for every query
 ) -> torch.Tensor:  # [T, Hq, D]
     T, Hq, D = q.shape
     Hkv = kv.shape[1]
@@ -182,7 +199,10 @@ def paged_attention(
         else:  # one sequence
             k, v = gather_blocks(kv, flat, q.dtype)[:, :, :n].unsqueeze(1)
         qd = q[:Bd].view(Bd, Hkv, G, D)  # head h = kv_head * G + g, as in HF's repeat_kv
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale).reshape(Bd, Hq, D)
+        if softcap is not None:
+            o = softcapped(qd, k, v, meta.decode_mask, scale, softcap).reshape(Bd, Hq, D)
+        else:
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale).reshape(Bd, Hq, D)
         if not meta.chunks:
             return o  # a decode-only step: no buffer to assemble
     out = torch.empty_like(q)
@@ -195,7 +215,10 @@ def paged_attention(
         qc = q[c.start : c.start + c.length].view(c.length, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * c.length, D)
         # 4-D with a batch of one: with a mask, 3-D inputs send CPU SDPA down its math path (bmm, where,
         # softmax), 4-D ones to the flash kernel: 1.9-3.7x faster per call (benchmarks/NOTES.md).
-        if c.mask is not None and eager_chunk(q, Hkv * G * c.length, c.context_len):
+        if softcap is not None:
+            mask = c.mask if c.mask is not None else torch.ones(c.length, c.length, dtype=torch.bool, device=q.device).tril()
+            o = softcapped(qc[None], k[None], v[None], mask, scale, softcap)[0]
+        elif c.mask is not None and eager_chunk(q, Hkv * G * c.length, c.context_len):
             o = eager_attention(qc[None], k[None], v[None], c.hidden, scale)[0]
         elif c.mask is not None and not c.windowed and q.device.type == "cpu":
             out[c.start : c.start + c.length] = prefix_and_causal(q[c.start : c.start + c.length], k, v, c.context_len - c.length, scale)
