@@ -99,14 +99,35 @@ ARCHS = {
 }
 
 
+# The families on per-layer specs (tests/test_families.py), kept apart from ARCHS, which every test of the
+# Llama-shaped families runs over. Windows (8) shorter than the tests' prompts; LongRoPE factors for a head's
+# 8 rotary frequencies (6 where Phi-4-mini rotates 3/4 of the head).
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.5, 11.5, 15.0]}
+FAMILY_ARCHS = {
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, max_position_embeddings=128, sliding_window=8, original_max_position_embeddings=32,
+                                                   rope_parameters=_LONGROPE)),
+    "phi4mini": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=True, partial_rotary_factor=0.75,
+                                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                        "partial_rotary_factor": 0.75})),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                                         attn_logit_softcapping=0.1, final_logit_softcapping=0.5)),
+    # Gemma 3's pattern, five local layers to a global one; rope theta 10k local, 1M global scaled by 8 (its 4B+)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_hidden_layers=6, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                                              "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                                                 "rope_theta": 1000000.0}})),
+}
+
+
 def make_tiny_model(arch: str, path: Path, *, seed: int = 0, rope_parameters: dict | None = None, chat_template: str | None = None, **overrides) -> Path:
-    """Write a random-weight `arch` model folder (config, safetensors, tokenizer) to `path`."""
+    """Write a random-weight `arch` model folder (config, safetensors, tokenizer) to `path` (ARCHS or FAMILY_ARCHS)."""
     import transformers
 
     tokenizer = make_tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    config_cls_name, model_cls_name, extra = ARCHS[arch]
+    config_cls_name, model_cls_name, extra = {**ARCHS, **FAMILY_ARCHS}[arch]
     kwargs = {**_BASE, **extra, "vocab_size": len(tokenizer), **overrides}
     if rope_parameters is not None:
         kwargs["rope_parameters"] = rope_parameters

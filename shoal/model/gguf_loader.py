@@ -57,6 +57,12 @@ class ArchSpec:
     qk_permuted: bool  # convert_hf_to_gguf.py applied LlamaModel.permute to q/k rows
     fixed_qkv_bias: bool = False  # q/k/v always carry biases: the family's config has no attention_bias flag
     config_class: str | None = None  # the transformers config class built, where a plain config will not do (below)
+    tensors: tuple[tuple[str, str], ...] = ()  # BLOCK_TENSORS entries this architecture names otherwise
+    rope_dims_are_head_dim: bool = True  # `rope.dimension_count` is the head size (not so where a family rotates part of it)
+    norm_shift: float = 0.0  # what the converter added to every norm weight (Gemma's 1: its (1 + w) norms store w + 1)
+
+    def block_tensors(self) -> dict[str, str]:
+        return {**BLOCK_TENSORS, **dict(self.tensors)}
 
 
 # llama.cpp writes Llama *and* Mistral checkpoints as arch "llama" (convert_hf_to_gguf's
@@ -67,12 +73,22 @@ class ArchSpec:
 # `qwen2vl.rope.dimension_sections` (M-RoPE). Only the mmproj's projector type tells the two apart, so the
 # config names Qwen2-VL until the caller reads it (model/mmproj.py). Its vision side builds transformers'
 # own modules, which read the family's config class.
+# Phi3MiniModel (phi3: Phi-3, 3.5, 4, 4-mini) is a plain TextModel too: it writes the fused qkv_proj as `attn_qkv`
+# and the fused gate_up_proj as `ffn_up` (gate rows first), a partial rotary as `rope.dimension_count`, and
+# LongRoPE's factors as the tensors `rope_factors_long` / `rope_factors_short` (phi3_config).
+# Gemma2Model / Gemma3Model write every `*norm.weight` plus 1 (their norms scale by 1 + w), which we subtract: in
+# float32, s - 1 + 1 gives s back for every s in [0.5, 2] (Sterbenz), so the norms compute with the stored value.
+# Their FFN_NORM is the pre-MLP norm and `post_attention_norm` the attention output's (gemma_config for the rest).
+GEMMA_TENSORS = (("ffn_norm", "pre_feedforward_layernorm"),)
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", "LlamaForCausalLM", qk_permuted=True),
     "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", qk_permuted=False, fixed_qkv_bias=True),
     "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qk_permuted=False),
     "qwen2vl": ArchSpec("qwen2_vl_text", "Qwen2VLForConditionalGeneration", qk_permuted=False, fixed_qkv_bias=True,
                         config_class="Qwen2VLTextConfig"),
+    "phi3": ArchSpec("phi3", "Phi3ForCausalLM", qk_permuted=False, tensors=(("ffn_up", "mlp.gate_up_proj"),), rope_dims_are_head_dim=False),
+    "gemma2": ArchSpec("gemma2", "Gemma2ForCausalLM", qk_permuted=False, tensors=GEMMA_TENSORS, norm_shift=1.0),
+    "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", qk_permuted=False, tensors=GEMMA_TENSORS, norm_shift=1.0),
 }
 # What the families' transformers configs default to where a file says nothing: the decoders all use SiLU,
 # and transformers' Llama, Qwen2 and Qwen3 configs all take 1e-6 for a missing epsilon.
@@ -99,18 +115,21 @@ TOP_TENSORS: dict[str, str] = {
 BLOCK_TENSORS: dict[str, str] = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k, v fused as HF's Phi-3 stores them
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",  # qwen3
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm",  # HF's name for Llama's pre-MLP norm (Gemma: ArchSpec.tensors)
+    "post_attention_norm": "post_attention_layernorm",  # gemma2/3: the attention output's norm
+    "post_ffw_norm": "post_feedforward_layernorm",  # gemma2/3
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Tensors with no HF parameter: Llama 3.1's rope factors go into the config instead.
-CONFIG_ONLY_TENSORS = {"rope_freqs.weight"}
+# Tensors with no HF parameter: Llama 3.1's and Phi-3's rope factors go into the config instead.
+CONFIG_ONLY_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # llama.cpp's sampling metadata -> SamplingParams / generation_config names.
 SAMPLING_KEYS: dict[str, str] = {
@@ -391,7 +410,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
 
 
 Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 
 
 def planned_weight_format(quantization: str, reader: gguf.GGUFReader | None) -> str:
@@ -432,12 +451,13 @@ TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 # ---------------------------------------------------------------- weights
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+def hf_tensor_name(gguf_name: str, arch: ArchSpec | None = None) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (in `arch`'s names, where it has its own);
+    None if unknown."""
     base, _, suffix = gguf_name.rpartition(".")  # suffix: "weight" or "bias"
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        hf = BLOCK_TENSORS.get(part)
+        hf = (arch.block_tensors() if arch is not None else BLOCK_TENSORS).get(part)
         return f"model.layers.{layer}.{hf}.{suffix}" if hf else None
     hf = TOP_TENSORS.get(base)
     return f"{hf}.{suffix}" if hf else None
@@ -536,13 +556,13 @@ def load_state_dict(
     """Rename and (for llama) un-permute every tensor of the file: dequantized to `dtype`,
     or for the projections of a low-bit `weight_format` as the layers take them (see load_gguf)."""
     tensors = [t for t in tensors if t.name not in CONFIG_ONLY_TENSORS]
-    unknown = [t.name for t in tensors if hf_tensor_name(t.name) is None]
+    unknown = [t.name for t in tensors if hf_tensor_name(t.name, arch) is None]
     if unknown:
         raise ValueError(f"GGUF tensors with no known Hugging Face name: {unknown[:8]}")
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     state_dict = {}
     for tensor in tqdm(tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress, file=sys.stderr):
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         proj = name.split(".")[-2]  # "q_proj" in model.layers.0.self_attn.q_proj.weight
         lowbit = weight_format != "none" and _is_projection(name)
         rows = _rows(tensor)
@@ -565,6 +585,8 @@ def load_state_dict(
             value = dequantize(tensor)
             if arch.qk_permuted and proj in heads:
                 value = unpermute_qk(value, n_head)
+            if arch.norm_shift and name.endswith("norm.weight"):
+                value = value - arch.norm_shift  # in float32, before any rounding to dtype (see GEMMA_TENSORS)
             if not lowbit:  # a projection to be rounded stays float32 until its layer rounds it
                 value = value.to(dtype)
         state_dict[name] = value
@@ -586,7 +608,8 @@ def build_config(
     # Qwen3's head_dim is not hidden/heads; the converter writes it as key_length.
     # For llama the rotary dimension is the head dimension.
     head_dim = (
-        meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+        meta.get(f"{arch}.attention.key_length") or (spec.rope_dims_are_head_dim and meta.get(f"{arch}.rope.dimension_count"))
+        or hidden // heads
     )
     embed = tensors["token_embd.weight"]
     kwargs.update(
@@ -606,6 +629,8 @@ def build_config(
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch in FAMILY_CONFIG:
+        FAMILY_CONFIG[arch](meta, arch, kwargs, tensors)
     if spec.config_class is not None:
         config = getattr(transformers, spec.config_class)(**kwargs)
     else:  # see plain_config
@@ -649,6 +674,58 @@ def rope_parameters(
         positions = int(meta.get(f"{arch}.context_length", 131072))
         params = llama3_rope_parameters(dequantize(tensors["rope_freqs.weight"]), theta, head_dim, positions) or params
     return params
+
+
+def phi3_config(meta: dict[str, Any], arch: str, kwargs: dict[str, Any], tensors: dict[str, gguf.ReaderTensor]) -> None:
+    """Phi-3's fields from what Phi3MiniModel writes: the rotated part of the head (`rope.dimension_count`), LongRoPE
+    from the factor tensors and the original context, and a window where `attention.sliding_window` is not 0."""
+    head_dim = kwargs["head_dim"]
+    fraction = meta.get(f"{arch}.rope.dimension_count", head_dim) / head_dim
+    params = kwargs["rope_parameters"]
+    if "rope_factors_long.weight" in tensors:
+        params = {"rope_type": "longrope", "rope_theta": params["rope_theta"],
+                  "long_factor": dequantize(tensors["rope_factors_long.weight"]).tolist(),
+                  "short_factor": dequantize(tensors["rope_factors_short.weight"]).tolist(),
+                  "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"])}
+    params["partial_rotary_factor"] = fraction
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0))
+    kwargs.update(rope_parameters=params, partial_rotary_factor=fraction, sliding_window=window or None)
+
+
+# llama.cpp's Gemma defaults (src/models/gemma2.cpp, gemma3.cpp): the local layers' pattern (every 2nd / 6th layer
+# global), Gemma 2's window and softcaps where a file names none, and the local rope base of Gemma 3.
+GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def gemma_config(meta: dict[str, Any], arch: str, kwargs: dict[str, Any], tensors: dict[str, gguf.ReaderTensor]) -> None:
+    """Gemma 2 / 3 fields from what Gemma2Model / Gemma3Model write, read as llama.cpp reads them."""
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    window = int(meta.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch])
+    if isinstance(pattern, list):  # one flag per layer
+        local = [bool(p) for p in pattern]
+    else:  # llama.cpp's set_swa_pattern: the last layer of every `pattern` is global
+        local = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    if not window:
+        local = [False] * layers
+    types = ["sliding_attention" if s else "full_attention" for s in local]
+    # llama.cpp scales scores by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads) for the 27B models, as Google's own code
+    scalar = hidden // heads if layers == GEMMA_27B_LAYERS[arch] else kwargs["head_dim"]
+    caps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if arch == "gemma2" else \
+        {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+    caps = {k: meta.get(f"{arch}.{k}", v) for k, v in caps.items()}
+    rope = kwargs["rope_parameters"]
+    if arch == "gemma3":  # the global layers' base and scaling; the local ones' base apart (10k unless the file says)
+        if f"{arch}.rope.freq_base" not in meta:
+            rope["rope_theta"] = 1_000_000.0
+        local_theta = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+    kwargs.update(layer_types=types, sliding_window=window or None, query_pre_attn_scalar=scalar, rope_parameters=rope,
+                  hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh", use_bidirectional_attention=False, **caps)
+
+
+FAMILY_CONFIG = {"phi3": phi3_config, "gemma2": gemma_config, "gemma3": gemma_config}
 
 
 def mrope_section(meta: dict[str, Any], arch: str) -> list[int]:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from shoal.model.config import ModelConfig
 from shoal.model.file_checks import Described, ModelFileError, check_config, check_safetensors_header, first_line
-from shoal.model.gguf_loader import GGUFFileReader, hf_tensor_name, load_gguf, planned_weight_format
+from shoal.model.gguf_loader import ARCHS, GGUFFileReader, hf_tensor_name, load_gguf, planned_weight_format
 from shoal.model.mmproj import read_mmproj
 from shoal.model.vision import Qwen2VLPreparer, VisionSpec, load_preparer
 
@@ -204,7 +204,8 @@ def load_checkpoint(
     vision_state = preparer = None
     if path.suffix == ".gguf":
         gguf_reader = gguf_reader if gguf_reader is not None else GGUFFileReader(path)
-        check_sizes(path, gguf_reader.hf_config, {hf_tensor_name(t.name) or t.name: tuple(int(d) for d in reversed(t.shape))
+        arch = ARCHS.get(gguf_reader.metadata.get("general.architecture"))
+        check_sizes(path, gguf_reader.hf_config, {hf_tensor_name(t.name, arch) or t.name: tuple(int(d) for d in reversed(t.shape))
                                                   for t in gguf_reader.tensors})
         gg = load_gguf(path, dtype=dtype, progress=progress, quantization=quantization, select=select, reader=gguf_reader)
         weight_format = gg.weight_format

@@ -11,6 +11,9 @@ _MODELS = {
     "Qwen3ForCausalLM": ("shoal.model.qwen3", "Qwen3ForCausalLM"),
     "Qwen2VLForConditionalGeneration": ("shoal.model.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("shoal.model.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Phi3ForCausalLM": ("shoal.model.phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("shoal.model.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("shoal.model.gemma", "Gemma3ForCausalLM"),
     "Idefics3ForConditionalGeneration": ("shoal.model.idefics3", "Idefics3ForConditionalGeneration"),
     "SmolVLMForConditionalGeneration": ("shoal.model.idefics3", "SmolVLMForConditionalGeneration"),
 }

@@ -17,6 +17,15 @@ STACKED_PARAMS = (
     ("gate_up_proj", "up_proj", 1),
 )
 
+# Projections a checkpoint may hold already fused, as the model does (Phi-3's `qkv_proj` and `gate_up_proj`, and
+# llama.cpp's `attn_qkv` and phi3 `ffn_up`): read as stored, and cut by rows into the parts above (views, no
+# copy), so that a tensor-parallel rank's rows, a low-bit layer's parts and the fused copy take them as they
+# take a checkpoint's separate q, k, v. (fused parameter, its parts in row order)
+FUSED_PARAMS = (
+    ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("gate_up_proj", ("gate_proj", "up_proj")),
+)
+
 # Tensor parallelism (runner/shard_plan.py): checkpoint projection -> which of its shard's ranges holds its output rows.
 # Every split is by output rows; the attention output and down projections read their whole input, gathered.
 SHARDED_PARAMS = (
@@ -44,7 +53,7 @@ def load_weights(model, state_dict: dict) -> None:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
-    for name, tensor in state_dict.items():
+    for name, tensor in split_fused(state_dict.items(), model.config.hf_config):
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         if "rotary_emb" in name:
@@ -83,6 +92,29 @@ def load_weights(model, state_dict: dict) -> None:
     for m in modules.values():
         if hasattr(m, "finish_loading"):
             m.finish_loading()
+
+
+def split_fused(items, hf_config):
+    """(name, tensor) pairs with every stored fused projection (FUSED_PARAMS) cut into its parts by rows: q, k, v
+    by the whole model's head counts (hf_config: the decoder's transformers config), gate and up in halves."""
+    for name, tensor in items:
+        fused = next((f for f in FUSED_PARAMS if f".{f[0]}." in name), None)
+        if fused is None:
+            yield name, tensor
+            continue
+        rows = getattr(tensor, "codes", tensor).shape[0]
+        if fused[0] == "qkv_proj":
+            heads = hf_config.num_attention_heads
+            q = heads * (getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+            sizes = (q, (rows - q) // 2, (rows - q) // 2)
+        else:
+            sizes = (rows // 2, rows // 2)
+        if sum(sizes) != rows:
+            raise ValueError(f"{name}: {rows} rows do not split into {', '.join(fused[1])}")
+        start = 0
+        for part, size in zip(fused[1], sizes):
+            yield name.replace(f".{fused[0]}.", f".{part}."), tensor.narrow(0, start, size)
+            start += size
 
 
 def _shard_tensor(name: str, tensor, shard, head_dim: int):

@@ -1,0 +1,243 @@
+"""The families on per-layer specs against transformers on the same weights: Phi-3 (LongRoPE, a window),
+Phi-4-mini's shape (partial rotary), Gemma 2 (local/global layers, softcaps), Gemma 3 (5 local : 1 global,
+per-kind rope, q/k norms).
+
+Tiny random-weight models (tests/tiny_models.py FAMILY_ARCHS, windows of 8 keys) go through shoal's loader,
+layers and paged attention (both backends), and must give transformers' logits within 1e-4 in float32: prompts
+longer than the window, chunked across its edge; several sequences in one step; after a prefix-cache hit.
+And the same model written as llama.cpp's converter writes it (GGUF) gives the folder's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from shoal import LLM, SamplingParams
+from shoal.model.loader import load_checkpoint
+from shoal.model.registry import model_class
+from shoal.model.weights import load_weights
+from shoal.runner.model_runner import KVCacheSpec, ModelRunner, forward_batch
+from shoal.types import ScheduledSeq, StepPlan
+from test_loader import write_vocab
+from tiny_models import FAMILY_ARCHS, make_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+# LongRoPE's short factors hold for a context up to the original 32 positions (layers.rope_inv_freq): the tests
+# that compare with transformers' short factors serve 32 positions.
+SHORT = 32
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_ARCHS))
+def family(request, tmp_path_factory):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return request.param, path, hf
+
+
+def build_runner(path, attention: str, max_positions: int = SHORT, num_blocks: int = 64, block_size: int = 4) -> ModelRunner:
+    ckpt = load_checkpoint(str(path), progress=False)
+    model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, max_positions)
+    load_weights(model, ckpt.state_dict)
+    model.eval()
+    return ModelRunner(model, KVCacheSpec(num_blocks, block_size, 0, torch.float32), ckpt.eos_token_ids, torch.device("cpu"),
+                       torch.float32, attention)
+
+
+@torch.inference_mode()
+def step_logits(runner, seqs: list[ScheduledSeq]) -> torch.Tensor:
+    batch, _ = forward_batch(StepPlan(tuple(seqs)))
+    return runner.model.compute_logits(runner.forward(batch))
+
+
+@torch.inference_mode()
+def hf_logits(hf, ids):
+    return hf(torch.tensor([ids])).logits[0]
+
+
+def seq(rid, ids, start, table, decode=False):
+    return ScheduledSeq(rid, tuple(ids), start, tuple(table), decode, GREEDY)
+
+
+A_IDS = [(13 * i) % 380 + 5 for i in range(21)]  # longer than the window (8), within LongRoPE's short range
+B_IDS = [(29 * i) % 370 + 11 for i in range(11)]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "invariant"])
+def test_chunks_across_the_window_and_a_batch_match_transformers(family, attention):
+    name, path, hf = family
+    runner = build_runner(path, attention)
+    spec = runner.model.spec
+    windows = {layer.attention.window for layer in spec.layers}
+    if name.startswith("gemma"):
+        assert windows == {8, None}  # local and global layers both run
+    ref_a, ref_b = hf_logits(hf, A_IDS), hf_logits(hf, B_IDS)
+    A, B = range(0, 6), range(10, 13)  # block tables (block_size 4)
+    a, b = A_IDS, B_IDS
+    first = step_logits(runner, [seq(1, a[0:6], 0, A)])
+    second = step_logits(runner, [seq(1, a[6:13], 6, A), seq(2, b[0:10], 0, B)])  # a's chunk crosses the window's edge
+    third = step_logits(runner, [seq(1, a[13:20], 13, A)])
+    decode = step_logits(runner, [seq(1, a[20:], 20, A, True), seq(2, b[10:], 10, B, True)])  # two contexts, one step
+    got_a = torch.cat([first, second[:7], third, decode[:1]])
+    torch.testing.assert_close(got_a, ref_a, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([second[7:], decode[1:]]), ref_b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "invariant"])
+def test_after_a_prefix_cache_hit_matches_transformers(family, attention):
+    """A second sequence reuses the first's first three blocks (12 positions, past the window) as the prefix
+    cache hands them out, and computes only its own tokens from position 12."""
+    name, path, hf = family
+    runner = build_runner(path, attention)
+    A = tuple(range(0, 5))
+    step_logits(runner, [seq(1, A_IDS[:17], 0, A)])
+    other = A_IDS[:12] + [7, 300, 42, 42, 9, 100, 250]
+    got = step_logits(runner, [seq(2, other[12:], 12, A[:3] + (20, 21))])
+    torch.testing.assert_close(got, hf_logits(hf, other)[12:], atol=1e-4, rtol=0)
+
+
+def test_greedy_generation_with_the_prefix_cache_matches_transformers(family):
+    """The engine's own path: chunked prefill (8 tokens a step), several sequences, a prompt whose prefix is cached."""
+    name, path, hf = family
+    llm = LLM(str(path), dtype="float32", num_blocks=64, block_size=4, max_model_len=SHORT, max_num_batched_tokens=8, check_integrity=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [A_IDS[:18], B_IDS, [300, 301, 2, 7, 7, 7, 9, 14, 90, 91]]
+    outs = llm.generate(prompts, params)
+    again = llm.generate([A_IDS[:18] + [44, 45]], params)[0]
+    assert again.num_cached_tokens >= 16  # the first prompt's blocks
+    for ids, out in zip([*prompts, A_IDS[:18] + [44, 45]], [*outs, again]):
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          min_new_tokens=8)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == ref, name
+
+
+def test_the_specs_say_what_each_family_is(family):
+    name, path, hf = family
+    spec = build_runner(path, "sdpa").model.spec
+    layers = spec.layers
+    if name == "phi3":
+        assert {layer.attention.window for layer in layers} == {8} and layers[0].attention.rope.rope_type == "longrope"
+    if name == "phi4mini":
+        assert layers[0].attention.rope.rotary_dim == 12 and spec.fusable  # 3/4 of a 16-wide head
+    if name == "gemma2":
+        assert [layer.attention.window for layer in layers] == [8, None, 8, None]
+        assert {layer.attention.softcap for layer in layers} == {0.1} and spec.logit_softcap == 0.5
+        assert not spec.fusable and layers[0].mlp.activation == "gelu_tanh" and spec.embed_scale == 8.0
+    if name == "gemma3":
+        assert [layer.attention.window for layer in layers] == [8] * 5 + [None]
+        assert layers[0].attention.rope.theta == 10000.0 and layers[5].attention.rope.theta == 1e6
+        assert layers[5].attention.rope.rope_type == "linear" and layers[0].attention.qk_norm
+
+
+def test_longrope_serves_the_long_factors_past_the_original_context(tmp_path):
+    """Served past the original 32 positions, every sequence gets the long factors, as transformers gives a
+    sequence longer than 32: a 40-token prompt matches it; a short prompt then differs from transformers',
+    which takes the short factors for it (the documented choice)."""
+    path = make_tiny_model("phi3", tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = build_runner(path, "sdpa", max_positions=128)
+    ids = [(17 * i) % 390 + 3 for i in range(40)]
+    got = step_logits(runner, [seq(1, ids, 0, range(10))])
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=0)
+    short = step_logits(runner, [seq(2, ids[:20], 0, range(20, 25))])
+    assert (short - hf_logits(hf, ids[:20])).abs().max() > 1e-3
+
+
+def test_gemma2_softcaps_are_applied(tmp_path):
+    """The native invariant op has no softcap: a softcapped model's backend runs the torch path. Without the
+    attention softcap the logits differ (so the parity tests saw it applied), and the final one bounds them."""
+    path = make_tiny_model("gemma2", tmp_path)
+    runner = build_runner(path, "invariant")
+    assert runner.attention.native is False
+    plain = build_runner(make_tiny_model("gemma2", tmp_path / "plain", attn_logit_softcapping=None), "invariant")
+    ids = A_IDS[:12]
+    capped = step_logits(runner, [seq(1, ids, 0, range(3))])
+    assert (capped - step_logits(plain, [seq(1, ids, 0, range(3))])).abs().max() > 1e-3
+    assert capped.abs().max() < 0.5
+
+
+# ---------------------------------------------------------------- GGUF, as llama.cpp's converter writes these families
+
+GGUF_ARCH = {"phi3": "phi3", "phi4mini": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+
+
+def write_family_gguf(folder, out, family: str) -> None:
+    """The tiny HF model in `folder` as convert_hf_to_gguf.py writes it (Phi3MiniModel, Gemma2Model, Gemma3Model),
+    every tensor F32: the metadata each writes, its tensor names, Gemma's norms plus 1, Phi-3's rope factor tensors."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    arch = GGUF_ARCH[family]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    extra: dict[str, np.ndarray] = {}
+    if arch == "phi3":
+        n_embd, n_head = config.hidden_size, config.num_attention_heads
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head)
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", config.original_max_position_embeddings))
+        w.add_sliding_window(config.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            extra = {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+                     "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)}
+    else:
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+        w.add_sliding_window(config.sliding_window)
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(config.attn_logit_softcapping)
+            w.add_final_logit_softcapping(config.final_logit_softcapping)
+        else:
+            full = rope["full_attention"]
+            w.add_rope_freq_base(full["rope_theta"])
+            if full.get("rope_type") == "linear":
+                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+                w.add_rope_scaling_factor(full["factor"])
+    write_vocab(w, folder)
+    for hf_name, tensor in load_file(folder / "model.safetensors").items():
+        if arch == "gemma2" and hf_name == "lm_head.weight":
+            continue  # Gemma2Model drops it (tied)
+        base, suffix = hf_name.rsplit(".", 1)
+        values = tensor.float().numpy()
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            values = values + 1  # Gemma2Model / Gemma3Model.modify_tensors
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", values)
+    for name, values in extra.items():
+        w.add_tensor(name, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def layers_of(spec):
+    """What a spec makes, floats to six digits (a GGUF holds float32s)."""
+    r = lambda x: None if x is None else float(f"{x:.6g}")  # noqa: E731
+    return [(a.window, r(a.softcap), r(a.scale), a.qk_norm, a.rope.rope_type, r(a.rope.theta), a.rope.rotary_dim, layer.norms, layer.mlp)
+            for layer in spec.layers for a in [layer.attention]], r(spec.embed_scale), spec.final_norm_unit_offset, r(spec.logit_softcap)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_ARCHS))
+def test_gguf_written_as_llama_cpp_does_gives_the_folders_greedy_tokens(name, tmp_path):
+    folder = make_tiny_model(name, tmp_path / "hf")
+    write_family_gguf(folder, tmp_path / f"{name}.gguf", name)
+    kwargs = dict(dtype="float32", num_blocks=64, block_size=4, max_model_len=SHORT, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = [A_IDS[:18], B_IDS]
+    from_gguf = LLM(str(tmp_path / f"{name}.gguf"), quantization="none", **kwargs)
+    from_hf = LLM(str(folder), **kwargs)
+    # the same layers, read from llama.cpp's metadata (rope parameters compared by what they make, not as written)
+    assert layers_of(from_gguf.engine.runner.model.spec) == layers_of(from_hf.engine.runner.model.spec)
+    for g, h in zip(from_gguf.generate(prompts, params), from_hf.generate(prompts, params)):
+        assert g.outputs[0].token_ids == h.outputs[0].token_ids
+        assert abs(g.outputs[0].logprobs[0].logprob - h.outputs[0].logprobs[0].logprob) < 1e-4
