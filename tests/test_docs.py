@@ -128,7 +128,8 @@ GAP = re.compile(r"\b(not yet|no|none|planned|untested|unmeasured|partial|coming
 README_FAMILIES = {"LlamaForCausalLM": ("Llama", "SmolLM2"), "MistralForCausalLM": ("Mistral",), "Qwen2ForCausalLM": ("Qwen2",),
                    "Qwen3ForCausalLM": ("Qwen3",), "Qwen2VLForConditionalGeneration": ("Qwen2-VL",),
                    "Qwen2_5_VLForConditionalGeneration": ("Qwen2.5-VL",), "Idefics3ForConditionalGeneration": ("SmolVLM",),
-                   "SmolVLMForConditionalGeneration": ("SmolVLM",)}
+                   "SmolVLMForConditionalGeneration": ("SmolVLM",), "Phi3ForCausalLM": ("Phi-3", "Phi-4"),
+                   "Gemma2ForCausalLM": ("Gemma 2",), "Gemma3ForCausalLM": ("Gemma 3",)}
 
 
 def feature_rows() -> dict[str, str]:
