@@ -241,3 +241,28 @@ def test_gguf_written_as_llama_cpp_does_gives_the_folders_greedy_tokens(name, tm
     for g, h in zip(from_gguf.generate(prompts, params), from_hf.generate(prompts, params)):
         assert g.outputs[0].token_ids == h.outputs[0].token_ids
         assert abs(g.outputs[0].logprobs[0].logprob - h.outputs[0].logprobs[0].logprob) < 1e-4
+
+
+def test_unsupported_settings_name_themselves():
+    """Validated at the edge: an activation, a rope type, a window or a layer kind shoal cannot run is an error that
+    names it, not a silent Llama layer."""
+    from shoal.model.config import ModelConfig
+    from shoal.model.gemma import gemma_spec
+    from shoal.model.layers import rope_inv_freq
+    from shoal.model.spec import AttentionSpec, hf_activation, rope_of
+
+    with pytest.raises(ValueError, match="'relu'"):
+        hf_activation("relu")
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64, architectures=["LlamaForCausalLM"])
+    config = ModelConfig.from_hf(transformers.PretrainedConfig(**base, rope_parameters={"rope_type": "weird", "rope_theta": 1e4}))
+    with pytest.raises(ValueError, match="rope type 'weird'"):
+        rope_inv_freq(config)
+    with pytest.raises(ValueError, match="sees nothing"):
+        AttentionSpec(rope_of(config.hf_config, 16), 0.25, window=0)
+    with pytest.raises(ValueError, match="even number"):
+        rope_of(transformers.PretrainedConfig(rope_parameters={"partial_rotary_factor": 0.2}), 16)  # 3 of 16
+    gemma = transformers.PretrainedConfig(**base, layer_types=["sliding_attention", "chunked_attention"], query_pre_attn_scalar=16,
+                                          sliding_window=8, hidden_activation="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match="chunked_attention"):
+        gemma_spec(ModelConfig.from_hf(gemma))
