@@ -529,8 +529,10 @@ LOWBIT_AVX2 void kpanel_avx2(const KArgs& a, int64_t p, int64_t r0, int h0) {
     for (int hh = 0; hh < NH; ++hh) acc[r][hh] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     const uint8_t* sb = a.w + (p * S + s) * lay.bytes;
-    if (R > 1 && h0 == 0)  // several rows' first pass over this super-block: ask for all that comes next (one row: as fast without)
+    if (h0 == 0 && r0 == 0 && R > 1)  // the first rows' pass: ask for all that comes next (one row: as fast without)
       for (int64_t l = 0; l < lay.bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(sb + kPrefetch + l), _MM_HINT_T0);
+    if (h0 == 0 && r0 == kRows)  // the second rows' pass, which reads from cache: bring the next pair of panels to L2
+      for (int64_t l = 0; l < lay.bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(sb + 2 * S * lay.bytes + l), _MM_HINT_T1);
     __m256i isum[R][NH];
     for (int r = 0; r < R; ++r)
       for (int hh = 0; hh < NH; ++hh) isum[r][hh] = _mm256_setzero_si256();
@@ -750,7 +752,8 @@ at::Tensor k_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { quantize_q8k(xp, stride, st, r0, r1, xq, xd, xbs, xpairs, xm32, K); });
   const KArgs a{{xq, xd, xbs, xpairs, xm32, K, S}, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, P};
   const int path = lowbit::matmul_path(), bits = bits_of(t);
-  // threads take pairs of panels (a thread's share stays contiguous in memory)
+  // threads take pairs of panels (a thread's share stays contiguous in memory, so on AVX2 the second group of rows
+  // over a pair can fetch the thread's next pair while it computes from cache: 8 rows 22% faster from memory)
   at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t p = 2 * q0; p < std::min(P, 2 * q1); p += 2)
       for (int64_t r = 0; r < M; r += kRows) {
