@@ -18,12 +18,11 @@ import transformers
 from safetensors.torch import load_file
 
 from shoal import LLM, SamplingParams
-from shoal.model.loader import load_checkpoint
-from shoal.model.registry import model_class
-from shoal.model.weights import load_weights
-from shoal.runner.model_runner import KVCacheSpec, ModelRunner, forward_batch
-from shoal.types import ScheduledSeq, StepPlan
+from shoal.runner.model_runner import ModelRunner
+from shoal.types import ScheduledSeq
 from test_loader import write_vocab
+from test_models import build_runner as models_runner
+from test_models import hf_logits, step_logits
 from tiny_models import FAMILY_ARCHS, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -39,24 +38,8 @@ def family(request, tmp_path_factory):
     return request.param, path, hf
 
 
-def build_runner(path, attention: str, max_positions: int = SHORT, num_blocks: int = 64, block_size: int = 4) -> ModelRunner:
-    ckpt = load_checkpoint(str(path), progress=False)
-    model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, max_positions)
-    load_weights(model, ckpt.state_dict)
-    model.eval()
-    return ModelRunner(model, KVCacheSpec(num_blocks, block_size, 0, torch.float32), ckpt.eos_token_ids, torch.device("cpu"),
-                       torch.float32, attention)
-
-
-@torch.inference_mode()
-def step_logits(runner, seqs: list[ScheduledSeq]) -> torch.Tensor:
-    batch, _ = forward_batch(StepPlan(tuple(seqs)))
-    return runner.model.compute_logits(runner.forward(batch))
-
-
-@torch.inference_mode()
-def hf_logits(hf, ids):
-    return hf(torch.tensor([ids])).logits[0]
+def build_runner(path, attention: str, max_positions: int = SHORT) -> ModelRunner:
+    return models_runner(path, attention=attention, max_positions=max_positions)
 
 
 def seq(rid, ids, start, table, decode=False):

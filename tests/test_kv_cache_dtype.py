@@ -130,9 +130,9 @@ def attention_inputs(default_gguf_path):
     seen = []
     original = NativeMetadata.forward
 
-    def record(self, q, k, v, kv, scale):
+    def record(self, q, k, v, kv, scale, **layer):  # layer: the layer's window and softcap (none in this model)
         seen.append((q.clone(), k.clone(), v.clone(), scale))
-        return original(self, q, k, v, kv, scale)
+        return original(self, q, k, v, kv, scale, **layer)
 
     with LLM("smollm2", enable_prefix_cache=False, max_num_batched_tokens=1024) as llm:  # the text in one step
         ids = _real_text(llm, 700)

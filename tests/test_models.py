@@ -30,12 +30,13 @@ def tiny(request, tmp_path_factory):
     return request.param, path, hf
 
 
-def build_runner(path, num_blocks=64, block_size=4):
+def build_runner(path, num_blocks=64, block_size=4, attention="invariant", max_positions=512):
     ckpt = load_checkpoint(str(path), progress=False)
-    model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, 512)
+    model = model_class(ckpt.hf_config.architectures)(ckpt.hf_config, max_positions)
     load_weights(model, ckpt.state_dict)
     model.eval()
-    return ModelRunner(model, KVCacheSpec(num_blocks, block_size, 0, torch.float32), ckpt.eos_token_ids, torch.device("cpu"), torch.float32)
+    return ModelRunner(model, KVCacheSpec(num_blocks, block_size, 0, torch.float32), ckpt.eos_token_ids, torch.device("cpu"),
+                       torch.float32, attention)
 
 
 @torch.inference_mode()

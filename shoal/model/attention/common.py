@@ -40,6 +40,20 @@ class _ModelWindow:
 MODEL_WINDOW = _ModelWindow()
 
 
+class PerWindow:
+    """What a step's metadata does for a model whose layers have different windows (the torch backends'): the
+    metadata for another window, built on first use and kept for the step. Needs `window`, `backend`, `spans` and
+    `other_windows` fields."""
+
+    def for_window(self, window):
+        """The step's metadata for layers with `window` (MODEL_WINDOW: the backend's): this, or built once per step."""
+        if window is MODEL_WINDOW or window == self.window:
+            return self
+        if window not in self.other_windows:
+            self.other_windows[window] = self.backend.prepare(*self.spans, window=window)
+        return self.other_windows[window]
+
+
 def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float, cap: float) -> torch.Tensor:
     """q [B, H, M, D], k/v [B, H, S, D]; visible: [.., M, S] bool (True: seen) or None (all) -> [B, H, M, D].
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal import kernels
-from shoal.model.attention.common import MODEL_WINDOW, SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
+from shoal.model.attention.common import MODEL_WINDOW, PerWindow, SeqSpan, gather_blocks, slot_mapping, visible_keys, write_kv
 from shoal.model.invariance import wide_dtype, wide_matmul
 
 # Keys per tile: the length of every p.v reduction. 128 keys x 64 dims is 16 KiB of
@@ -65,21 +65,13 @@ class _Group:
 
 
 @dataclass
-class InvariantMetadata:
+class InvariantMetadata(PerWindow):
     backend: InvariantAttention
     slot_mapping: torch.Tensor  # [T] long
     groups: list[_Group] = field(default_factory=list)
     window: int | None = None  # the sliding window the groups' masks hide keys outside of
     spans: tuple = ()  # (decodes, chunks): what prepare was given, for another window's metadata
     other_windows: dict = field(default_factory=dict)  # window -> the step's metadata for it, built on first use
-
-    def for_window(self, window) -> InvariantMetadata:
-        """The step's metadata for layers with `window` (MODEL_WINDOW: the backend's): this, or built once per step."""
-        if window is MODEL_WINDOW or window == self.window:
-            return self
-        if window not in self.other_windows:
-            self.other_windows[window] = self.backend.prepare(*self.spans, window=window)
-        return self.other_windows[window]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float,
                 window=MODEL_WINDOW, softcap: float | None = None) -> torch.Tensor:

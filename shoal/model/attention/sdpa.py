@@ -29,7 +29,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from shoal.model.attention.common import MODEL_WINDOW, SeqSpan, gather_blocks, slot_mapping, softcapped, visible_keys, write_kv
+from shoal.model.attention.common import MODEL_WINDOW, PerWindow, SeqSpan, gather_blocks, slot_mapping, softcapped, visible_keys, write_kv
 
 
 @dataclass
@@ -56,7 +56,7 @@ class ChunkMeta:
 
 
 @dataclass
-class AttentionMetadata:
+class AttentionMetadata(PerWindow):
     slot_mapping: torch.Tensor  # [T] long
     num_decodes: int
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] long
@@ -67,14 +67,6 @@ class AttentionMetadata:
     backend: SdpaAttention | None = None
     spans: tuple = ()  # (decodes, chunks): what prepare was given, for another window's metadata
     other_windows: dict = field(default_factory=dict)  # window -> the step's metadata for it, built on first use
-
-    def for_window(self, window) -> AttentionMetadata:
-        """The step's metadata for layers with `window` (MODEL_WINDOW: the backend's): this, or built once per step."""
-        if window is MODEL_WINDOW or window == self.window:
-            return self
-        if window not in self.other_windows:
-            self.other_windows[window] = self.backend.prepare(*self.spans, window=window)
-        return self.other_windows[window]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float,
                 window=MODEL_WINDOW, softcap: float | None = None) -> torch.Tensor:
