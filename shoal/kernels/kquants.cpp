@@ -705,7 +705,7 @@ void kpanels_vnni(const KArgs& a, int64_t p, int64_t r0, int64_t nr) {
 
 // AVX2 at several rows: Q4_K and Q6_K take both halves in one pass (each activation broadcast feeds two
 // vpmaddubsw: 1.3-1.7x and 1.1-1.3x a half at a time, from 8 to 128 rows); Q5_K, whose fifth-bit lines need two
-// more registers a half, a half at a time (as fast or 10% faster). benchmarks/NOTES.md, twenty-eighth round.
+// more registers a half, a half at a time (as fast or 10% faster). benchmarks/NOTES.md, twenty-ninth round.
 template <int Bits, int R>
 void kpanel_avx2_rows(const KArgs& a, int64_t p, int64_t r0) {
   if constexpr (Bits == 5) return kpanel_avx2<Bits, R, 1>(a, p, r0, 0), kpanel_avx2<Bits, R, 1>(a, p, r0, 1);
