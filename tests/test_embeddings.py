@@ -86,6 +86,19 @@ def max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+def assert_embeds_as_sentence_transformers(engine, folder: Path) -> None:
+    """A GGUF's engine tokenizes as the folder it was written from does (punctuation and case included), and its
+    vectors are within 1e-5 of sentence-transformers' on that folder."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(folder), device="cpu")
+    texts = [*TEXTS, "Hello, World: the Fox!"]
+    assert [engine.tokenizer.encode(t) for t in texts] == [st.tokenizer(t)["input_ids"] for t in texts]
+    ref = st.encode(texts, convert_to_tensor=True, batch_size=1).double()
+    for vec, want in zip(embed(engine, [engine.tokenizer.encode(t) for t in texts]), ref):
+        assert max_diff(vec, want.tolist()) < 1e-5
+
+
 # ---------------------------------------------------------------- the files
 
 
@@ -399,18 +412,12 @@ def write_bert_gguf(folder: Path, out: Path, pooling) -> Path:
 @pytest.mark.parametrize("layout", ["minilm", "bge"])
 def test_a_bert_gguf_embeds_as_its_folder_does(layout, request, tmp_path):
     import gguf
-    from sentence_transformers import SentenceTransformer
 
     folder = request.getfixturevalue(layout)
     kind = gguf.PoolingType.MEAN if layout == "minilm" else gguf.PoolingType.CLS
     engine = tiny_engine(write_bert_gguf(folder, tmp_path / "bert.gguf", kind))
     assert (engine.pooling.mode, engine.pooling.normalize) == (("mean" if layout == "minilm" else "cls"), True)
-    st = SentenceTransformer(str(folder), device="cpu")
-    texts = [*TEXTS, "Hello, World: the Fox!"]
-    assert [engine.tokenizer.encode(t) for t in texts] == [st.tokenizer(t)["input_ids"] for t in texts]
-    ref = st.encode(texts, convert_to_tensor=True, batch_size=1).double()
-    for vec, want in zip(embed(engine, [engine.tokenizer.encode(t) for t in texts]), ref):
-        assert max_diff(vec, want.tolist()) < 1e-5
+    assert_embeds_as_sentence_transformers(engine, folder)
 
 
 def make_tiny_nomic(path: Path, seed: int = 0) -> Path:
@@ -491,18 +498,12 @@ def write_nomic_gguf(folder: Path, out: Path, pooling) -> Path:
 
 def test_a_nomic_bert_gguf_embeds_as_its_folder_does(nomic, tmp_path):
     import gguf
-    from sentence_transformers import SentenceTransformer
 
     engine = tiny_engine(write_nomic_gguf(nomic, tmp_path / "nomic.gguf", gguf.PoolingType.MEAN))
     assert (engine.pooling.mode, engine.pooling.normalize) == ("mean", True)
     model = engine.runner.model
     assert type(model).__name__ == "NomicBertModel" and model.config.rope_parameters["rope_theta"] == 1000.0
-    st = SentenceTransformer(str(nomic), device="cpu")
-    texts = [*TEXTS, "Hello, World: the Fox!"]
-    assert [engine.tokenizer.encode(t) for t in texts] == [st.tokenizer(t)["input_ids"] for t in texts]
-    ref = st.encode(texts, convert_to_tensor=True, batch_size=1).double()
-    for vec, want in zip(embed(engine, [engine.tokenizer.encode(t) for t in texts]), ref):
-        assert max_diff(vec, want.tolist()) < 1e-5
+    assert_embeds_as_sentence_transformers(engine, nomic)
 
 
 def test_an_encoder_serves_sentence_transformers_max_seq_length(minilm, tmp_path):
