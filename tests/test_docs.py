@@ -129,7 +129,8 @@ README_FAMILIES = {"LlamaForCausalLM": ("Llama", "SmolLM2"), "MistralForCausalLM
                    "Qwen3ForCausalLM": ("Qwen3",), "Qwen2VLForConditionalGeneration": ("Qwen2-VL",),
                    "Qwen2_5_VLForConditionalGeneration": ("Qwen2.5-VL",), "Idefics3ForConditionalGeneration": ("SmolVLM",),
                    "SmolVLMForConditionalGeneration": ("SmolVLM",), "Phi3ForCausalLM": ("Phi-3", "Phi-4"),
-                   "Gemma2ForCausalLM": ("Gemma 2",), "Gemma3ForCausalLM": ("Gemma 3",)}
+                   "Gemma2ForCausalLM": ("Gemma 2",), "Gemma3ForCausalLM": ("Gemma 3",), "Qwen3MoeForCausalLM": ("Qwen3-MoE",),
+                   "MixtralForCausalLM": ("Mixtral",), "OlmoeForCausalLM": ("OLMoE",)}
 
 
 def feature_rows() -> dict[str, str]:

@@ -93,8 +93,9 @@ def test_greedy_generation_with_the_prefix_cache_matches_transformers(family):
     again = llm.generate([A_IDS[:18] + [44, 45]], params)[0]
     assert again.num_cached_tokens >= 16  # the first prompt's blocks
     for ids, out in zip([*prompts, A_IDS[:18] + [44, 45]], [*outs, again]):
+        # ignore_eos bans the stop tokens (the tiny models' generation_config: 0 and 2), as suppress_tokens does
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          min_new_tokens=8)[0, len(ids):].tolist()
+                          suppress_tokens=[0, 2])[0, len(ids):].tolist()
         assert out.outputs[0].token_ids == ref, name
 
 
@@ -145,7 +146,32 @@ def test_gemma2_softcaps_are_applied(tmp_path):
 
 # ---------------------------------------------------------------- GGUF, as llama.cpp's converter writes these families
 
-GGUF_ARCH = {"phi3": "phi3", "phi4mini": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+GGUF_ARCH = {"phi3": "phi3", "phi4mini": "phi3", "gemma2": "gemma2", "gemma3": "gemma3", "qwen3moe": "qwen3moe", "mixtral": "llama",
+             "olmoe": "olmoe"}
+# Mixtral's expert projections as HF names them, and what the converters stack them under
+MIXTRAL_EXPERTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def stacked_experts(tensors: dict) -> dict:
+    """The converters' (Qwen2MoeModel, OlmoeModel, LlamaModel for Mixtral) merge of each layer's experts: every
+    expert's projection stacked into one [experts, rows, cols] tensor under `mlp.experts.<proj>`."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if ".mlp.experts." not in name:
+            out[name] = t
+            continue
+        head, _, rest = name.partition(".mlp.experts.")
+        e, proj, suffix = rest.split(".")
+        experts.setdefault(f"{head}.mlp.experts.{MIXTRAL_EXPERTS.get(proj, proj)}.{suffix}", {})[int(e)] = t
+    for name, parts in experts.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf's LlamaModel.permute of q/k rows (arch llama)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def write_family_gguf(folder, out, family: str) -> None:
@@ -173,6 +199,18 @@ def write_family_gguf(folder, out, family: str) -> None:
         if rope.get("rope_type") == "longrope":
             extra = {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
                      "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)}
+    elif arch in ("qwen3moe", "llama", "olmoe"):  # TextModel's metadata, and Qwen2MoeModel's expert width
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_key_length(config.head_dim)
+            w.add_value_length(config.head_dim)
+            w.add_expert_feed_forward_length(config.moe_intermediate_size)
+        else:
+            w.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        if arch == "olmoe" and config.clip_qkv:
+            w.add_clamp_kqv(config.clip_qkv)
     else:
         w.add_key_length(config.head_dim)
         w.add_value_length(config.head_dim)
@@ -187,10 +225,13 @@ def write_family_gguf(folder, out, family: str) -> None:
                 w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
                 w.add_rope_scaling_factor(full["factor"])
     write_vocab(w, folder)
-    for hf_name, tensor in load_file(folder / "model.safetensors").items():
+    for hf_name, tensor in stacked_experts(load_file(folder / "model.safetensors")).items():
         if arch == "gemma2" and hf_name == "lm_head.weight":
             continue  # Gemma2Model drops it (tied)
         base, suffix = hf_name.rsplit(".", 1)
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
+            tensor = permute_qk(tensor, heads)
         values = tensor.float().numpy()
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             values = values + 1  # Gemma2Model / Gemma3Model.modify_tensors
@@ -212,7 +253,8 @@ def layers_of(spec):
 
 @pytest.mark.parametrize("name", sorted(FAMILY_ARCHS))
 def test_gguf_written_as_llama_cpp_does_gives_the_folders_greedy_tokens(name, tmp_path):
-    folder = make_tiny_model(name, tmp_path / "hf")
+    # llama.cpp's qwen3moe has no dense layers (its tensor map names no ffn_gate): every layer sparse
+    folder = make_tiny_model(name, tmp_path / "hf", **({"mlp_only_layers": []} if name == "qwen3moe" else {}))
     write_family_gguf(folder, tmp_path / f"{name}.gguf", name)
     kwargs = dict(dtype="float32", num_blocks=64, block_size=4, max_model_len=SHORT, max_num_batched_tokens=8)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)

@@ -584,9 +584,10 @@ def test_quantized_chunks_and_cache_hits_match_alone(quantized):
 # ---------------------------------------------------------------- tiny models of every architecture
 
 # Gemma 2 and 3 (tiny_models.FAMILY_ARCHS): local layers with a window of 8 beside global ones; Gemma 2's softcap
-# takes the torch invariant path, Gemma 3 the native op with a window per layer.
+# takes the torch invariant path, Gemma 3 the native op with a window per layer. Qwen3-MoE: a router and experts
+# (tokens grouped by expert, so a step's rows per expert change with the batch).
 TINY = {arch: (arch, {}) for arch in sorted(ARCHS)} | {"mistral-window40": ("mistral", {"sliding_window": 40}),
-                                                       "gemma2": ("gemma2", {}), "gemma3": ("gemma3", {})}
+                                                       "gemma2": ("gemma2", {}), "gemma3": ("gemma3", {}), "qwen3moe": ("qwen3moe", {})}
 # Token ids of tiny prompts: 420 tokens reach a fourth tile of keys.
 TINY_PROMPTS = [[(7 * i + 13 * j * j) % 380 + 5 for i in range(n)] for j, n in enumerate((3, 17, 40, 77, 150, 420))]
 TINY_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5, ignore_eos=True)

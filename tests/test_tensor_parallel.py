@@ -167,7 +167,8 @@ def test_a_rank_reads_only_its_rows_and_columns_of_safetensors(tmp_path):
 # ---------------------------------------------------------------- tiny models over two processes
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+# and two mixtures of experts: every expert's columns split (TensorShard.experts); Mixtral's checkpoint names renamed
+@pytest.fixture(scope="module", params=[*sorted(ARCHS), "qwen3moe", "mixtral"])
 def tiny(request, tmp_path_factory):
     path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -196,6 +197,7 @@ def test_two_ranks_match_transformers_and_one_rank(tiny):
     assert [w.wait(timeout=20) for w in workers] == [0]  # closing the engine stopped its worker
     assert [r["heads"] for r in cluster["ranks"]] == [[0, 2], [2, 4]]
     assert [r["kv_heads"] for r in cluster["ranks"]] == [[0, 1], [1, 2]]
+    assert [r.get("experts") for r in cluster["ranks"]] == {"qwen3moe": [[0, 16], [16, 32]], "mixtral": [[0, 32], [32, 64]]}.get(arch, [None] * 2)
     assert cluster["collectives"] == "shared memory" and len({r["pid"] for r in cluster["ranks"]}) == 2
     assert bits(outs) == one  # one process's tokens and prompt logprobs, bit for bit
     with torch.inference_mode():

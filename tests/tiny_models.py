@@ -117,6 +117,13 @@ FAMILY_ARCHS = {
                                                              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                                               "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                                                  "rope_theta": 1000000.0}})),
+    # mixture of experts: 8 experts, 2 or 3 a token; Qwen3-MoE with a dense layer (mlp_only_layers) between sparse ones
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(tie_word_embeddings=False, head_dim=32, num_experts=8, num_experts_per_tok=3,
+                                                               moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+                                                            intermediate_size=64, sliding_window=None)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3, intermediate_size=32,
+                                                      norm_topk_prob=False, clip_qkv=2.0)),
 }
 
 

@@ -93,6 +93,7 @@ class EngineSnapshot:
     kv_tier: MappingProxyType | None = None  # the second tier's TierStats (engine/kv_tier.py); None: no tier
     speculative: MappingProxyType | None = None  # speculative decoding's counters (engine/speculative.py); None: off
     vision: MappingProxyType | None = None  # a vision model's encoder cache (runner/encoder_cache.py); None: text only
+    experts: MappingProxyType | None = None  # tokens each expert took, per sparse layer (_experts_view); None: no experts
     last_step: StepStats | None = None
     prompt_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> computed prompt tok/s
     generation_throughput: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # window -> tok/s
@@ -128,7 +129,8 @@ class EngineSnapshot:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["counters"] = dataclasses.asdict(self.counters)
         d["facts"] = {**vars(self.facts), "generation_defaults": dict(self.facts.generation_defaults)}
-        for k in ("finished_by_reason", "prefix_cache", "kv_tier", "speculative", "vision", "prompt_throughput", "generation_throughput"):
+        for k in ("finished_by_reason", "prefix_cache", "kv_tier", "speculative", "vision", "experts", "prompt_throughput",
+                  "generation_throughput"):
             d[k] = dict(d[k]) if d[k] is not None else None
         d["last_step"] = dataclasses.asdict(self.last_step) if self.last_step else None
         d["recent_requests"] = list(self.recent_requests)
@@ -145,7 +147,7 @@ class StatsMonitor:
         self.snapshot = EngineSnapshot(time=engine.clock(), facts=engine.facts, kv_blocks=engine.pool.num_blocks, kv_free_blocks=engine.pool.num_free,
                                        kv_block_bytes=engine.runner.bytes_per_block, kv_block_tokens=engine.runner.block_size, prefix_cache=_cache_view(engine.prefix_cache),
                                        kv_tier=_tier_view(engine.tier), speculative=_spec_view(engine.speculator),
-                                       vision=_vision_view(engine.runner))
+                                       vision=_vision_view(engine.runner), experts=_experts_view(engine.runner))
         self._last_step: StepStats | None = None
         self._computed_prompt_tokens = 0
         self._samples: deque[tuple[float, int, int]] = deque()  # (time, computed prompt tokens, generated tokens)
@@ -195,6 +197,7 @@ class StatsMonitor:
             kv_tier=_tier_view(e.tier),
             speculative=_spec_view(e.speculator),
             vision=_vision_view(e.runner),
+            experts=_experts_view(e.runner),
             last_step=self._last_step,
             prompt_throughput=self._rates(now, 1),
             generation_throughput=self._rates(now, 2),
@@ -244,3 +247,12 @@ def _vision_view(runner) -> MappingProxyType | None:
     if encoder is None:
         return None
     return MappingProxyType({**dataclasses.asdict(encoder.stats), "capacity_bytes": encoder.capacity})
+
+
+def _experts_view(runner) -> MappingProxyType | None:
+    """A mixture-of-experts model's routing counts (runner.expert_tokens, layers.ExpertCounts): the sparse layers'
+    indices and, per layer, the tokens each expert took; None for a model without experts."""
+    counts = getattr(runner, "expert_tokens", None)
+    if counts is None:
+        return None
+    return MappingProxyType({"layers": counts.layers, "tokens": tuple(map(tuple, counts.read()))})

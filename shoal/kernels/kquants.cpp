@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "lowbit.h"
 
@@ -780,12 +781,77 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int6
   return shoal_block32_linear(x, w, n, b_layout(t).kind);
 }
 
+// A sparse MLP's experts in one call: x [M, K] holds counts[e] rows for expert e, in expert order; w [E, P, S, bytes]
+// every expert's panels of type t, stacked -> y [M, n], each row multiplied by its expert's weights, as gguf_linear
+// would multiply it (the same rounding of each row, the same kernels: the same bits). K-quants round every row once
+// and share one parallel region over (expert, pair of panels); the 32-weight types call their kernel per expert.
+at::Tensor gguf_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t N, int64_t t) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "gguf_grouped_linear: x must be [rows, inputs] with contiguous rows");
+  const at::ScalarType st = x.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "gguf_grouped_linear: float32, bfloat16 or float16 inputs, not ", st);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 4 && w.size(1) == (N + kPanel - 1) / kPanel &&
+                  w.size(3) == packed_bytes(t), "gguf_grouped_linear: stacked packed weights of type ", t, " for ", N, " outputs expected");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == w.size(0) && counts.is_contiguous(),
+              "gguf_grouped_linear: one row count per expert expected");
+  const int64_t E = w.size(0), M = x.size(0), K = x.size(1), P = w.size(1);
+  const int64_t* cnt = counts.data_ptr<int64_t>();
+  std::vector<int64_t> experts, starts;  // the experts with rows, and where their rows start
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(cnt[e] >= 0, "gguf_grouped_linear: a negative row count");
+    if (cnt[e] > 0) experts.push_back(e), starts.push_back(total);
+    total += cnt[e];
+  }
+  TORCH_CHECK(total == M, "gguf_grouped_linear: the counts add up to ", total, " rows, x has ", M);
+  const int64_t expert_bytes = w.numel() / E;
+  if (!is_k(t)) {
+    at::Tensor y = at::empty({M, N}, x.options());
+    for (size_t i = 0; i < experts.size(); ++i) {
+      const int64_t e = experts[i], n = cnt[e];
+      y.narrow(0, starts[i], n).copy_(shoal_block32_linear(x.narrow(0, starts[i], n), w.select(0, e), N, b_layout(t).kind));
+    }
+    return y;
+  }
+  const int64_t S = K / kSuper;
+  TORCH_CHECK(K % kSuper == 0 && w.size(2) == S, "gguf_grouped_linear: a K-quant's inputs must be a multiple of ", kSuper);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y.to(st);
+  at::Tensor scratch = at::empty({M * S * (4 + 16 + 64 + 32) + M * K}, x.options().dtype(at::kByte));
+  float* xd = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
+  int32_t* xpairs = reinterpret_cast<int32_t*>(xd + M * S);
+  int32_t* xm32 = xpairs + M * S * 4;
+  int16_t* xbs = reinterpret_cast<int16_t*>(xm32 + M * S * 16);
+  int8_t* xq = reinterpret_cast<int8_t*>(xbs + M * S * 16);
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t stride = x.stride(0) * x.element_size();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { quantize_q8k(xp, stride, st, r0, r1, xq, xd, xbs, xpairs, xm32, K); });
+  const int path = lowbit::matmul_path(), bits = bits_of(t);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t Q = (P + 1) / 2, items = static_cast<int64_t>(experts.size()) * Q;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t j = i / Q, p = 2 * (i % Q), e = experts[j], r0 = starts[j], m = cnt[e];
+      const KArgs a{{xq + r0 * K, xd + r0 * S, xbs + r0 * S * 16, xpairs + r0 * S * 4, xm32 + r0 * S * 16, K, S},
+                    wp + e * expert_bytes, yp + r0 * N, m, N, P};
+      for (int64_t r = 0; r < m; r += kRows) {
+        const int64_t nr = std::min(kRows, m - r), np = std::min<int64_t>(2, P - p);
+        if (bits == 4) kpanels<4>(a, p, np, r, nr, path);
+        else if (bits == 5) kpanels<5>(a, p, np, r, nr, path);
+        else kpanels<6>(a, p, np, r, nr, path);
+      }
+    }
+  });
+  return st == at::kFloat ? y : y.to(st);
+}
+
 int64_t gguf_packed_bytes(int64_t t) { return packed_bytes(t); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
   m.def("gguf_linear(Tensor x, Tensor w, int n, int type) -> Tensor");
+  m.def("gguf_grouped_linear(Tensor x, Tensor w, Tensor counts, int n, int type) -> Tensor");
   m.def("gguf_pack(Tensor raw, int type, int cols) -> Tensor");
   m.def("gguf_rows(Tensor w, Tensor ids, int type, int cols) -> Tensor");
   m.def("gguf_packed_bytes(int type) -> int", &gguf_packed_bytes);
@@ -793,6 +859,7 @@ TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
 
 TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_grouped_linear", &gguf_grouped_linear);
   m.impl("gguf_pack", &gguf_pack);
   m.impl("gguf_rows", &gguf_rows);
 }

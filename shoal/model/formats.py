@@ -252,6 +252,11 @@ class GGUFLinear(Layer):
             for p in run:
                 release(p.data)
 
+    @classmethod
+    def stack_experts(cls, layers) -> GroupedGGUF | None:
+        """A sparse MLP's experts' projections as one grouped layer (layers.Experts); None where they cannot be."""
+        return GroupedGGUF.stack(layers)
+
     @property
     def formats(self) -> tuple[str, ...]:
         return tuple(fmt.name for fmt, _ in self.runs)
@@ -294,6 +299,36 @@ class GGUFEmbedding(GGUFLinear):
         fmt, _ = self.runs[0]
         x = fmt.rows(self.packed0, ids, self.in_features)
         return x.to(self.dtype).view(*input_ids.shape, -1)
+
+
+class GroupedGGUF(Layer):
+    """One projection of every expert of a sparse MLP (layers.Experts), stacked: panels [E, P, S, bytes] of one type.
+    forward(x, counts): x holds counts[e] rows for expert e, in expert order; each row is multiplied by its
+    expert's weight in one native call for all of them (kquants.cpp gguf_grouped_linear), each bit as the
+    expert's own GGUFLinear gives it."""
+
+    def __init__(self, fmt: Format, rows: int, packed: torch.Tensor) -> None:
+        super().__init__()
+        self.fmt, self.rows, self.packed = fmt, rows, packed
+
+    @classmethod
+    def stack(cls, layers) -> GroupedGGUF | None:
+        """The experts' projections `layers` stacked, each left holding a view of its part (no second copy); None
+        where they are not all bias-free GGUFLinears of one packed tensor of one type and shape."""
+        if not all(isinstance(layer, GGUFLinear) and len(layer.runs) == 1 and layer.bias is None for layer in layers):
+            return None
+        if len({layer.runs[0] for layer in layers}) != 1 or len({layer.packed0.shape for layer in layers}) != 1:
+            return None
+        packed = torch.stack([layer.packed0 for layer in layers])
+        for i, layer in enumerate(layers):
+            layer.packed0 = packed[i]  # a buffer: registered again, as the view
+        fmt, rows = layers[0].runs[0]
+        return cls(fmt, rows, packed)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return torch.ops.shoal_kernels.gguf_grouped_linear(x, self.packed, torch.tensor(counts, dtype=torch.int64), self.rows,
+                                                           int(self.fmt.type))
 
 
 def served_bytes(tensors) -> int:

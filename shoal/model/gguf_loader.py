@@ -89,6 +89,8 @@ ARCHS: dict[str, ArchSpec] = {
     "phi3": ArchSpec("phi3", "Phi3ForCausalLM", qk_permuted=False, tensors=(("ffn_up", "mlp.gate_up_proj"),), rope_dims_are_head_dim=False),
     "gemma2": ArchSpec("gemma2", "Gemma2ForCausalLM", qk_permuted=False, tensors=GEMMA_TENSORS, norm_shift=1.0),
     "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", qk_permuted=False, tensors=GEMMA_TENSORS, norm_shift=1.0),
+    "qwen3moe": ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", qk_permuted=False),
+    "olmoe": ArchSpec("olmoe", "OlmoeForCausalLM", qk_permuted=False),
 }
 # What the families' transformers configs default to where a file says nothing: the decoders all use SiLU,
 # and transformers' Llama, Qwen2 and Qwen3 configs all take 1e-6 for a missing epsilon.
@@ -127,6 +129,12 @@ BLOCK_TENSORS: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a sparse MLP (qwen3moe; llama with llama.expert_count, Mixtral): the router, and every expert's projection as
+    # one [experts, rows, cols] tensor, read expert by expert under `mlp.experts.E.*` (expert_parts)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Tensors with no HF parameter: Llama 3.1's and Phi-3's rope factors go into the config instead.
 CONFIG_ONLY_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -539,6 +547,21 @@ def tensor_part(tensor: gguf.ReaderTensor, dim: int, start: int, length: int) ->
     return TensorPart(tensor.name, tensor.tensor_type, (length, *shape[1:]), np.ascontiguousarray(data[:, a : a + n]))
 
 
+def expert_parts(name: str, tensor):
+    """(HF name, tensor) pairs of one file tensor: itself, or for a stacked experts' tensor (`mlp.experts.up_proj`,
+    GGUF shape [cols, rows, experts]) each expert's [rows, cols] part under its own name (`mlp.experts.E.up_proj`),
+    a view of the file's blocks."""
+    if ".mlp.experts." not in name:
+        yield name, tensor
+        return
+    shape = tuple(int(n) for n in tensor.shape)
+    if len(shape) != 3:
+        raise ValueError(f"{tensor.name}: an experts' tensor of shape {shape}, not [cols, rows, experts]")
+    data = np.asarray(tensor.data).reshape(shape[2], shape[1], -1)
+    for e in range(shape[2]):
+        yield name.replace(".mlp.experts.", f".mlp.experts.{e}."), TensorPart(tensor.name, tensor.tensor_type, shape[:2], data[e])
+
+
 def _rows(tensor) -> int:
     """Output rows (HF's first dimension) of a GGUF tensor or part, whose shape lists the fastest dimension first."""
     return int(tensor.shape[-1])
@@ -561,8 +584,9 @@ def load_state_dict(
         raise ValueError(f"GGUF tensors with no known Hugging Face name: {unknown[:8]}")
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     state_dict = {}
-    for tensor in tqdm(tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress, file=sys.stderr):
-        name = hf_tensor_name(tensor.name, arch)
+    named = ((name, part) for tensor in tensors for name, part in expert_parts(hf_tensor_name(tensor.name, arch), tensor))
+    total = sum(int(t.shape[-1]) if len(t.shape) == 3 else 1 for t in tensors)  # an experts' tensor: each expert's part
+    for name, tensor in tqdm(named, total=total, desc="Loading GGUF tensors", unit="tensor", disable=not progress, file=sys.stderr):
         proj = name.split(".")[-2]  # "q_proj" in model.layers.0.self_attn.q_proj.weight
         lowbit = weight_format != "none" and _is_projection(name)
         rows = _rows(tensor)
@@ -631,11 +655,13 @@ def build_config(
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     if arch in FAMILY_CONFIG:
         FAMILY_CONFIG[arch](meta, arch, kwargs, tensors)
+    architectures = kwargs.pop("architectures", [spec.model_class])  # a family's config may name another (Mixtral)
+    model_type = kwargs.pop("model_type", spec.model_type)
     if spec.config_class is not None:
         config = getattr(transformers, spec.config_class)(**kwargs)
     else:  # see plain_config
-        config = plain_config(spec.model_type, **CONFIG_DEFAULTS | kwargs)
-    config.architectures = [spec.model_class]
+        config = plain_config(model_type, **CONFIG_DEFAULTS | kwargs)
+    config.architectures = architectures
     return config
 
 
@@ -725,7 +751,29 @@ def gemma_config(meta: dict[str, Any], arch: str, kwargs: dict[str, Any], tensor
                   hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh", use_bidirectional_attention=False, **caps)
 
 
-FAMILY_CONFIG = {"phi3": phi3_config, "gemma2": gemma_config, "gemma3": gemma_config}
+def experts_config(meta: dict[str, Any], arch: str, kwargs: dict[str, Any], tensors: dict[str, gguf.ReaderTensor]) -> None:
+    """A sparse MLP's counts and width (`{arch}.expert_count`, `expert_used_count`, `expert_feed_forward_length`).
+    llama.cpp renormalizes the chosen experts' weights for qwen3moe and Mixtral, not for olmoe (build_moe_ffn's
+    norm_w in src/models/*.cpp); a layer without a router is dense (Qwen3-MoE's mlp_only_layers). A `llama` file
+    with experts is Mixtral (convert_hf_to_gguf writes it so)."""
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return
+    used = int(meta.get(f"{arch}.expert_used_count", 0) or 0)
+    layers = int(kwargs["num_hidden_layers"])
+    if arch == "llama":
+        kwargs.update(num_local_experts=experts, num_experts_per_tok=used, architectures=["MixtralForCausalLM"], model_type="mixtral")
+        return
+    width = meta.get(f"{arch}.expert_feed_forward_length") or kwargs.get("intermediate_size")
+    kwargs.setdefault("intermediate_size", width)
+    kwargs.update(num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=int(width), norm_topk_prob=arch != "olmoe",
+                  decoder_sparse_step=1, mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors])
+    if arch == "olmoe":
+        kwargs["clip_qkv"] = meta.get(f"{arch}.attention.clamp_kqv")
+
+
+FAMILY_CONFIG = {"phi3": phi3_config, "gemma2": gemma_config, "gemma3": gemma_config, "qwen3moe": experts_config, "olmoe": experts_config,
+                 "llama": experts_config}
 
 
 def mrope_section(meta: dict[str, Any], arch: str) -> list[int]:

@@ -16,7 +16,9 @@ invariance.py makes their matmuls batch-invariant where the host's are not.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -186,10 +188,11 @@ class Attention(Layer):
         parts = (config.q_size, config.kv_size, config.kv_size)
         self.qkv_proj = linear(config.hidden_size, sum(parts), config.attention_bias, parts)
         self.o_proj = linear(config.q_size, config.hidden_size, False)
-        self.qk_norm = a.qk_norm
-        if a.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, spec.norms.unit_offset)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, spec.norms.unit_offset)
+        self.qk_norm, self.qk_norm_whole, self.clip = a.qk_norm, a.qk_norm_whole, a.clip_qkv
+        if a.qk_norm:  # over each head, or (qk_norm_whole) over all of q's and of k's heads at once
+            q_dim, k_dim = (config.q_size, config.kv_size) if a.qk_norm_whole else (config.head_dim, config.head_dim)
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, spec.norms.unit_offset)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, spec.norms.unit_offset)
         self.scale, self.window, self.softcap = a.scale, a.window, a.softcap
 
     def forward(self, x: torch.Tensor, rope, kv: torch.Tensor, meta) -> torch.Tensor:
@@ -197,31 +200,167 @@ class Attention(Layer):
         c = self.c
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        if self.qk_norm_whole or self.clip is not None:  # OLMoE: norms over whole q and k, then a clamp of q, k, v
+            qkv = self._whole_norm_clip(qkv)
         # q and k sit side by side in qkv: rotate them in one go, [T, Hq + Hkv, D].
         qk = qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].view(T, c.num_kv_heads, c.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_whole:
             qk = torch.cat((self.q_norm(qk[:, : c.num_heads]), self.k_norm(qk[:, c.num_heads :])), dim=1)
         qk = apply_rope(qk, rope)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         return self.o_proj(meta.forward(q, k, v, kv, self.scale, window=self.window, softcap=self.softcap).reshape(T, c.q_size))
 
+    def _whole_norm_clip(self, qkv: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        if self.qk_norm_whole:
+            q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=1)
+            qkv = torch.cat((self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v), dim=1)
+        return qkv if self.clip is None else qkv.clamp(-self.clip, self.clip)
+
 
 class MLP(Layer):
+    """The gated MLP, dense; also one expert of a sparse one (MoE)."""
+
     def __init__(self, config: ModelConfig, linear=float_linear, spec: LayerSpec | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size, False, (config.intermediate_size,) * 2)
-        self.down_proj = linear(config.intermediate_size, config.hidden_size, False)
-        self.activation = (spec.mlp if spec is not None else MlpSpec()).activation
+        mlp = spec.mlp if spec is not None else MlpSpec()
+        width = mlp.width or config.intermediate_size
+        self.gate_up_proj = linear(config.hidden_size, 2 * width, False, (width,) * 2)
+        self.down_proj = linear(width, config.hidden_size, False)
+        self.activation = mlp.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.activation == "silu" and kernels.native_for(gate_up):
-            act = kernels.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
-        return self.down_proj(act)
+        return self.down_proj(gated(self.gate_up_proj(x), self.activation))
+
+
+def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of a fused [T, 2 * width] gate|up projection's output."""
+    if activation == "silu" and kernels.native_for(gate_up):
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and their weights from the router's logits [T, E]: the top_k softmax probabilities
+    (float32), renormalized where `normalize` (spec.MlpSpec). -> (weights [T, k] float32, experts [T, k] int64),
+    each row's experts in descending probability.
+
+    Ties go to the lower expert index: a stable sort of each row on its own (torch.topk leaves the order of
+    equal values unspecified). A row's choice reads that row alone, so no token's experts depend on its
+    neighbours in the batch.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, experts = weights[:, :top_k], experts[:, :top_k]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class MoE(Layer):
+    """A mixture-of-experts MLP (spec.MlpSpec with experts): the router `gate` (float, as every family ships it),
+    then each token through its top-k experts, weighted. Checkpoint names: `mlp.gate`, `mlp.experts.E.*_proj`.
+
+    Tokens are grouped by expert: the step's (token, expert) pairs are sorted by expert, stably, so each expert
+    multiplies all its tokens' rows at once and its weights are read once a step, however many tokens chose it
+    (Experts: in one native call for the whole layer, where the experts allow). Each token's weighted outputs are
+    added in ascending expert order (index_add_, one row after another), as transformers adds them, whatever else
+    is in the step: with row-invariant expert matmuls, a token's answer does not depend on its batch.
+    `counts` adds up the tokens each expert took (metrics), unless None. Under tensor parallelism (tensor_parallel.py)
+    each rank holds every expert's slice of columns, and `gather` joins the ranks' ranges of the output.
+    """
+
+    def __init__(self, config: ModelConfig, linear=float_linear, spec: LayerSpec | None = None) -> None:
+        super().__init__()
+        m = spec.mlp
+        self.gate = Linear(config.hidden_size, m.experts, bias=False)
+        self.experts = Experts([MLP(config, linear, spec) for _ in range(m.experts)], m.activation)
+        self.top_k, self.normalize = m.top_k, m.normalize
+        self.counts: torch.Tensor | None = None
+        self.gather = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = route(self.gate(x), self.top_k, self.normalize)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order within one
+        counts = torch.bincount(flat, minlength=len(self.experts.mlps))
+        if self.counts is not None:
+            self.counts += counts
+        rows = order // self.top_k  # the token of each pair
+        y = self.experts(x.index_select(0, rows), counts.tolist())
+        y = y * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y.dtype)
+        out = x.new_zeros(x.shape[0], y.shape[1]).index_add_(0, rows, y.to(x.dtype))
+        return out if self.gather is None else self.gather(out)
+
+
+class ExpertCounts:
+    """Tokens each expert of each sparse layer took, since the model was built (the `moe_expert_tokens` metric): one
+    int64 tensor [sparse layers, experts] that the MoE layers add their step's counts to (a row each), read whole.
+    `layers`: the model's index of each row's layer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        layers = getattr(getattr(model, "model", None), "layers", ())
+        moes = [(i, layer.mlp) for i, layer in enumerate(layers) if isinstance(getattr(layer, "mlp", None), MoE)]
+        first = getattr(model, "layer_range", (0, 0))[0]  # a pipeline stage's layers are numbered from its first
+        self.layers = tuple(first + i for i, _ in moes)
+        widths = {len(moe.experts.mlps) for _, moe in moes}
+        device = next(itertools.chain(moes[0][1].parameters(), moes[0][1].buffers())).device if moes else None
+        self.tensor = torch.zeros(len(moes), max(widths, default=0), dtype=torch.int64, device=device)
+        for row, (_, moe) in enumerate(moes):
+            moe.counts = self.tensor[row, : len(moe.experts.mlps)]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ExpertCounts | None:
+        counts = cls(model)
+        return counts if counts.layers else None
+
+    def read(self) -> list[list[int]]:
+        return self.tensor.tolist()
+
+
+class Experts(Layer):
+    """A sparse MLP's experts applied to rows grouped by expert: `counts[e]` rows for expert e, in order.
+
+    `mlps`: one MLP per expert (registered as `0`, `1`, ..., the checkpoint's `experts.E`), built by the model's
+    linear factory, so every weight format, the loader's parts and the invariant float path take experts as they
+    take any projection. Once loaded, experts whose projections are single panel tensors of one GGUF type
+    (formats.GGUFLinear) are stacked into one [E, ...] tensor per projection, and a layer's experts run in one
+    native call per projection (formats.GroupedGGUF, by GGUFLinear.stack_experts); others one expert after another.
+    """
+
+    def __init__(self, mlps, activation: str) -> None:
+        super().__init__()
+        for i, mlp in enumerate(mlps):
+            self.add_module(str(i), mlp)
+        self.mlps, self.activation = tuple(mlps), activation
+        self.grouped = None  # (gate_up, down) grouped projections, set by finish_loading
+        self.gather = None  # tensor parallelism: every rank's columns of the activations, before the down projections
+
+    def finish_loading(self) -> None:
+        """Stack the experts' projections where their layer class can (a `stack_experts` classmethod: None where not)."""
+        grouped = []
+        for proj in ("gate_up_proj", "down_proj"):
+            layers = [getattr(m, proj) for m in self.mlps]
+            stack = getattr(type(layers[0]), "stack_experts", None)
+            grouped.append(stack(layers) if stack is not None else None)
+        if None not in grouped:
+            self.grouped = tuple(grouped)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        gate_up, down = self.grouped or (partial(self._each, "gate_up_proj"), partial(self._each, "down_proj"))
+        h = gated(gate_up(x, counts), self.activation)
+        return down(h if self.gather is None else self.gather(h), counts)
+
+    def _each(self, proj: str, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert's projection `proj` of its rows, one expert after another."""
+        out, start = [], 0
+        for mlp, n in zip(self.mlps, counts):
+            if n:
+                out.append(getattr(mlp, proj)(x[start : start + n]))
+                start += n
+        return torch.cat(out) if out else getattr(self.mlps[0], proj)(x[:0])
 
 
 class DecoderLayer(Layer):
@@ -235,7 +374,7 @@ class DecoderLayer(Layer):
         for name in n.names:
             setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, n.unit_offset))
         self.self_attn = Attention(config, linear, spec)
-        self.mlp = MLP(config, linear, spec)
+        self.mlp = (MoE if spec.mlp.experts else MLP)(config, linear, spec)
         # (pre-attention, post-attention, pre-MLP, post-MLP), None where the layer has none; a plain tuple, not
         # registered twice: the modules are registered above under the checkpoint's names
         self.norms = tuple(None if name is None else getattr(self, name) for name in (n.pre_attention, n.post_attention, n.pre_mlp, n.post_mlp))
@@ -325,6 +464,7 @@ class DecoderForCausalLM(nn.Module):
     rotary = Rotary  # the position tables' class (M-RoPE for Qwen2-VL)
     # ModelConfig -> ModelSpec: what each layer is (spec.py); a family with other layers gives its own
     model_spec = staticmethod(default_layers)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (old, new) parts of checkpoint names read under shoal's
 
     def __init__(self, hf_config, max_positions: int, linear=float_linear, layers: tuple[int, int] | None = None) -> None:
         """linear(in, out, bias, parts) builds the decoder's projections: `quant.WeightFormat.linear`

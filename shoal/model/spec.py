@@ -6,7 +6,7 @@ phi3.py, gemma.py); the shared decoder (layers.py) reads them and never a family
     LayerSpec
       attention: AttentionSpec   full or a window of N keys, its rope (RopeSpec), a logit softcap, the scale
       norms: NormSpec            which norms the layer has, where (the checkpoint's module names), which kind
-      mlp: MlpSpec               the activation of the gated MLP
+      mlp: MlpSpec               the activation of the gated MLP; dense, or experts and their routing
 
 References: transformers' `layer_types` (Gemma 2/3 configs list each layer's attention kind), vLLM's
 FullAttentionSpec / SlidingWindowSpec.
@@ -14,7 +14,7 @@ FullAttentionSpec / SlidingWindowSpec.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -48,6 +48,8 @@ class AttentionSpec:
     window: int | None = None  # a query sees its last `window` keys (itself included); None: all before it
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # the q and k norms span all of q's (k's) heads at once, not each head (OLMoE)
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] after their projection (OLMoE's option)
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -78,11 +80,26 @@ class NormSpec:
 
 @dataclass(frozen=True)
 class MlpSpec:
+    """A gated MLP, act(gate) * up then down; or, with `experts`, a sparse one: a router (a linear layer to one
+    logit per expert) sends each token to its `top_k` experts, each a gated MLP of `width`, and the token's output
+    is their outputs weighted by the router's softmax probabilities of them (renormalized to sum to 1 over the
+    chosen ones where `normalize`: Mixtral, and Qwen3-MoE's norm_topk_prob; OLMoE does not). Every family here
+    takes the softmax over all experts first and then the top k, as transformers does (Mixtral's top k of the
+    logits then a softmax over them is the same choice and the same weights, up to rounding)."""
+
     activation: str = "silu"  # of the gate: act(gate) * up
+    width: int | None = None  # the inner width (an expert's, with experts); None: the config's intermediate_size
+    experts: int = 0  # 0: dense
+    top_k: int = 0
+    normalize: bool = False
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MLP activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.experts and not 0 < self.top_k <= self.experts:
+            raise ValueError(f"{self.top_k} experts a token out of {self.experts}: it must be between 1 and {self.experts}")
+        if self.width is not None and self.width < 1:
+            raise ValueError(f"an MLP of inner width {self.width}")
 
 
 @dataclass(frozen=True)
@@ -152,6 +169,15 @@ def default_layers(config) -> ModelSpec:
     spec = LayerSpec(AttentionSpec(rope_of(hf, config.head_dim), config.head_dim**-0.5, config.sliding_window, qk_norm=config.qk_norm),
                      mlp=MlpSpec(hf_activation(getattr(hf, "hidden_act", None) or "silu")))
     return ModelSpec((spec,) * config.num_layers)
+
+
+def sparse_layers(config, experts: int, top_k: int, width: int, normalize: bool, sparse=lambda i: True) -> ModelSpec:
+    """The Llama-shaped decoder with mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE): as default_layers, but
+    layer i's MLP is `experts` experts of `width` with top-`top_k` routing where `sparse(i)`, dense elsewhere
+    (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)."""
+    base = default_layers(config).layers[0]
+    moe = replace(base, mlp=replace(base.mlp, width=width, experts=experts, top_k=top_k, normalize=normalize))
+    return ModelSpec(tuple(moe if sparse(i) else base for i in range(config.num_layers)))
 
 
 def softcap_or_none(value) -> float | None:

@@ -16,13 +16,14 @@ Why every split is by output rows, with two gathers where Megatron sums partial 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
-from shoal.model.layers import MLP, Attention, Layer, Linear, embedding
+from shoal.model.layers import MLP, Attention, Layer, Linear, MoE, embedding
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class TensorParallel:
     def widest(self, head_dim: int) -> int:
         """The widest part any rank puts into a layer's gathers, in values per token (the logits' gathers go in
         pieces of rows that fit: RankGroup.gather_columns)."""
-        return max(max(self.widths("heads", head_dim)), max(self.widths("intermediate")), max(self.widths("hidden")))
+        experts = self.widths("experts") if self.shard.experts is not None else (0,)
+        return max(max(self.widths("heads", head_dim)), max(self.widths("intermediate")), max(self.widths("hidden")), max(experts))
 
 
 def shard_model(model, tp: TensorParallel, linear) -> None:
@@ -66,9 +68,16 @@ def shard_model(model, tp: TensorParallel, linear) -> None:
     c = whole.sharded(shard)
     hidden = tp.widths("hidden")[tp.rank]
     for layer in model.model.layers:  # the layers' own constructors at the rank's shape, then the split outputs
-        layer.self_attn, layer.mlp = Attention(c, linear, layer.spec), MLP(c, linear, layer.spec)
+        layer.self_attn = Attention(c, linear, layer.spec)
         layer.self_attn.o_proj = linear(sum(tp.widths("heads", c.head_dim)), hidden, False)
-        layer.mlp.down_proj = linear(sum(tp.widths("intermediate")), hidden, False)
+        if layer.spec.mlp.experts:  # every expert at the rank's columns of it (TensorShard.experts)
+            width = tp.widths("experts")[tp.rank]
+            layer.mlp = MoE(c, linear, replace(layer.spec, mlp=replace(layer.spec.mlp, width=width)))
+            for expert in layer.mlp.experts.mlps:
+                expert.down_proj = linear(sum(tp.widths("experts")), hidden, False)
+        else:
+            layer.mlp = MLP(c, linear, layer.spec)
+            layer.mlp.down_proj = linear(sum(tp.widths("intermediate")), hidden, False)
     if shard.vocab is not None:
         rows = shard.vocab[1] - shard.vocab[0]
         if model.model.embed_tokens is not None:
@@ -84,9 +93,14 @@ def connect_ranks(model) -> None:
     on the rank that holds it; split logits are gathered (DecoderForCausalLM.gather_logits)."""
     tp = model.tp
     heads, columns, hidden = tp.widths("heads", model.config.head_dim), tp.widths("intermediate"), tp.widths("hidden")
+    experts = tp.widths("experts") if tp.shard.experts is not None else None
     for layer in model.model.layers:
         layer.self_attn.o_proj = Gathered(layer.self_attn.o_proj, tp.gather, heads, hidden)
-        layer.mlp.down_proj = Gathered(layer.mlp.down_proj, tp.gather, columns, hidden)
+        if isinstance(layer.mlp, MoE):  # two gathers a layer as for a dense MLP, each over all the step's experts' rows
+            layer.mlp.experts.gather = partial(tp.gather, widths=experts)
+            layer.mlp.gather = partial(tp.gather, widths=hidden)
+        else:
+            layer.mlp.down_proj = Gathered(layer.mlp.down_proj, tp.gather, columns, hidden)
     if model.vocab is None:
         return
     if model.model.embed_tokens is not None:

@@ -39,6 +39,12 @@ SHARDED_PARAMS = (
     ("embed_tokens", "vocab"),  # without pipeline stages (TensorShard.vocab)
     ("lm_head", "vocab"),
 )
+# An expert's projections (`mlp.experts.E.*`) split as a dense MLP's, by the expert's width; the router stays whole.
+EXPERT_SHARDED_PARAMS = (
+    ("gate_proj", "experts"),
+    ("up_proj", "experts"),
+    ("down_proj", "hidden"),
+)
 
 
 @torch.no_grad()
@@ -53,7 +59,10 @@ def load_weights(model, state_dict: dict) -> None:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
+    renames = model.checkpoint_renames
     for name, tensor in split_fused(state_dict.items(), model.config.hf_config):
+        for old, new in renames:
+            name = name.replace(old, new)
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         if "rotary_emb" in name:
@@ -89,7 +98,7 @@ def load_weights(model, state_dict: dict) -> None:
     missing += [f"{n}.weight (parts {m.missing_parts()})" for n, m in modules.items() if hasattr(m, "load_part") and m.missing_parts()]
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    for m in modules.values():
+    for m in reversed(modules.values()):  # children first: a module's finish sees its parts finished (layers.Experts)
         if hasattr(m, "finish_loading"):
             m.finish_loading()
 
@@ -145,7 +154,7 @@ def shard_slice(name: str, shard, head_dim: int) -> tuple[int, int, int] | None:
     """(dimension, start, length) of tensor-parallel `shard`'s part of checkpoint tensor `name`
     (SHARDED_PARAMS: rows of weights and biases alike), or None where every rank holds it whole.
     Loaders call it to read only that part (loader.load_checkpoint's select)."""
-    for part, what in SHARDED_PARAMS:
+    for part, what in EXPERT_SHARDED_PARAMS if ".mlp.experts." in name else SHARDED_PARAMS:
         if f".{part}." in f".{name}" and getattr(shard, what) is not None:
             a, b = getattr(shard, what)
             if what in ("heads", "kv_heads"):
@@ -154,14 +163,14 @@ def shard_slice(name: str, shard, head_dim: int) -> tuple[int, int, int] | None:
     return None
 
 
-def _shard_sizes(config: ModelConfig, fused: str) -> list[int]:
+def _shard_sizes(param: torch.Tensor, config: ModelConfig, fused: str) -> list[int]:
     if fused == "qkv_proj":
         return [config.q_size, config.kv_size, config.kv_size]
-    return [config.intermediate_size, config.intermediate_size]
+    return [param.shape[0] // 2] * 2  # gate and up: halves (an expert's width is not the config's intermediate_size)
 
 
 def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int, config: ModelConfig, fused: str) -> None:
-    sizes = _shard_sizes(config, fused)
+    sizes = _shard_sizes(param, config, fused)
     offset = sum(sizes[:shard])
     dst = param.narrow(0, offset, sizes[shard])
     if dst.shape != tensor.shape:

@@ -244,7 +244,12 @@ def plan_part(whole: ModelConfig, config: EngineConfig, rank: int, group, weight
         layers = plan_pipeline(whole.num_layers, par.pipeline_parallel_size, par.pp_layers, **plan)[stage]
     if tp > 1:
         vocab = whole.vocab_size if par.pipeline_parallel_size == 1 else 0  # the head is split where it is not only on rank 0
-        plan = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, whole.hidden_size, tp, vocab_size=vocab)
+        experts = {layer.mlp.width for layer in model_class(whole.hf_config.architectures or [whole.architecture]).model_spec(whole).layers
+                   if layer.mlp.experts}
+        if len(experts) > 1:
+            raise ValueError(f"experts of different widths ({sorted(experts)}) cannot be split over tensor-parallel ranks yet")
+        plan = plan_tensor_parallel(whole.num_heads, whole.num_kv_heads, whole.intermediate_size, whole.hidden_size, tp, vocab_size=vocab,
+                                    expert_size=experts.pop() if experts else 0)
         split = TensorParallel(tuple(plan), local, group.gather_columns)
     return split, layers
 

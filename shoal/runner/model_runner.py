@@ -25,7 +25,7 @@ from shoal import kernels
 from shoal.config import CacheConfig
 from shoal.model.attention import SeqSpan, make_attention_backend
 from shoal.model.attention.common import cache_row, kv_bytes_per_token
-from shoal.model.layers import DecoderForCausalLM
+from shoal.model.layers import DecoderForCausalLM, ExpertCounts
 from shoal.model.qwen2_vl import MRotary
 from shoal.multimodal import mrope_positions
 from shoal.runner.encoder_cache import EncoderCache
@@ -209,6 +209,7 @@ class ModelRunner:
         self.attention = make_attention_backend(attention, c, block_size=spec.block_size, null_block=spec.num_blocks, device=device,
                                                 dtype=dtype, softcap=softcap)
         self.encoder = EncoderCache(vision_tower, encoder_cache_memory) if vision_tower is not None else None
+        self.expert_tokens = ExpertCounts.of(model)  # a mixture-of-experts model's routing counts (metrics); else None
         self.mrope = isinstance(model.model.rotary, MRotary)
         log.debug(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",

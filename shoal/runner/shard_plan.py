@@ -44,6 +44,7 @@ class TensorShard:
     intermediate: tuple[int, int]  # MLP intermediate columns [first, end)
     hidden: tuple[int, int]  # the attention output and down projections' output rows [first, end)
     vocab: tuple[int, int] | None = None  # the embedding's and the logits head's rows [first, end); None: held whole
+    experts: tuple[int, int] | None = None  # each expert's intermediate columns [first, end) (mixture of experts); None: none
 
     @property
     def num_heads(self) -> int:
@@ -63,7 +64,8 @@ class TensorShard:
 
     def describe(self) -> dict:
         return {"heads": list(self.heads), "kv_heads": list(self.kv_heads), "intermediate": list(self.intermediate),
-                "hidden": list(self.hidden), **({"vocab": list(self.vocab)} if self.vocab is not None else {})}
+                "hidden": list(self.hidden), **({"vocab": list(self.vocab)} if self.vocab is not None else {}),
+                **({"experts": list(self.experts)} if self.experts is not None else {})}
 
 
 def split_evenly(total: int, parts: int) -> list[int]:
@@ -81,9 +83,12 @@ def _ranges(sizes: list[int], scale: int = 1) -> list[tuple[int, int]]:
 
 
 def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, hidden_size: int, size: int,
-                         unit: int = 32, vocab_size: int = 0) -> list[TensorShard]:
+                         unit: int = 32, vocab_size: int = 0, expert_size: int = 0) -> list[TensorShard]:
     """One TensorShard per rank; a ValueError naming the shortfall when the model cannot be split `size` ways.
-    vocab_size: split the embedding and the logits head's rows too (0: every rank holds them whole)."""
+    vocab_size: split the embedding and the logits head's rows too (0: every rank holds them whole).
+    expert_size: a mixture of experts' expert width: every expert's intermediate columns split as a dense MLP's are
+    (each rank holds a slice of every expert, so routing never sends a token to another rank: vLLM's and
+    SGLang's tensor-parallel MoE does the same; expert parallelism, whole experts per rank, is not done here)."""
     if size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {size}")
     if num_heads % num_kv_heads:
@@ -108,7 +113,8 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: i
     inter = _split_in_units(intermediate_size, size, unit, "the MLP's intermediate columns")
     hidden = _split_in_units(hidden_size, size, unit, "the hidden size")
     vocab = _split_in_units(vocab_size, size, unit, "the vocabulary") if vocab_size else [None] * size
-    return [TensorShard(r, size, heads[r], kv[r], inter[r], hidden[r], vocab[r]) for r in range(size)]
+    experts = _split_in_units(expert_size, size, unit, "an expert's intermediate columns") if expert_size else [None] * size
+    return [TensorShard(r, size, heads[r], kv[r], inter[r], hidden[r], vocab[r], experts[r]) for r in range(size)]
 
 
 def _split_in_units(total: int, size: int, unit: int, what: str) -> list[tuple[int, int]]:

@@ -132,6 +132,8 @@ SNAPSHOT = {f.name.removeprefix("shoal:"): replace(f, labels=("model_name", *f.l
     Family("shoal:encoder_cache_hits", "counter", "Image embeddings found in the encoder cache instead of encoded again."),
     Family("shoal:encoder_seconds", "counter", "Time in the vision tower."),
     Family("shoal:encoder_cache_bytes", "gauge", "Bytes of image embeddings the encoder cache holds (--encoder-cache-memory)."),
+    Family("shoal:moe_expert_tokens", "counter", "Tokens routed to each expert of each sparse layer (a mixture-of-experts "
+           "model's; on this process's layers).", ("layer", "expert")),
 )}
 
 DEFAULT_COLLECTORS = (ProcessCollector, PlatformCollector, GCCollector)
@@ -265,3 +267,6 @@ def _model_samples(m):
     yield "encoder_cache_hits", vision.get("cache_hits", 0)
     yield "encoder_seconds", vision.get("encode_seconds", 0.0)
     yield "encoder_cache_bytes", vision.get("cached_bytes", 0)
+    experts = s.experts or {"layers": (), "tokens": ()}  # a model without experts: the family, with no series
+    yield "moe_expert_tokens", {(str(layer), str(e)): n for layer, row in zip(experts["layers"], experts["tokens"])
+                                for e, n in enumerate(row)}

@@ -1,0 +1,194 @@
+"""Mixture of experts: routing, the grouped expert matmuls, a K-quant MoE file, and the per-expert counts.
+
+The families' parity with transformers (Qwen3-MoE, Mixtral, OLMoE, from HF folders and GGUF) is in
+test_families.py, and their batch, chunk and cache invariance in float in test_invariance.py; here:
+- routing: ties go to the lower expert, and a token's experts read its own row alone;
+- gguf_grouped_linear gives each expert's rows the bits that expert's own GGUFLinear gives them, for every type
+  with a kernel and every instruction set;
+- a Qwen3-MoE GGUF of llama-quantize's types (Q4_K gate/up experts, Q6_K down experts) runs its experts grouped,
+  gives the same tokens and logprobs alone, batched, chunked and after a cache hit, and the same bits as the
+  experts one by one;
+- the tokens each expert took add up exactly, and /metrics says them.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest import require_native_kernels
+from shoal import LLM, SamplingParams, kernels
+from shoal.model.formats import NATIVE, GGUFLinear, GroupedGGUF
+from shoal.model.layers import MoE, route
+from test_formats import ISAS, TYPES, random_blocks
+from test_invariance import TINY_GREEDY, TINY_PROMPTS, _completion, _first_choices, assert_same_as_alone
+
+T = gguf.GGMLQuantizationType
+
+
+def test_ties_go_to_the_lower_expert_and_a_row_routes_alone():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0],  # three-way tie for first
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # all tied
+                           [5.0, 1.0, 2.0, 2.0, 4.0, 2.0]])  # tie for third, cut by k
+    weights, experts = route(logits, 3, normalize=False)
+    assert experts.tolist() == [[1, 2, 4], [0, 1, 2], [0, 4, 2]]
+    probs = torch.softmax(logits, dim=-1)
+    assert torch.equal(weights, probs.gather(1, experts))
+    w, _ = route(logits, 3, normalize=True)
+    torch.testing.assert_close(w.sum(dim=-1), torch.ones(3), atol=1e-6, rtol=0)
+    # a row's choice and weights are the same bits alone as among any neighbours
+    many = torch.randn(64, 16, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # rounded: many ties
+    wb, eb = route(many, 4, normalize=True)
+    for i in (0, 17, 63):
+        wa, ea = route(many[i : i + 1], 4, normalize=True)
+        assert torch.equal(ea[0], eb[i]) and torch.equal(wa[0], wb[i])
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_grouped_experts_give_each_experts_own_bits(t):
+    require_native_kernels()
+    fmt = NATIVE[t]
+    rows, cols, counts = 40, 512, [3, 0, 1, 9, 0, 2]  # an expert with no tokens, one with a single token
+    layers = []
+    for e in range(len(counts)):
+        layer = GGUFLinear(cols, rows, False)
+        layer.load_part(0, random_blocks(t, rows, cols, seed=10 * int(t) + e))
+        layer.finish_loading()
+        layers.append(layer)
+    alone = [layer.packed0.clone() for layer in layers]
+    grouped = GroupedGGUF.stack(layers)
+    assert grouped is not None and grouped.packed.shape[0] == len(counts)
+    assert all(torch.equal(layer.packed0, a) and layer.packed0.data_ptr() == grouped.packed[e].data_ptr()
+               for e, (layer, a) in enumerate(zip(layers, alone)))  # each expert now a view of the stack
+    x = torch.randn(sum(counts), cols, generator=torch.Generator().manual_seed(1))
+    starts = np.cumsum([0, *counts])
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        for isa in ISAS:
+            kernels.use_isa(isa)
+            try:
+                y = grouped(xd, counts)
+                each = torch.cat([fmt.linear(xd[starts[e] : starts[e + 1]], alone[e], rows) for e in range(len(counts))])
+            finally:
+                kernels.use_isa(ISAS[0])
+            assert y.dtype == dtype and torch.equal(y, each), f"{t.name}, level {isa}, {dtype}"
+    with pytest.raises(RuntimeError, match="add up to 15 rows, x has 16"):
+        grouped(torch.randn(16, cols), counts)
+
+
+def test_experts_of_other_kinds_are_not_stacked():
+    require_native_kernels()
+    a, b = GGUFLinear(256, 16, False), GGUFLinear(256, 16, False)
+    a.load_part(0, random_blocks(T.Q4_K, 16, 256))
+    b.load_part(0, random_blocks(T.Q6_K, 16, 256))
+    a.finish_loading(), b.finish_loading()
+    assert GroupedGGUF.stack([a, b]) is None  # two types: one expert after another
+    assert GroupedGGUF.stack([a, torch.nn.Linear(256, 16)]) is None
+
+
+# ---------------------------------------------------------------- a K-quant Qwen3-MoE file
+
+HIDDEN, WIDTH, EXPERTS, USED, LAYERS, VOCAB = 256, 256, 8, 2, 2, 400  # TINY_PROMPTS use ids up to 384
+
+
+def write_random_qwen3moe(path) -> None:
+    """A qwen3moe GGUF as llama-quantize's Q4_K_M mixes one (Q4_K attention, gate and up experts; Q6_K value and
+    down experts; a float32 router), random blocks with sane float16 scales, written directly."""
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    heads, head_dim = 4, 64
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(WIDTH)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads // 2)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(USED)
+    w.add_expert_feed_forward_length(WIDTH)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    tokens = [chr(0x100 + i) if i >= 256 else bytes([i]).decode("latin-1") for i in range(VOCAB)]
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
+    w.add_eos_token_id(0)
+    rng = np.random.default_rng(0)
+
+    def add(name, t, *shape):  # shape: [experts,] rows, cols
+        rows = int(np.prod(shape[:-1]))
+        blocks = random_blocks(t, rows, shape[-1], seed=len(name) * 31 + rows).data.numpy()
+        w.add_tensor(name, blocks.reshape(*shape[:-1], -1), raw_dtype=t)
+
+    add("token_embd.weight", T.Q4_K, VOCAB, HIDDEN)
+    add("output.weight", T.Q6_K, VOCAB, HIDDEN)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    kv = heads // 2 * head_dim
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_q.weight", T.Q4_K, heads * head_dim, HIDDEN)
+        add(f"blk.{i}.attn_k.weight", T.Q4_K, kv, HIDDEN)
+        add(f"blk.{i}.attn_v.weight", T.Q6_K, kv, HIDDEN)
+        add(f"blk.{i}.attn_output.weight", T.Q4_K, HIDDEN, heads * head_dim)
+        add(f"blk.{i}.ffn_gate_exps.weight", T.Q4_K, EXPERTS, WIDTH, HIDDEN)
+        add(f"blk.{i}.ffn_up_exps.weight", T.Q4_K, EXPERTS, WIDTH, HIDDEN)
+        add(f"blk.{i}.ffn_down_exps.weight", T.Q6_K, EXPERTS, HIDDEN, WIDTH)
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.standard_normal((EXPERTS, HIDDEN)).astype(np.float32))
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(HIDDEN, np.float32))
+        for norm in ("attn_q_norm", "attn_k_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(head_dim, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    require_native_kernels()
+    path = tmp_path_factory.mktemp("moe") / "random-qwen3moe-Q4_K_M.gguf"
+    write_random_qwen3moe(path)
+    return str(path)
+
+
+def moes(llm) -> list[MoE]:
+    return [layer.mlp for layer in llm.engine.runner.model.model.layers]
+
+
+def test_a_k_quant_moe_file_runs_its_experts_grouped_and_invariant(moe_file):
+    plain = LLM(moe_file, enable_prefix_cache=False, num_blocks=128)
+    assert plain.engine.facts.architecture == "Qwen3MoeForCausalLM" and plain.engine.facts.weight_format == "gguf"
+    layers = moes(plain)
+    assert len(layers) == LAYERS and all(isinstance(m, MoE) and m.top_k == USED and m.normalize for m in layers)
+    assert [tuple(g.fmt.name for g in m.experts.grouped) for m in layers] == [("Q4_K", "Q6_K")] * LAYERS
+    alone = [_completion(plain.generate([p], TINY_GREEDY)[0].outputs[0]) for p in TINY_PROMPTS]
+    assert_same_as_alone(_first_choices(plain.generate(TINY_PROMPTS, TINY_GREEDY)), alone, "in one batch")
+    llm = LLM(moe_file, max_num_batched_tokens=13, num_blocks=128)
+    assert_same_as_alone(_first_choices(llm.generate(TINY_PROMPTS, TINY_GREEDY)), alone, "prefill in chunks of 13")
+    again = llm.generate(TINY_PROMPTS, TINY_GREEDY)
+    assert [o.num_cached_tokens for o in again] == [len(p) - 1 for p in TINY_PROMPTS]
+    assert_same_as_alone(_first_choices(again), alone, "after a full prefix-cache hit")
+    for m in moes(llm):  # the experts one by one, each its own GGUFLinear: the same bits
+        m.experts.grouped = None
+    assert_same_as_alone(_first_choices(llm.generate(TINY_PROMPTS[:3], TINY_GREEDY)), alone[:3], "experts one by one")
+
+
+def test_each_layer_counts_top_k_experts_a_token(moe_file):
+    llm = LLM(moe_file, enable_prefix_cache=False, num_blocks=128)
+    before = llm.engine.snapshot.experts
+    assert before["layers"] == tuple(range(LAYERS)) and all(sum(row) == 0 for row in before["tokens"])
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = TINY_PROMPTS[:4]
+    llm.generate(prompts, params)
+    tokens = llm.engine.snapshot.experts["tokens"]
+    computed = sum(len(p) + params.max_tokens - 1 for p in prompts)  # every prompt token, and each output but the last
+    assert [sum(row) for row in tokens] == [computed * USED] * LAYERS
+    assert all(len(row) == EXPERTS for row in tokens) and sum(n > 0 for n in tokens[0]) > 1
+
+
+def test_a_model_without_experts_reports_none(default_gguf_path):
+    assert LLM(str(default_gguf_path), num_blocks=64, max_model_len=256).engine.snapshot.experts is None
