@@ -52,8 +52,9 @@ def isa(request):
 class Sequences:
     """Sequences with fixed queries, keys and values at every position, in one shuffled paged cache."""
 
-    def __init__(self, shape, dtype, lengths, seed=0, kv_dtype=None):
+    def __init__(self, shape, dtype, lengths, seed=0, kv_dtype=None, softcap=None):
         self.hkv, self.g, self.d, self.bs, self.window = shape
+        self.softcap = softcap  # scores s -> softcap * tanh(s / softcap) (Gemma 2's layers)
         gen = torch.Generator().manual_seed(seed)
         self.dtype, self.lengths = dtype, lengths
         blocks = [-(-n // self.bs) for n in lengths]
@@ -79,7 +80,7 @@ class Sequences:
         q = torch.stack([self.q[s][p] for s, p in rows])
         k = torch.stack([self.k[s][p] for s, p in rows])
         v = torch.stack([self.v[s][p] for s, p in rows])
-        out = meta.forward(q, k, v, self.kv, self.scale)
+        out = meta.forward(q, k, v, self.kv, self.scale, softcap=self.softcap)
         assert out.dtype == self.dtype and out.shape == q.shape
         return dict(zip(rows, out))
 
@@ -99,6 +100,8 @@ class Sequences:
         k = self.stored(self.k[seq][first : pos + 1]).repeat_interleave(self.g, 1)
         v = self.stored(self.v[seq][first : pos + 1]).repeat_interleave(self.g, 1)
         s = torch.einsum("hd,khd->hk", self.q[seq][pos].double(), k) * self.scale
+        if self.softcap is not None:
+            s = torch.tanh(s / self.softcap) * self.softcap
         return torch.einsum("hk,khd->hd", s.softmax(-1), v)
 
 
@@ -106,6 +109,20 @@ class Sequences:
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"kv{h}xg{g}-d{d}-bs{b}-w{w}" for h, g, d, b, w in SHAPES])
 def test_attention_matches_float64_and_a_row_never_depends_on_the_call(isa, shape, dtype):
     _check_rows(isa, Sequences(shape, dtype, [150, 1, 97, 64, 200]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]], ids=["kv3xg3-d64-bs16", "kv1xg4-d24-bs3-w20", "kv1xg2-d128-bs16-w70"])
+def test_softcapped_scores_match_float64_and_a_row_never_depends_on_the_call(isa, shape, dtype):
+    """Gemma 2's logit softcap in the op (tile_softcap): a cap small enough that it bends most scores (1.5, with
+    scores of spread about 1), and one that bends few (50, Gemma 2's own)."""
+    for cap in (1.5, 50.0):
+        seqs = Sequences(shape, dtype, [150, 1, 97, 64, 200], softcap=cap)
+        _check_rows(isa, seqs)
+        capped = seqs.step([(0, 149)], [])[0, 149]
+        seqs.softcap = None
+        if cap < 2:  # the cap moved the answer: the op applied it
+            assert (capped.double() - seqs.step([(0, 149)], [])[0, 149].double()).abs().max() > 1e-2
 
 
 # (activations, cache): int8 codes beside each activation dtype, and a cache in another float dtype than the activations
@@ -153,11 +170,13 @@ def test_a_few_long_decodes_split_across_threads_give_the_bits_of_one_task_each(
     """A step of a few short runs (decodes, or a decode with its drafted tokens: up to 16 rows), one of them seeing
     1,024 keys or more, on more than one thread, splits each run's keys (scores) and then its head dimension
     (values) among the threads. Every row must keep the bits it has when one task computes it whole: in the
-    prefill that wrote it, alone on one thread, or beside a prefill chunk."""
+    prefill that wrote it, alone on one thread, or beside a prefill chunk. (The bfloat16 case softcaps its scores:
+    the split's scores pass caps them as a whole task does.)"""
     threads = torch.get_num_threads()
+    softcap = 1.5 if dtype == torch.bfloat16 and kv_dtype is None else None
     try:
         for shape in SHAPES[:5] + SHAPES[6:]:
-            seqs = Sequences(shape, dtype, [1500, 1100, 40], kv_dtype=kv_dtype)
+            seqs = Sequences(shape, dtype, [1500, 1100, 40], kv_dtype=kv_dtype, softcap=softcap)
             whole = seqs.fill()  # whole chunks: never split
             steps = [([(0, 1499)], []), ([(0, 1200), (1, 1099)], []), ([(1, 1023), (2, 39)], []),
                      ([(0, 1499), (1, 700), (2, 20)], []), ([], [(0, 1490, 9)]), ([(1, 1099)], [(0, 1480, 16)]),
@@ -355,8 +374,10 @@ def test_the_avx2_path_gives_the_avx512_paths_bits(dtype):
     windows, every blocking's leftover rows, an int8 cache) and the row ops."""
     if int(torch.ops.shoal_kernels.use_isa(0)) < 3:
         pytest.skip("this CPU has no AVX-512 to compare with")
-    for shape, kv_dtype in [(shape, None) for shape in SHAPES] + [(shape, torch.int8) for shape in SHAPES[:3]]:
-        seqs = Sequences(shape, dtype, [150, 1, 97, 64, 200], kv_dtype=kv_dtype)
+    cases = [(shape, None, None) for shape in SHAPES] + [(shape, torch.int8, None) for shape in SHAPES[:3]] + \
+        [(shape, None, 1.5) for shape in SHAPES[:3]]  # and a softcap
+    for shape, kv_dtype, softcap in cases:
+        seqs = Sequences(shape, dtype, [150, 1, 97, 64, 200], kv_dtype=kv_dtype, softcap=softcap)
         steps = [([], [(s, 0, n) for s, n in enumerate(seqs.lengths)]), ([(0, 149), (2, 50), (4, 199)], [(3, 7, 40)])]
         for decodes, chunks in steps:
             wide = _on_path(3, lambda: seqs.step(decodes, chunks))

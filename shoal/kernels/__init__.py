@@ -205,6 +205,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.shoal_kernels.silu_mul(gate_up)
 
 
-def invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale: float, window: int, group: int) -> torch.Tensor:
+def invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale: float, window: int, group: int,
+                        softcap: float = 0.0) -> torch.Tensor:
     """See cpu.cpp: writes k/v into kv at `slots`, returns attention [T, Hq, D] in q's dtype."""
-    return torch.ops.shoal_kernels.invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale, window, group)
+    return torch.ops.shoal_kernels.invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale, window, group, softcap)

@@ -10,7 +10,7 @@
 //     are those that meet [lo, hi], in order, and nothing else;
 //   - a score is q . k summed over the head dimension in order (one fused multiply-add per
 //     element, 16 keys side by side in a vector's lanes), then scaled by nothing: q comes
-//     in already scaled, in float32;
+//     in already scaled, in float32; where the layer softcaps (Gemma 2), s -> cap * tanh(s / cap) (tile_softcap);
 //   - per tile an online softmax: the tile's maximum over the row's visible keys (exact in
 //     any order), p = exp(s - m) with the row's hidden keys set to +0, the tile's sum of p
 //     over the row's own span of key vectors (+0 lanes add nothing), summed across lanes by
@@ -158,6 +158,7 @@ struct Ctx {
   const int32_t* row_pos;
   float scale;
   int64_t window;  // 0: none
+  float softcap;  // 0: none; else scores s -> softcap * tanh(s / softcap) (Gemma 2)
   int dt; int64_t esize;  // q's and out's
   int kvdt; int64_t kv_esize, block_bytes;  // the cache's: one head's keys (or values) of one block
   char* out;  // [T, Hq, D] in dt, contiguous
@@ -318,13 +319,28 @@ INL void scores_block(const float* Qs, const Keys& keys, float* S, int64_t D, in
     for (int v = 0; v < VB; ++v) a[r][v].store(&S[(r0 + r) * kTile + (v0 + v) * kLanes]);
 }
 
-// Scores for R rows and every key of a tile
+// A logit softcap over R rows of a tile's scores: s -> cap * tanh(s / cap), with tanh(y) = sign(y) (1 - e) / (1 + e),
+// e = exp(-2 |y|) (vexp's, for arguments <= 0): the same operations in the same order on every path, so the same bits.
+template <int W>
+INL void tile_softcap(float* S, int64_t R, float cap) {
+  typedef vf<W> F;
+  const F c = F::set(cap), zero = F::zero(), one = F::set(1.0f), two = F::set(2.0f);
+  for (float* s = S; s < S + R * kTile; s += kLanes) {
+    const F y = F::load(s) / c;
+    const F e = vexp(vmin(y, zero - y) * two);
+    const F t = (one - e) / (one + e);
+    (c * select(y < zero, zero - t, t)).store(s);
+  }
+}
+
+// Scores for R rows and every key of a tile (softcapped where the layer says)
 template <int W, typename Keys>
-INL void tile_scores(const float* Qs, const Keys& keys, float* S, int64_t D, int64_t R) {
+INL void tile_scores(const float* Qs, const Keys& keys, float* S, int64_t D, int64_t R, float softcap) {
   typedef Blocking<W> B;
   for (int64_t v0 = 0; v0 < kTileVecs; v0 += B::kScoreVecs)
     for (int64_t r0 = 0; r0 < R; r0 += B::kScoreRows)
       scores_block<W, B::kScoreRows, B::kScoreVecs>(Qs, keys, S, D, r0, std::min(B::kScoreRows, R - r0), v0);
+  if (softcap > 0.0f) tile_softcap<W>(S, R, softcap);
 }
 
 // Prefetch (into L2) one head's keys of positions [from, to) of a sequence (nothing when empty)
@@ -598,8 +614,8 @@ INL void task_body(const Ctx& c, const Task& task) {
     tile_values<W>(c, task, table, ts, n, Vs, V);
     const bool place = in_place(c, task);
     // scores for every row and every key of the tile
-    if (place) tile_scores<W>(Qs, CacheKeys{K, ks}, S, D, R);
-    else tile_scores<W>(Qs, CopiedKeys{Kt}, S, D, R);
+    if (place) tile_scores<W>(Qs, CacheKeys{K, ks}, S, D, R, c.softcap);
+    else tile_scores<W>(Qs, CopiedKeys{Kt}, S, D, R, c.softcap);
     tile_softmax<W>(rs, S, R, ts, te, D16, 0, D16);  // per row over its visible keys in this tile; S becomes p
     // acc += p_j v_j, keys in order; rows that share a key range share the value loads
     if (place) values_lanes<W>(Span<CacheValues>{Acc, S, {V}, lo, hi, D16, R, ts, te, 0}, 0, D16);
@@ -649,8 +665,8 @@ INL void split_scores(const Ctx& c, const Split& sp, int64_t first, int64_t last
     if (t + ahead < last) prefetch_keys(c, sp.task.head, table, ts + kAhead, std::min(ts + kAhead + kTile, khi + 1));
     tile_keys<W>(c, sp.task, table, ts, n, Kt, K, ks);
     float* S = sp.S + t * R * kTile;
-    if (in_place(c, sp.task)) tile_scores<W>(Qs, CacheKeys{K, ks}, S, D, R);
-    else tile_scores<W>(Qs, CopiedKeys{Kt}, S, D, R);
+    if (in_place(c, sp.task)) tile_scores<W>(Qs, CacheKeys{K, ks}, S, D, R, c.softcap);
+    else tile_scores<W>(Qs, CopiedKeys{Kt}, S, D, R, c.softcap);
   }
 }
 
@@ -925,7 +941,7 @@ void split_decodes(const Ctx& c, const std::vector<Task>& runs, int64_t level) {
 // int32; row_seq, row_pos [T] int32.
 at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
                                const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& row_seq,
-                               const at::Tensor& row_pos, double scale, int64_t window, int64_t group) {
+                               const at::Tensor& row_pos, double scale, int64_t window, int64_t group, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv.dim() == 5, "invariant attention: bad ranks");
   TORCH_CHECK(kv.is_contiguous() && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "invariant attention: layout");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "invariant attention: q, k and v must share a dtype");
@@ -986,7 +1002,7 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
   if (T == 0) return out;
   Ctx c{static_cast<const char*>(q.data_ptr()), q.stride(0), q.stride(1), cache, Hkv, NB, bs, D, (D + kLanes - 1) / kLanes * kLanes,
         group, tables.data_ptr<int32_t>(), tables.size(1), row_seq.data_ptr<int32_t>(), row_pos.data_ptr<int32_t>(),
-        static_cast<float>(scale), window, dt, es, kvdt, kv_es, block_bytes, static_cast<char*>(out.data_ptr())};
+        static_cast<float>(scale), window, static_cast<float>(softcap), dt, es, kvdt, kv_es, block_bytes, static_cast<char*>(out.data_ptr())};
   // tasks: runs of rows of one sequence (a decode is a run of one), at most `positions` long, times KV heads
   const int64_t level = isa(), threads = at::get_num_threads();
   std::vector<Task> runs;
@@ -1131,7 +1147,7 @@ c10::optional<at::Tensor> shm_gather(const at::Tensor& part, const at::Tensor& s
 
 TORCH_LIBRARY(shoal_kernels, m) {
   m.def("invariant_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv, Tensor slots, Tensor tables, Tensor row_seq, "
-        "Tensor row_pos, float scale, int window, int group) -> Tensor");
+        "Tensor row_pos, float scale, int window, int group, float softcap=0.0) -> Tensor");
   m.def("isa() -> int", &isa);
   m.def("use_isa(int level) -> int", &use_isa);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -265,9 +265,9 @@ class MoE(Layer):
 
     Tokens are grouped by expert: the step's (token, expert) pairs are sorted by expert, stably, so each expert
     multiplies all its tokens' rows at once and its weights are read once a step, however many tokens chose it
-    (Experts: in one native call for the whole layer, where the experts allow). Each token's weighted outputs are
-    added in ascending expert order (index_add_, one row after another), as transformers adds them, whatever else
-    is in the step: with row-invariant expert matmuls, a token's answer does not depend on its batch.
+    (Experts: in one native call for the whole layer, where the experts allow). The rows are put back in token
+    order and each token's weighted outputs added in ascending expert order, as transformers adds them, whatever
+    else is in the step: with row-invariant expert matmuls, a token's answer does not depend on its batch.
     `counts` adds up the tokens each expert took (metrics), unless None. Under tensor parallelism (tensor_parallel.py)
     each rank holds every expert's slice of columns, and `gather` joins the ranks' ranges of the output.
     """
@@ -283,15 +283,20 @@ class MoE(Layer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = route(self.gate(x), self.top_k, self.normalize)
+        chosen, slot = chosen.sort(dim=1)  # each token's experts in ascending order: the order its outputs are added in
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order within one
         counts = torch.bincount(flat, minlength=len(self.experts.mlps))
         if self.counts is not None:
             self.counts += counts
-        rows = order // self.top_k  # the token of each pair
-        y = self.experts(x.index_select(0, rows), counts.tolist())
-        y = y * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y.dtype)
-        out = x.new_zeros(x.shape[0], y.shape[1]).index_add_(0, rows, y.to(x.dtype))
+        y = self.experts(x.index_select(0, order // self.top_k), counts.tolist())  # order // k: each pair's token
+        y = y * weights.gather(1, slot).reshape(-1).index_select(0, order).unsqueeze(1).to(y.dtype)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        y = y.index_select(0, back).to(x.dtype).view(x.shape[0], self.top_k, -1)  # [T, k, out], each token's in expert order
+        out = y[:, 0]
+        for j in range(1, self.top_k):  # one add after another (index_add_ is serial: 16 ms a prefill layer here)
+            out = out + y[:, j]
         return out if self.gather is None else self.gather(out)
 
 

@@ -129,10 +129,6 @@ class ModelSpec:
     def fusable(self) -> bool:
         return not self.final_norm_unit_offset and all(layer.fusable for layer in self.layers)
 
-    @property
-    def attention_softcap(self) -> bool:
-        return any(layer.attention.softcap is not None for layer in self.layers)
-
 
 def hf_activation(name: str) -> str:
     """transformers' `hidden_act` as an MlpSpec activation; an unsupported one names itself."""

@@ -205,9 +205,8 @@ class ModelRunner:
         row = cache_row(c.head_dim, spec.dtype)
         self.kv = kv_pool_tensor((c.num_layers, 2, c.num_kv_heads, spec.num_blocks + 1, spec.block_size, row), spec.dtype, device)
         self.kv_caches = list(self.kv)  # per layer: [2, Hkv, blocks + 1, block_size, D (int8: D + 4)]
-        softcap = getattr(getattr(model, "spec", None), "attention_softcap", False)  # the native op has none yet
         self.attention = make_attention_backend(attention, c, block_size=spec.block_size, null_block=spec.num_blocks, device=device,
-                                                dtype=dtype, softcap=softcap)
+                                                dtype=dtype)
         self.encoder = EncoderCache(vision_tower, encoder_cache_memory) if vision_tower is not None else None
         self.expert_tokens = ExpertCounts.of(model)  # a mixture-of-experts model's routing counts (metrics); else None
         self.mrope = isinstance(model.model.rotary, MRotary)

@@ -23,15 +23,12 @@ BACKENDS = ("invariant", "sdpa")
 __all__ = ["BACKENDS", "SeqSpan", "gather_blocks", "make_attention_backend", "write_kv"]
 
 
-def make_attention_backend(name: str, config, *, block_size: int, null_block: int, device: torch.device, dtype: torch.dtype,
-                           softcap: bool = False):
-    """config: the model's ModelConfig (heads, group size, sliding window; a layer may name its own window).
-    softcap: some layer softcaps its scores (Gemma 2): the invariant backend then runs its torch path, as the
-    native op has no softcap yet."""
+def make_attention_backend(name: str, config, *, block_size: int, null_block: int, device: torch.device, dtype: torch.dtype):
+    """config: the model's ModelConfig (heads, group size, sliding window; a layer may name its own window and its
+    logit softcap, arguments of each call)."""
     if name == "invariant":
         return InvariantAttention(block_size=block_size, num_kv_heads=config.num_kv_heads, group_size=config.group_size,
-                                  sliding_window=config.sliding_window, null_block=null_block, device=device, dtype=dtype,
-                                  native=False if softcap else None)
+                                  sliding_window=config.sliding_window, null_block=null_block, device=device, dtype=dtype)
     if name == "sdpa":
         return SdpaAttention(block_size=block_size, group_size=config.group_size, sliding_window=config.sliding_window, device=device)
     raise ValueError(f"unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}")

@@ -93,14 +93,11 @@ class NativeMetadata:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, scale: float,
                 window=MODEL_WINDOW, softcap: float | None = None) -> torch.Tensor:
-        """window: as InvariantMetadata.forward's, one argument of the op. softcap: the op has none yet, so a model
-        with softcapped layers gets the torch path (make_attention_backend)."""
+        """window, softcap: as InvariantMetadata.forward's, arguments of the op."""
         b = self.backend
-        if softcap is not None:
-            raise ValueError("the native invariant attention op has no logit softcap: build the backend with native=False")
         window = b.window if window is MODEL_WINDOW else window
         return kernels.invariant_attention(q, k, v, kv, self.slot_mapping, self.tables, self.row_seq, self.row_pos,
-                                           scale, window or 0, b.group_size)
+                                           scale, window or 0, b.group_size, softcap or 0.0)
 
 
 class InvariantAttention:
