@@ -290,6 +290,15 @@ print(before * 1024, after * 1024, weights)
 """
 
 
+def write_byte_vocab(writer: gguf.GGUFWriter, vocab: int) -> None:
+    """A byte-level BPE vocabulary of `vocab` single-character tokens (no merges), token 0 the end of text."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list([chr(0x100 + i) if i >= 256 else bytes([i]).decode("latin-1") for i in range(vocab)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    writer.add_eos_token_id(0)
+
+
 def write_random_llama(path: Path, hidden: int, layers: int, vocab: int, t=T.Q4_K) -> None:
     """A Llama GGUF of random `t` blocks (sane float16 scales), written directly: no float model behind it."""
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -298,12 +307,7 @@ def write_random_llama(path: Path, hidden: int, layers: int, vocab: int, t=T.Q4_
                        ("feed_forward_length", inter), ("attention.head_count", heads), ("attention.head_count_kv", heads)):
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    tokens = [chr(0x100 + i) if i >= 256 else bytes([i]).decode("latin-1") for i in range(vocab)]
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * vocab)
-    writer.add_eos_token_id(0)
+    write_byte_vocab(writer, vocab)
 
     def add(name, rows, cols):
         writer.add_tensor(name, random_blocks(t, rows, cols, seed=len(name) + rows).data.numpy(), raw_dtype=t)

@@ -623,7 +623,13 @@ def test_k_quant_files_alone_batched_chunked_and_cached_are_identical(mix):
     """The default configuration on a Q4_K_M / Q5_K_M file (every tensor in its own type on shoal's kernels, the
     invariant attention): a greedy row's tokens and logprobs alone, in a batch, in chunks and after a cache hit."""
     require_native_kernels()
-    path = str(K_QUANT_FILES[mix])
+    assert_file_is_invariant(str(K_QUANT_FILES[mix]))
+
+
+def assert_file_is_invariant(path: str) -> tuple[list[tuple], LLM]:
+    """A GGUF in the default configuration (every tensor in its own type on shoal's kernels, the invariant
+    attention): TINY_PROMPTS' greedy tokens and logprobs alone, in one batch, in chunks of 13 and after a full
+    prefix-cache hit. -> (each prompt's alone, the engine that chunked and hit)."""
     plain = LLM(path, enable_prefix_cache=False, num_blocks=128)
     assert plain.engine.facts.weight_format == "gguf" and plain.engine.runner.attention.name == "invariant"
     alone = [_completion(plain.generate([p], TINY_GREEDY)[0].outputs[0]) for p in TINY_PROMPTS]
@@ -633,3 +639,4 @@ def test_k_quant_files_alone_batched_chunked_and_cached_are_identical(mix):
     again = llm.generate(TINY_PROMPTS, TINY_GREEDY)
     assert [o.num_cached_tokens for o in again] == [len(p) - 1 for p in TINY_PROMPTS]
     assert_same_as_alone(_first_choices(again), alone, "after a full prefix-cache hit")
+    return alone, llm

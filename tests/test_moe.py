@@ -22,8 +22,8 @@ from conftest import require_native_kernels
 from shoal import LLM, SamplingParams, kernels
 from shoal.model.formats import NATIVE, GGUFLinear, GroupedGGUF
 from shoal.model.layers import MoE, route
-from test_formats import ISAS, TYPES, random_blocks
-from test_invariance import TINY_GREEDY, TINY_PROMPTS, _completion, _first_choices, assert_same_as_alone
+from test_formats import ISAS, TYPES, random_blocks, write_byte_vocab
+from test_invariance import TINY_GREEDY, TINY_PROMPTS, _first_choices, assert_file_is_invariant, assert_same_as_alone
 
 T = gguf.GGMLQuantizationType
 
@@ -111,12 +111,7 @@ def write_random_qwen3moe(path) -> None:
     w.add_expert_count(EXPERTS)
     w.add_expert_used_count(USED)
     w.add_expert_feed_forward_length(WIDTH)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    tokens = [chr(0x100 + i) if i >= 256 else bytes([i]).decode("latin-1") for i in range(VOCAB)]
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
-    w.add_eos_token_id(0)
+    write_byte_vocab(w, VOCAB)
     rng = np.random.default_rng(0)
 
     def add(name, t, *shape):  # shape: [experts,] rows, cols
@@ -160,19 +155,12 @@ def moes(llm) -> list[MoE]:
 
 
 def test_a_k_quant_moe_file_runs_its_experts_grouped_and_invariant(moe_file):
-    plain = LLM(moe_file, enable_prefix_cache=False, num_blocks=128)
-    assert plain.engine.facts.architecture == "Qwen3MoeForCausalLM" and plain.engine.facts.weight_format == "gguf"
-    layers = moes(plain)
+    alone, llm = assert_file_is_invariant(moe_file)
+    assert llm.engine.facts.architecture == "Qwen3MoeForCausalLM"
+    layers = moes(llm)
     assert len(layers) == LAYERS and all(isinstance(m, MoE) and m.top_k == USED and m.normalize for m in layers)
     assert [tuple(g.fmt.name for g in m.experts.grouped) for m in layers] == [("Q4_K", "Q6_K")] * LAYERS
-    alone = [_completion(plain.generate([p], TINY_GREEDY)[0].outputs[0]) for p in TINY_PROMPTS]
-    assert_same_as_alone(_first_choices(plain.generate(TINY_PROMPTS, TINY_GREEDY)), alone, "in one batch")
-    llm = LLM(moe_file, max_num_batched_tokens=13, num_blocks=128)
-    assert_same_as_alone(_first_choices(llm.generate(TINY_PROMPTS, TINY_GREEDY)), alone, "prefill in chunks of 13")
-    again = llm.generate(TINY_PROMPTS, TINY_GREEDY)
-    assert [o.num_cached_tokens for o in again] == [len(p) - 1 for p in TINY_PROMPTS]
-    assert_same_as_alone(_first_choices(again), alone, "after a full prefix-cache hit")
-    for m in moes(llm):  # the experts one by one, each its own GGUFLinear: the same bits
+    for m in layers:  # the experts one by one, each its own GGUFLinear: the same bits
         m.experts.grouped = None
     assert_same_as_alone(_first_choices(llm.generate(TINY_PROMPTS[:3], TINY_GREEDY)), alone[:3], "experts one by one")
 

@@ -59,6 +59,10 @@ def test_columns_and_rows_split_evenly_in_blocks_of_32_the_larger_shares_last():
     # fewer blocks than ranks: single rows
     assert [s.hidden for s in plan_tensor_parallel(4, 4, 128, 64, 4)] == [(0, 16), (16, 32), (32, 48), (48, 64)]
     assert plan_tensor_parallel(4, 4, 128, 64, 2)[0].vocab is None  # held whole unless asked
+    # a mixture of experts: every expert's columns split as a dense MLP's (Qwen3-30B-A3B's 768 over 3 ranks)
+    experts = plan_tensor_parallel(32, 4, 6144, 2048, 3, expert_size=768)
+    assert [s.experts for s in experts] == [(0, 256), (256, 512), (512, 768)]
+    assert experts[0].describe()["experts"] == [0, 256] and "experts" not in plan_tensor_parallel(4, 4, 128, 64, 2)[0].describe()
 
 
 def test_more_ranks_than_kv_heads_replicate_each_kv_head():

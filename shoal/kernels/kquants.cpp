@@ -738,14 +738,10 @@ void kpanels(const KArgs& a, int64_t p, int64_t np, int64_t r0, int64_t nr, int 
   for (int64_t q = 0; q < np; ++q) kpanel<Bits>(a, p + q, r0, nr, path);
 }
 
-at::Tensor k_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t t) {
-  const at::ScalarType st = x.scalar_type();
-  const int64_t M = x.size(0), K = x.size(1), S = K / kSuper, P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(K % kSuper == 0, "gguf_linear: a K-quant's inputs must be a multiple of ", kSuper, ", not ", K);
-  TORCH_CHECK(w.size(1) == S, "gguf_linear: packed weights [", P, ", ", S, ", ", packed_bytes(t), "] expected");
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return y.to(st);
-  at::Tensor scratch = at::empty({M * S * (4 + 16 + 64 + 32) + M * K}, x.options().dtype(at::kByte));
+// Every row of x [M, K] rounded as ggml's Q8_K (quantize_q8k), into `scratch` (allocated here, kept by the caller)
+Q8K rounded_rows(const at::Tensor& x, at::Tensor& scratch) {
+  const int64_t M = x.size(0), K = x.size(1), S = K / kSuper;
+  scratch = at::empty({M * S * (4 + 16 + 64 + 32) + M * K}, x.options().dtype(at::kByte));
   float* xd = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
   int32_t* xpairs = reinterpret_cast<int32_t*>(xd + M * S);
   int32_t* xm32 = xpairs + M * S * 4;
@@ -753,19 +749,40 @@ at::Tensor k_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t
   int8_t* xq = reinterpret_cast<int8_t*>(xbs + M * S * 16);
   const char* xp = static_cast<const char*>(x.data_ptr());
   const int64_t stride = x.stride(0) * x.element_size();
+  const at::ScalarType st = x.scalar_type();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { quantize_q8k(xp, stride, st, r0, r1, xq, xd, xbs, xpairs, xm32, K); });
-  const KArgs a{{xq, xd, xbs, xpairs, xm32, K, S}, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, P};
+  return {xq, xd, xbs, xpairs, xm32, K, S};
+}
+
+// Rows from r of rounded rows
+Q8K rows_from(const Q8K& x, int64_t r) {
+  return {x.q + r * x.K, x.d + r * x.S, x.bs + r * x.S * 16, x.pairs + r * x.S * 4, x.m32 + r * x.S * 16, x.K, x.S};
+}
+
+// panels [p, p + 2) (or the last one) for every row of a.x, kRows at a time
+void panel_pair(const KArgs& a, int64_t p, int bits, int path) {
+  for (int64_t r = 0; r < a.M; r += kRows) {
+    const int64_t nr = std::min(kRows, a.M - r), np = std::min<int64_t>(2, a.P - p);
+    if (bits == 4) kpanels<4>(a, p, np, r, nr, path);
+    else if (bits == 5) kpanels<5>(a, p, np, r, nr, path);
+    else kpanels<6>(a, p, np, r, nr, path);
+  }
+}
+
+at::Tensor k_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t t) {
+  const at::ScalarType st = x.scalar_type();
+  const int64_t M = x.size(0), K = x.size(1), S = K / kSuper, P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K % kSuper == 0, "gguf_linear: a K-quant's inputs must be a multiple of ", kSuper, ", not ", K);
+  TORCH_CHECK(w.size(1) == S, "gguf_linear: packed weights [", P, ", ", S, ", ", packed_bytes(t), "] expected");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y.to(st);
+  at::Tensor scratch;
+  const KArgs a{rounded_rows(x, scratch), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, P};
   const int path = lowbit::matmul_path(), bits = bits_of(t);
   // threads take pairs of panels (a thread's share stays contiguous in memory, so on AVX2 the second group of rows
   // over a pair can fetch the thread's next pair while it computes from cache: 8 rows 22% faster from memory)
   at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
-    for (int64_t p = 2 * q0; p < std::min(P, 2 * q1); p += 2)
-      for (int64_t r = 0; r < M; r += kRows) {
-        const int64_t nr = std::min(kRows, M - r), np = std::min<int64_t>(2, P - p);
-        if (bits == 4) kpanels<4>(a, p, np, r, nr, path);
-        else if (bits == 5) kpanels<5>(a, p, np, r, nr, path);
-        else kpanels<6>(a, p, np, r, nr, path);
-      }
+    for (int64_t p = 2 * q0; p < std::min(P, 2 * q1); p += 2) panel_pair(a, p, bits, path);
   });
   return st == at::kFloat ? y : y.to(st);
 }
@@ -816,30 +833,16 @@ at::Tensor gguf_grouped_linear(const at::Tensor& x, const at::Tensor& w, const a
   TORCH_CHECK(K % kSuper == 0 && w.size(2) == S, "gguf_grouped_linear: a K-quant's inputs must be a multiple of ", kSuper);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y.to(st);
-  at::Tensor scratch = at::empty({M * S * (4 + 16 + 64 + 32) + M * K}, x.options().dtype(at::kByte));
-  float* xd = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
-  int32_t* xpairs = reinterpret_cast<int32_t*>(xd + M * S);
-  int32_t* xm32 = xpairs + M * S * 4;
-  int16_t* xbs = reinterpret_cast<int16_t*>(xm32 + M * S * 16);
-  int8_t* xq = reinterpret_cast<int8_t*>(xbs + M * S * 16);
-  const char* xp = static_cast<const char*>(x.data_ptr());
-  const int64_t stride = x.stride(0) * x.element_size();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) { quantize_q8k(xp, stride, st, r0, r1, xq, xd, xbs, xpairs, xm32, K); });
+  at::Tensor scratch;
+  const Q8K xr = rounded_rows(x, scratch);
   const int path = lowbit::matmul_path(), bits = bits_of(t);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t Q = (P + 1) / 2, items = static_cast<int64_t>(experts.size()) * Q;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t j = i / Q, p = 2 * (i % Q), e = experts[j], r0 = starts[j], m = cnt[e];
-      const KArgs a{{xq + r0 * K, xd + r0 * S, xbs + r0 * S * 16, xpairs + r0 * S * 4, xm32 + r0 * S * 16, K, S},
-                    wp + e * expert_bytes, yp + r0 * N, m, N, P};
-      for (int64_t r = 0; r < m; r += kRows) {
-        const int64_t nr = std::min(kRows, m - r), np = std::min<int64_t>(2, P - p);
-        if (bits == 4) kpanels<4>(a, p, np, r, nr, path);
-        else if (bits == 5) kpanels<5>(a, p, np, r, nr, path);
-        else kpanels<6>(a, p, np, r, nr, path);
-      }
+      const int64_t j = i / Q, e = experts[j], r0 = starts[j];
+      panel_pair(KArgs{rows_from(xr, r0), wp + e * expert_bytes, yp + r0 * N, cnt[e], N, P}, 2 * (i % Q), bits, path);
     }
   });
   return st == at::kFloat ? y : y.to(st);
