@@ -3,10 +3,21 @@
     make peers                                              # llama-server, llama-quantize, the llama.cpp sources
     .venv/bin/python benchmarks/gguf_formats.py             # 1B and 3B, Q4_K_M Q5_K_M Q6_K Q8_0
     .venv/bin/python benchmarks/gguf_formats.py --sizes 1b --types Q4_K_M --isa avx2
+    .venv/bin/python benchmarks/gguf_formats.py --sizes gemma3-1b moe --types Q4_K_M
 
-Models: random weights at real shapes (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B), with SmolLM2's tokenizer (the
-default GGUF's), written as safetensors one tensor at a time, converted by llama.cpp's own
-`convert_hf_to_gguf.py` and quantized by its `llama-quantize`, into .peers/models/ (kept for the next run).
+Models: random weights at real shapes, with SmolLM2's tokenizer (the default GGUF's) and its 49,152-token vocabulary,
+written as safetensors one decoder layer at a time, converted by llama.cpp's own `convert_hf_to_gguf.py` and
+quantized by its `llama-quantize`, into .peers/models/ (kept for the next run). The shapes (--sizes):
+- 1b, 3b, 8b: Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B (`LlamaForCausalLM`, gguf arch llama);
+- gemma3-1b: Gemma 3 1B's text model (`Gemma3ForCausalLM`, gguf arch gemma3): 26 layers of 1152, 4 query heads and
+  1 KV head of 256, five sliding-window (512) layers to one global, rope base 1e6 global and 10k local, the
+  embedding tied. Its 1152-wide rows are not a multiple of 256, so llama-quantize gives the tensors they feed
+  (q, k, v, gate, up) a 32-block fallback type instead of the k-quant asked for, as it does for the real model;
+- moe: Qwen3-30B-A3B's layer (`Qwen3MoeForCausalLM`, gguf arch qwen3moe: hidden 2048, 32 query heads and 4 KV
+  heads of 128, 128 experts of 768, 8 used a token, top-k weights normalized, rope base 1e6, untied head) at 6
+  layers of its 48 (3.9B parameters, 0.5B active a token), so the safetensors and the BF16 GGUF fit a small
+  disk together; both are deleted once the asked-for types are quantized (rebuilt from the same seed when
+  another type is asked for).
 Random weights give honest speed and memory figures; quality comes from real weights (--quality).
 
 Per file, each server in turn (so they never share the cores), in its default configuration:
@@ -17,7 +28,8 @@ Per file, each server in turn (so they never share the cores), in its default co
 - 1, 8 and 32 streams of 128-token prompts and 64 output tokens (output tok/s), and one 1.5k-token prompt
   (prefill tok/s from its time to first token);
 - the physical limit at one stream: the file's bytes read once a token, in GB/s, against a memory bandwidth
-  measured here (a numpy copy of 1 GiB).
+  measured here (a numpy copy of 1 GiB); of an MoE's expert tensors, only the share a token uses (experts used
+  over experts) counts.
 Rounds alternate the servers; the report gives each round's ratios and their median.
 
 `--isa avx2` runs the pair an AVX2-only CPU runs (shoal forced onto its AVX2 path, `.peers/llama-server-avx2`).
@@ -31,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,7 +59,8 @@ from tqdm.auto import tqdm  # noqa: E402
 MODELS = ROOT / ".peers" / "models"
 SRC = ROOT / ".peers" / "src"
 
-# Real shapes (config.json of each release), tied as the releases are.
+# Real shapes (config.json of each release), tied as the releases are; `architecture` (Llama's when absent) picks
+# the transformers config and the tensors written. `moe` keeps Qwen3-30B-A3B's layer at 6 of its 48 layers.
 SHAPES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                head_dim=64, tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072),
@@ -54,7 +68,21 @@ SHAPES = {
                head_dim=128, tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                head_dim=128, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072),
+    "gemma3-1b": dict(architecture="Gemma3ForCausalLM", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=256, sliding_window=512,
+                      layer_types=["full_attention" if (n + 1) % 6 == 0 else "sliding_attention" for n in range(26)],
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768),
+    "moe": dict(architecture="Qwen3MoeForCausalLM", hidden_size=2048, intermediate_size=6144, num_hidden_layers=6,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960),
 }
+# Shapes whose safetensors folder (once converted) and BF16 GGUF (once the types asked for are quantized) are
+# deleted: only the quantized files stay on the disk.
+TRANSIENT = {"moe"}
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 
 
@@ -74,43 +102,63 @@ def quantize_binary() -> Path:
 
 
 def write_hf_model(size: str, out: Path) -> None:
-    """A random-weight Llama at `size`'s shape with SmolLM2's tokenizer, as a Hugging Face folder: one
-    safetensors file per decoder layer, each tensor drawn as transformers' init draws it (normal, std 0.02;
-    norms at 1), so at most one layer is in memory at once."""
+    """A random-weight model at `size`'s shape with SmolLM2's tokenizer, as a Hugging Face folder: one safetensors
+    file per decoder layer, each tensor drawn as transformers' init draws it (normal, std 0.02, the MoE router
+    too, so a token's top 8 spread over all 128 experts; norms at 1, which Gemma stores as 0: its norm scales by
+    1 + weight), so at most one layer is in memory at once. The experts are stored one tensor each, as HF
+    checkpoints store them (`mlp.experts.E.{gate,up,down}_proj.weight`, the router `mlp.gate.weight`)."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
     from shoal.model.loader import load_checkpoint
 
-    shape = SHAPES[size]
+    shape = dict(SHAPES[size])
+    arch = shape.pop("architecture", "LlamaForCausalLM")
+    shape.setdefault("rms_norm_eps", 1e-5)
+    configs = {"LlamaForCausalLM": transformers.LlamaConfig, "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+               "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}
     tokenizer = load_checkpoint("smollm2", progress=False).tokenizer
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=tokenizer.eos_token_id, rms_norm_eps=1e-5, torch_dtype="bfloat16", **shape)
-    config.architectures = ["LlamaForCausalLM"]
+    config = configs[arch](vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16", **shape)
+    config.architectures = [arch]
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     h, i, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_key_value_heads"] * shape["head_dim"]
-    q = shape["num_attention_heads"] * shape["head_dim"]
+    q, d = shape["num_attention_heads"] * shape["head_dim"], shape["head_dim"]
+    gemma, moe = arch == "Gemma3ForCausalLM", arch == "Qwen3MoeForCausalLM"
 
     def normal(*dims):
         return (torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
 
+    def norm(n):
+        return (torch.zeros if gemma else torch.ones)(n, dtype=torch.bfloat16)
+
     files: dict[str, str] = {}
-    parts = [("embed", {"model.embed_tokens.weight": lambda: normal(config.vocab_size, h),
-                        "model.norm.weight": lambda: torch.ones(h, dtype=torch.bfloat16)})]
+    parts = [("embed", {"model.embed_tokens.weight": lambda: normal(config.vocab_size, h), "model.norm.weight": lambda: norm(h)})]
     if not shape["tie_word_embeddings"]:
         parts.append(("head", {"lm_head.weight": lambda: normal(config.vocab_size, h)}))
     for n in range(shape["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        parts.append((f"layer{n}", {
-            p + "self_attn.q_proj.weight": lambda: normal(q, h), p + "self_attn.k_proj.weight": lambda: normal(kv, h),
-            p + "self_attn.v_proj.weight": lambda: normal(kv, h), p + "self_attn.o_proj.weight": lambda: normal(h, q),
-            p + "mlp.gate_proj.weight": lambda: normal(i, h), p + "mlp.up_proj.weight": lambda: normal(i, h),
-            p + "mlp.down_proj.weight": lambda: normal(h, i),
-            p + "input_layernorm.weight": lambda: torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": lambda: torch.ones(h, dtype=torch.bfloat16)}))
-    for name, tensors in tqdm(parts, desc=f"writing a random {size} Llama", unit="file"):
+        layer = {p + "self_attn.q_proj.weight": lambda: normal(q, h), p + "self_attn.k_proj.weight": lambda: normal(kv, h),
+                 p + "self_attn.v_proj.weight": lambda: normal(kv, h), p + "self_attn.o_proj.weight": lambda: normal(h, q),
+                 p + "input_layernorm.weight": lambda: norm(h), p + "post_attention_layernorm.weight": lambda: norm(h)}
+        if gemma or moe:  # Gemma 3's and Qwen3's per-head RMS norms of q and k
+            layer.update({p + "self_attn.q_norm.weight": lambda: norm(d), p + "self_attn.k_norm.weight": lambda: norm(d)})
+        if gemma:  # the feed-forward block's own pre- and post-norm (the attention's output is post-normed too)
+            layer.update({p + "pre_feedforward_layernorm.weight": lambda: norm(h), p + "post_feedforward_layernorm.weight": lambda: norm(h)})
+        if moe:
+            e, m = shape["num_experts"], shape["moe_intermediate_size"]
+            layer[p + "mlp.gate.weight"] = lambda: normal(e, h)
+            for x in range(e):
+                layer.update({p + f"mlp.experts.{x}.gate_proj.weight": lambda: normal(m, h),
+                              p + f"mlp.experts.{x}.up_proj.weight": lambda: normal(m, h),
+                              p + f"mlp.experts.{x}.down_proj.weight": lambda: normal(h, m)})
+        else:
+            layer.update({p + "mlp.gate_proj.weight": lambda: normal(i, h), p + "mlp.up_proj.weight": lambda: normal(i, h),
+                          p + "mlp.down_proj.weight": lambda: normal(h, i)})
+        parts.append((f"layer{n}", layer))
+    for name, tensors in tqdm(parts, desc=f"writing a random {size} ({arch})", unit="file"):
         fname = f"model-{name}.safetensors"
         save_file({k: make() for k, make in tensors.items()}, str(out / fname), metadata={"format": "pt"})
         files.update(dict.fromkeys(tensors, fname))
@@ -119,26 +167,40 @@ def write_hf_model(size: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def build_file(size: str, kind: str) -> Path:
+def model_path(size: str, kind: str) -> Path:
+    return MODELS / f"random-{size}-{kind}.gguf"
+
+
+def build_file(size: str, kind: str, keep_bf16: bool = False) -> Path:
     """.peers/models/random-SIZE-KIND.gguf, made (once) as a user's file is: convert_hf_to_gguf.py to bf16, then
-    llama-quantize."""
-    target = MODELS / f"random-{size}-{kind}.gguf"
+    llama-quantize. Each step writes a .part file renamed when complete, so an interrupted run starts that step
+    again. For a TRANSIENT size the safetensors folder goes once converted, and the BF16 GGUF once quantized
+    unless `keep_bf16` (another type of the size is to be made from it next)."""
+    target = model_path(size, kind)
     if target.exists():
         return target
     MODELS.mkdir(parents=True, exist_ok=True)
-    bf16 = MODELS / f"random-{size}-BF16.gguf"
+    bf16 = model_path(size, "BF16")
     if not bf16.exists():
         hf = MODELS / f"random-{size}-hf"
-        if not (hf / "config.json").exists():
+        if not (hf / "config.json").exists():  # written last
             write_hf_model(size, hf)
         src = llama_cpp()
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "NO_LOCAL_GGUF": ""}
         print(f"converting {hf.name} with convert_hf_to_gguf.py", flush=True)
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16", "--outfile", str(bf16)],
+        part = bf16.with_name(bf16.name + ".part")
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16", "--outfile", str(part)],
                        check=True, env=env, stdout=subprocess.DEVNULL)
+        part.rename(bf16)
+        if size in TRANSIENT:
+            shutil.rmtree(hf)
     print(f"quantizing to {kind} with llama-quantize", flush=True)
-    subprocess.run([str(quantize_binary()), str(bf16), str(target), kind, str(os.cpu_count() or 1)], check=True,
+    part = target.with_name(target.name + ".part")
+    subprocess.run([str(quantize_binary()), str(bf16), str(part), kind, str(os.cpu_count() or 1)], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    part.rename(target)
+    if size in TRANSIENT and not keep_bf16:
+        bf16.unlink()
     return target
 
 
@@ -209,7 +271,9 @@ def rss_bytes(pid: int) -> int:
 
 def kv_pool_bytes(peer: str, log_path: Path, gguf: Path, pid: int) -> int:
     """The KV pool's resident bytes: shoal's pool is the mapping of the size its start-up line gives, committed as
-    it fills (its Rss in /proc/PID/smaps); llama-server's cache, cleared at start, from -c and the shape, float16."""
+    it fills (its Rss in /proc/PID/smaps); llama-server's cache, cleared at start, from -c and the shape, float16:
+    32 slots of 2,048 cells a layer, but for Gemma 3's sliding-window layers (five of every six) the window and a
+    ubatch of 512, rounded up to 256 cells (llama_kv_cache_iswa, without --swa-full)."""
     import re
 
     from shoal.model.gguf_loader import GGUFFileReader
@@ -221,7 +285,25 @@ def kv_pool_bytes(peer: str, log_path: Path, gguf: Path, pid: int) -> int:
     arch = meta["general.architecture"]
     layers, kv_heads = meta[f"{arch}.block_count"], meta[f"{arch}.attention.head_count_kv"]
     head = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // meta[f"{arch}.attention.head_count"]
-    return 32 * 2048 * layers * kv_heads * head * 2 * 2
+    cells = [2048] * layers
+    if arch == "gemma3" and meta.get(f"{arch}.attention.sliding_window"):
+        swa = min(2048, -(-(meta[f"{arch}.attention.sliding_window"] + 512) // 256) * 256)
+        cells = [swa if n % 6 < 5 else c for n, c in enumerate(cells)]
+    return 32 * sum(cells) * kv_heads * head * 2 * 2
+
+
+def bytes_per_token(gguf: Path) -> int:
+    """The bytes one stream reads a token: the whole file, but of an MoE's expert tensors (`*_exps`) only the
+    share of experts a token uses."""
+    from shoal.model.gguf_loader import GGUFFileReader
+
+    reader = GGUFFileReader(gguf)
+    arch = reader.metadata["general.architecture"]
+    used, experts = reader.metadata.get(f"{arch}.expert_used_count"), reader.metadata.get(f"{arch}.expert_count")
+    if not experts:
+        return gguf.stat().st_size
+    exps = sum(int(t.n_bytes) for t in reader.tensors if "_exps" in t.name)
+    return gguf.stat().st_size - exps + exps * used // experts
 
 
 def bandwidth() -> float:
@@ -264,7 +346,7 @@ def measure(gguf: Path, isa: str | None, rounds: int, quick: bool, log_dir: Path
     return out
 
 
-def summary(runs: list[dict], file_bytes: int) -> dict:
+def summary(runs: list[dict], read_bytes: int) -> dict:
     """The median over rounds of each figure, and footprint and bytes-per-token rates."""
     import statistics
 
@@ -275,7 +357,7 @@ def summary(runs: list[dict], file_bytes: int) -> dict:
         row[f"c{c}_tok_s"] = med([r[f"c{c}"]["output_tok_s"] for r in runs if f"c{c}" in r])
     row["prefill_tok_s"] = med([PREFILL / (r["prefill"]["ttft_p50_ms"] / 1e3) for r in runs if "prefill" in r])
     tpot = med([r["c1"]["tpot_p50_ms"] for r in runs])
-    row["c1_gb_s"] = file_bytes / (tpot / 1e3) / 1e9 if tpot else None
+    row["c1_gb_s"] = read_bytes / (tpot / 1e3) / 1e9 if tpot else None
     return row
 
 
@@ -286,7 +368,8 @@ def report(doc: dict) -> list[str]:
              f"On {machine_line(doc['machine'])}; {doc['isa_note']}. Memory bandwidth measured here (a numpy copy): "
              f"{doc['bandwidth_gb_s']:.1f} GB/s. The servers take turns; figures are medians over a file's rounds, "
              "ratios shoal / llama-server (lower is better for footprint and cold start). Output tok/s includes the "
-             "streams' own prefill; GB/s is the file's bytes over one stream's time per output token (with "
+             "streams' own prefill; GB/s is the file's bytes (of an MoE's experts, the share a token uses) over one "
+             "stream's time per output token (with "
              "speculation, several tokens share a read of the weights: shoal-no-spec is the physical figure).", "",
              f"- shoal: {doc['settings']['shoal']}", f"- llama-server: {doc['settings']['llama-server']}", ""]
     head = ["file (date, rounds)", "server", "cold start s", "footprint MB", "1 stream tok/s", "8 streams", "32 streams",
@@ -400,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                         [[k, f"{v['kl_mean']:.4f}", f"{v['kl_p99']:.3f}", f"{100 * v['top1_agreement']:.1f}%"] for k, v in q["kl"].items()])]
         publish(f"gguf_quality-{args.isa or cpu_kind()}", doc, lines)
         return 0
-    files = {f"{size} {kind}": build_file(size, kind) for size in args.sizes for kind in args.types}
+    files = {f"{size} {kind}": build_file(size, kind, keep_bf16=any(not model_path(size, k).exists() for k in args.types[n + 1:]))
+             for size in args.sizes for n, kind in enumerate(args.types)}
     if args.build_only:
         return 0
     doc = {"machine": machine(), "rounds": args.rounds, "isa": args.isa, "bandwidth_gb_s": bandwidth(), "files": {},
@@ -413,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             # in the page cache before either server starts: a cold start is the process's, not the disk's
             subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
             runs = measure(path, args.isa, args.rounds, args.quick, Path(logs))
-            summ = {peer: summary(r, path.stat().st_size) for peer, r in runs.items()}
+            summ = {peer: summary(r, bytes_per_token(path)) for peer, r in runs.items()}
             entry = {"bytes": path.stat().st_size, "runs": runs, "summary": summ, "date": time.strftime("%Y-%m-%d"),
                      "rounds": args.rounds}
             if "shoal" in summ and "llama-server" in summ:
