@@ -370,3 +370,33 @@ def test_an_arrival_less_urgent_than_the_prefill_or_without_blocks_takes_nothing
     assert a.status is SequenceStatus.WAITING and a.block_table == []
     assert [(x.seq_id, len(x.token_ids), x.start_pos) for x in out.plan.seqs] == [(b.seq_id, 44, 256)]
     assert pool.num_free == 0 and len(b.block_table) == 19
+
+
+def test_preemption_and_readmission_under_a_window():
+    """Two sequences, a full-attention group and a window of 6 whose pool (4 blocks) cannot hold both windows
+    across a block edge: the newest is preempted, and readmitted once the other is done; both end with every
+    token, the windowed group never holds more than a window and a step of either, and every block comes back."""
+    from shoal.engine.prefix_cache import PrefixCache  # noqa: PLC0415
+
+    full, win = KVBlockPool(16, 4), KVBlockPool(4, 4)
+    kv = KVCacheManager([full, win], PrefixCache([full, win], windows=(None, 6)), windows=(None, 6))
+    s = Scheduler(SchedulerConfig(8, 8, 64), kv)
+    a = seq(10, "a")
+    b = Sequence(request_id="b", prompt_token_ids=list(range(50, 60)), params=P)
+    s.add(a)
+    s.add(b)
+    for _ in range(60):
+        out = s.schedule()
+        s.on_step_done(out, [SampledToken(x.seq_id, 7, 0.0) for x in out.plan.seqs if x.sample])
+        kv.check_integrity(*(s.held_block_tables(g) for g in kv.groups))
+        for x in (a, b):
+            held = [blk for blk in x.block_tables[1] if blk != win.null_block] if x.block_table else []
+            assert len(held) <= 3  # never more than the window's blocks and a step's
+            if x.num_output_tokens >= 12 and not x.finished:
+                s.finish(x, FinishReason.LENGTH)
+        if a.finished and b.finished:
+            break
+    assert a.finished and b.finished and s.num_preemptions >= 1 and b.num_preemptions >= 1
+    assert a.output_token_ids == b.output_token_ids == [7] * 12
+    assert (full.num_free, win.num_free) == (16, 4)
+    kv.check_integrity([], [])

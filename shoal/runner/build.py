@@ -132,8 +132,12 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     bind_attributes(model)  # last: the model is final now
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device, low_bit=weights.name != "none",
                                 chosen=config.dtype != "auto")
+    # KV groups (types.KVGroup) where one process holds the whole model; ranks keep one table for every layer
+    grouped = config.cache.kv_groups and config.parallel.world_size == 1 and hasattr(model.model, "spec")
+    windows = [layer.attention.window for layer in model.model.spec.layers] if grouped else None
     spec, pool = plan_kv_cache(model.config, config.cache, device, kv_dtype, context=longest,
-                               max_num_seqs=config.scheduler.max_num_seqs, ranks_here=_ranks_here(config))
+                               max_num_seqs=config.scheduler.max_num_seqs, ranks_here=_ranks_here(config), windows=windows,
+                               step_tokens=config.scheduler.max_num_batched_tokens)
     if group is not None:
         spec = replace(spec, num_blocks=group.agree_min(spec.num_blocks))
     shape = KVShape(spec.bytes_per_block // spec.block_size, spec.block_size)
