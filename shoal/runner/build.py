@@ -148,6 +148,11 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
         log.info("context %d tokens (%s); KV pool %s = %d tokens of %s at %d bytes a token (%s); %s attention",
                  max_model_len, why, size_words(spec.num_blocks * spec.bytes_per_block), spec.num_blocks * spec.block_size,
                  str(kv_dtype).removeprefix("torch."), shape.bytes_per_token, pool.why, attention)
+        if len(spec.groups) > 1:  # the line above is the first group's (types.KVGroup)
+            layer_block = spec.bytes_per_block // len(spec.groups[0].layers)
+            log.info("KV groups: %s", "; ".join(
+                f"{'full attention' if g.window is None else f'a window of {g.window}'}: {len(g.layers)} layer{'s' if len(g.layers) > 1 else ''}, {n} blocks "
+                f"({size_words(n * layer_block * len(g.layers))})" for g, n in zip(spec.groups, spec.group_blocks)))
     tower = None
     if ckpt.vision_state_dict is not None:
         tower = build_tower(type(model), hf, ckpt.vision_state_dict, device, dtype)
