@@ -261,3 +261,18 @@ def test_an_8k_prompt_holds_its_windowed_layers_kv_for_the_window_only():
     assert len([b for b in a.block_tables[1] if b != win.null_block]) == 32 and a.block_tables[1][:480] == [100] * 480
     assert (full.num_free, win.num_free) == (600 - 512, 100 - 32)
     check(kv, a)
+
+
+def test_a_full_groups_block_is_evicted_once_its_children_kept_only_windowed_blocks():
+    """A leaf that loses its full-attention block keeps its windowed one (the node stays); its parent is then a
+    leaf of the full-attention group, and the next eviction there takes it: three evictions in a row, deepest first."""
+    kv, full, win = make_groups(full_blocks=4)
+    a = seq(range(13))
+    kv.admit(a, kv.match(a), 12)
+    computed(kv, a, 12)
+    kv.release(a)  # three full nodes; the window's group holds blocks 1 and 2 of them (block 0 slid out, cached)
+    assert full.num_cached_free == 3 and win.num_cached_free == 3
+    b = seq(range(100, 116))
+    assert kv.admit(b, kv.match(b), 16)  # four blocks of the full group: the free one, then 2, 1, 0 evicted
+    assert b.block_tables[0] == [3, 2, 1, 0] and kv.cache.stats.evictions == 3
+    check(kv, b)

@@ -396,13 +396,18 @@ class PrefixCache:
         node.blocks[group] = None
         if group == 0:
             self.stats.cached_blocks -= 1
+        removed = False
         while node is not self.root and not node.children and all(b is None for b in node.blocks):
             del node.parent.children[node.key]
-            node = node.parent
-        if node is not self.root:  # it, or the parent of what went, may be a leaf now
+            node, removed = node.parent, True
+        if node is self.root:
+            return
+        if removed:  # the parent of what went may be a leaf now, in every group
             for g, b in enumerate(node.blocks):
                 if b is not None:
                     self._maybe_evictable(g, b)
+        elif node.parent is not self.root and node.parent.blocks[group] is not None:
+            self._maybe_evictable(group, node.parent.blocks[group])  # a leaf of the group now, its child kept the others
 
     def expire(self) -> int:
         """Drop unreferenced blocks idle for longer than the TTL (a full-attention group's parents
