@@ -229,6 +229,8 @@ class KVCacheManager:
     def can_grow(self, seq: Sequence, num_new: int) -> bool:
         """Whether every group's pool has the blocks for `num_new` more tokens."""
         need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new)
+        if len(seq.block_tables) != len(self.pools):  # a sequence that holds nothing yet
+            return all(need <= pool.num_free for pool in self.pools)
         return all(need - len(table) <= pool.num_free for pool, table in zip(self.pools, seq.block_tables))
 
     def grow(self, seq: Sequence, num_new: int) -> None:
