@@ -193,16 +193,17 @@ def test_a_shared_prefix_still_hits_after_its_window_slid():
     assert (m.num_tokens, m.blocks, m.copy_block) == (30, (0, 1, 2, 3, 4, 5, 6), 7)
     assert (m.group_blocks, m.group_copies) == (((None,) * 6 + (6,),), (7,))
     assert kv.admit(b, adm, 1) and b.num_cached_tokens == 30
-    # the windowed pool had no truly free block: it evicted its least recently used unreferenced one (5, the
-    # deepest the match touched) for the copy of the partial block 7
-    assert b.block_tables == [[0, 1, 2, 3, 4, 5, 6, 8], [NULL_S] * 6 + [6, 5]]
-    assert kv.take_copies() == ((7, 8), (7, 5, 1))
+    # the windowed pool had no truly free block: it evicted the one the first sequence let go first (0, when its
+    # window slid past it) for the copy of the partial block 7
+    assert b.block_tables == [[0, 1, 2, 3, 4, 5, 6, 8], [NULL_S] * 6 + [6, 0]]
+    assert kv.take_copies() == ((7, 8), (7, 0, 1))
     check(kv, b)
 
 
 def test_a_hit_stops_where_the_window_group_lost_the_blocks_it_needs():
     """Where the windowed group evicted the blocks the longest prefix's window needs, the hit is the longest
-    prefix whose last window it still holds: 16 tokens need blocks 2 and 3, 12 tokens 1 and 2, 8 tokens 0 and 1."""
+    prefix whose last window it still holds: 16 tokens need blocks 2 and 3, 12 tokens 1 and 2, 8 tokens 0 and 1
+    (held by another sequence that hit them, so the evictions took 2 and 3)."""
     kv, full, win = make_groups(window_blocks=4)
     a = seq(range(17))
     kv.admit(a, kv.match(a), 8)
@@ -211,9 +212,9 @@ def test_a_hit_stops_where_the_window_group_lost_the_blocks_it_needs():
     computed(kv, a, 8)
     assert a.block_tables[1] == [win.null_block, win.null_block, 2, 3]
     kv.release(a)
-    other = seq([100, 101, 102, 103] * 2 + [7])
-    assert kv.admit(other, kv.match(other), 8)  # the windowed pool evicts its two least recently used: 3, then 2
-    assert other.block_tables == [[4, 5], [3, 2]]
+    other = seq(list(range(8)) + [50, 51, 52, 53, 54])  # hits the first 8 tokens, whose window is blocks 0 and 1
+    assert kv.admit(other, kv.match(other), 5)  # the windowed pool evicts the only unreferenced ones: 3, then 2
+    assert other.block_tables == [[0, 1, 4, 5], [0, 1, 3, 2]]
     b = seq(list(range(16)) + [99])
     m = kv.match(b).match
     assert (m.num_tokens, m.blocks, m.group_blocks, m.kind) == (8, (0, 1), ((0, 1),), "supersequence")
@@ -276,3 +277,34 @@ def test_a_full_groups_block_is_evicted_once_its_children_kept_only_windowed_blo
     assert kv.admit(b, kv.match(b), 16)  # four blocks of the full group: the free one, then 2, 1, 0 evicted
     assert b.block_tables[0] == [3, 2, 1, 0] and kv.cache.stats.evictions == 3
     check(kv, b)
+
+
+def test_a_model_whose_every_layer_is_windowed_keeps_hollow_nodes_until_their_subtree_goes():
+    """One group, a window of 6 (Mistral's shape): a windowed group evicts its blocks in the order they lost
+    their last reference, so those that slid out go before the last window's; a node that lost its block stays,
+    holding none, while a child holds one; the same prompt still hits on the window's blocks; and once every
+    block is evicted the nodes go too."""
+    pool = KVBlockPool(6, BS)
+    kv = KVCacheManager(pool, PrefixCache(pool, windows=(W,)), windows=(W,))
+    null = pool.null_block
+    a = seq(range(21))
+    kv.admit(a, kv.match(a), 12)
+    computed(kv, a, 12)  # next query at 12 sees 7..12: block 0 goes (cached)
+    kv.grow(a, 8)
+    computed(kv, a, 8)  # at 20: sees 15..20; blocks 2, then 1 go
+    assert a.block_table == [null] * 3 + [3, 4] and pool.num_cached_free == 3
+    kv.release(a)  # 4, then 3
+    b = seq(range(30, 42))
+    assert kv.admit(b, kv.match(b), 12)  # three blocks: the free one (5), then evicted 0 and 2, the first let go
+    assert b.block_table == [5, 0, 2]
+    root = kv.cache.root
+    first = root.children[(0, 1, 2, 3)]
+    assert first.blocks == [None] and first.children[(4, 5, 6, 7)].blocks == [1]  # hollow, kept for its subtree
+    c = seq(range(21))
+    m = kv.match(c).match
+    assert (m.num_tokens, m.blocks) == (20, (None, None, None, 3, 4))  # the last window's blocks are enough
+    kv.release(b)
+    d = seq(range(60, 84))
+    assert kv.admit(d, kv.match(d), 24)  # every block: the trie empties
+    assert root.children == {} and kv.cache.stats.cached_blocks == 0
+    kv.check_integrity([d.block_table])

@@ -35,9 +35,10 @@ node dropped for room or by the TTL, before its block is reused.
 KV groups (types.KVGroup: the layers of one sliding window, or the full-attention
 layers) each have their own pool, and a node holds one block per group, or None
 where that group has dropped it. A windowed group's sequences let go of the
-blocks that slid out of their window, so its cached blocks are kept or evicted
-one by one (LRU, leaf or not), while a full-attention group's go leaves first,
-as with one group. A node that holds no block and has no children is removed.
+blocks that slid out of their window, so its cached blocks are evicted one by
+one, leaf or not, in the order they lost their last reference (what slid out
+goes before a prefix's last window), while a full-attention group's go leaves
+first, least recently used, as with one group. A node that holds no block and has no children is removed.
 A hit must suit every group: a full-attention group needs all of the matched
 prefix's blocks, a windowed group only those that hold the last `window - 1`
 positions before the first computed one (vLLM's SlidingWindowManager). The match
@@ -71,6 +72,7 @@ class _Node:
     children: dict[Key, _Node] = field(default_factory=dict)
     last_access: int = 0  # a logical clock: larger is more recent
     touched_at: float = 0.0  # wall clock, for the TTL
+    freed: list = field(default_factory=list)  # per windowed group: the clock when its block lost its last reference
     digest: bytes = ROOT_DIGEST  # a full node's chain digest (kv_tier.chain_digest), with a second tier
 
     @property
@@ -167,7 +169,7 @@ class PrefixCache:
         self.on_evict: Callable[[_Node], None] | None = None
         for g, p in enumerate(self.pools):
             p.evict_one = partial(self._evict_one, g)
-            p.on_unreferenced = partial(self._maybe_evictable, g)
+            p.on_unreferenced = partial(self._unreferenced, g)
 
     # ------------------------------------------------------------ lookup
     def match(self, key_tokens: Sequence, count: bool = True) -> PrefixMatch:
@@ -311,7 +313,7 @@ class PrefixCache:
         return [block_id] if isinstance(block_id, int) else list(block_id)
 
     def _add(self, parent: _Node, key: Key, blocks: list) -> _Node:
-        node = _Node(key=key, blocks=[None] * len(self.pools), parent=parent)
+        node = _Node(key=key, blocks=[None] * len(self.pools), parent=parent, freed=[0] * len(self.pools))
         parent.children[key] = node
         for g, b in enumerate(blocks):
             if b is not None:
@@ -340,16 +342,29 @@ class PrefixCache:
             node.last_access = next(self._tick)
             node.touched_at = now
             for g, b in enumerate(node.blocks):
-                if b is not None:
+                if b is not None and self.windows[g] is None:
                     self._maybe_evictable(g, b)
             node = node.parent
 
     # ------------------------------------------------------------ eviction
     # Evictable in a group: an unreferenced block, of a leaf where the group has full attention (a leaf: no child
-    # holds a block of the group). Every time a node becomes one, or is touched while it is one, (last_access,
-    # block) goes on the group's heap; an entry is acted on only if it is still true when it comes off (the node
-    # is there, evictable and untouched since). So an eviction costs O(log n), not a scan of every node.
-    # last_access and touched_at grow together, so the heap is also oldest-first for the TTL.
+    # holds a block of the group). Every time a node becomes one, or is touched while it is one, (its key, block)
+    # goes on the group's heap; an entry is acted on only if it is still true when it comes off (the node is there,
+    # evictable and its key unchanged). So an eviction costs O(log n), not a scan of every node.
+    # A full-attention group's key is last_access, which grows with touched_at, so the heap is also oldest-first
+    # for the TTL. A windowed group's is when the block lost its last reference: the blocks a sequence let go as
+    # its window slid go before those of its last window, which a hit on the same prefix needs (a touch of a
+    # prefix's nodes, which makes every ancestor recent, would keep the early ones and evict the late ones).
+
+    def _key(self, group: int, node: _Node) -> int:
+        return node.last_access if self.windows[group] is None else node.freed[group]
+
+    def _unreferenced(self, group: int, block_id: int) -> None:
+        """A cached block lost its last reference (the pool says so)."""
+        node = self._nodes[group].get(block_id)
+        if node is not None and self.windows[group] is not None:
+            node.freed[group] = next(self._tick)
+        self._maybe_evictable(group, block_id)
 
     def _evictable(self, group: int, node: _Node | None) -> bool:
         if node is None or self.pools[group].ref_counts[node.blocks[group]] != 0:
@@ -362,9 +377,9 @@ class PrefixCache:
         node = self._nodes[group].get(block_id)
         if self._evictable(group, node):
             lru = self._lru[group]
-            heapq.heappush(lru, (node.last_access, block_id))
+            heapq.heappush(lru, (self._key(group, node), block_id))
             if len(lru) > 2 * len(self._nodes[group]) + 64:  # stale entries dominate: rebuild
-                lru[:] = [(n.last_access, b) for b, n in self._nodes[group].items() if self._evictable(group, n)]
+                lru[:] = [(self._key(group, n), b) for b, n in self._nodes[group].items() if self._evictable(group, n)]
                 heapq.heapify(lru)
 
     def _oldest_evictable(self, group: int) -> _Node | None:
@@ -373,7 +388,7 @@ class PrefixCache:
         while lru:
             access, block_id = lru[0]
             node = self._nodes[group].get(block_id)
-            if self._evictable(group, node) and node.last_access == access:
+            if self._evictable(group, node) and self._key(group, node) == access:
                 return node
             heapq.heappop(lru)
         return None
