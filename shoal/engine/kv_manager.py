@@ -229,13 +229,17 @@ class KVCacheManager:
     def can_grow(self, seq: Sequence, num_new: int) -> bool:
         """Whether every group's pool has the blocks for `num_new` more tokens."""
         need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new)
-        if len(seq.block_tables) != len(self.pools):  # a sequence that holds nothing yet
+        tables = seq.block_tables
+        if len(self.pools) == 1:  # the common case, on every step of every sequence: no generator
+            return need - len(tables[0]) <= self.pool.num_free
+        if len(tables) != len(self.pools):  # a sequence that holds nothing yet
             return all(need <= pool.num_free for pool in self.pools)
-        return all(need - len(table) <= pool.num_free for pool, table in zip(self.pools, seq.block_tables))
+        return all(need - len(table) <= pool.num_free for pool, table in zip(self.pools, tables))
 
     def grow(self, seq: Sequence, num_new: int) -> None:
         """Room for `num_new` more tokens (check can_grow first)."""
-        self._fresh_tables(seq)
+        if len(seq.block_tables) != len(self.pools):
+            self._fresh_tables(seq)
         need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new)
         for pool, table in zip(self.pools, seq.block_tables):
             if need > len(table):

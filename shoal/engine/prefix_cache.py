@@ -155,6 +155,7 @@ class PrefixCache:
         self.pools = [pool] if isinstance(pool, KVBlockPool) else list(pool)
         self.pool = self.pools[0]
         self.windows = tuple(windows) if windows is not None else (None,) * len(self.pools)
+        self._full_groups = [g for g, w in enumerate(self.windows) if w is None]
         self.block_size = self.pool.block_size
         self.ttl = ttl
         self.clock = clock
@@ -338,12 +339,13 @@ class PrefixCache:
         """Mark a node and its ancestors used, ancestors later: a parent is never
         older than its children, so LRU among leaves never strands a child."""
         now = self.clock()
+        full = self._full_groups  # a windowed group's eviction key is not the touch's
         while node is not None and node is not self.root:
             node.last_access = next(self._tick)
             node.touched_at = now
-            for g, b in enumerate(node.blocks):
-                if b is not None and self.windows[g] is None:
-                    self._maybe_evictable(g, b)
+            for g in full:
+                if node.blocks[g] is not None:
+                    self._maybe_evictable(g, node.blocks[g])
             node = node.parent
 
     # ------------------------------------------------------------ eviction
@@ -369,7 +371,7 @@ class PrefixCache:
     def _evictable(self, group: int, node: _Node | None) -> bool:
         if node is None or self.pools[group].ref_counts[node.blocks[group]] != 0:
             return False
-        if self.windows[group] is not None or not node.children:
+        if not node.children or self.windows[group] is not None:
             return True
         return all(c.blocks[group] is None for c in node.children.values())
 

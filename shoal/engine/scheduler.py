@@ -392,7 +392,7 @@ class Scheduler:
             draft_masks=seq.draft_masks if draft and seq.grammar is not None else (),
             images=seq.images,
             pool=pool or "",
-            group_tables=tuple(tuple(t) for t in seq.block_tables[1:]),
+            group_tables=tuple(map(tuple, seq.block_tables[1:])) if len(seq.block_tables) > 1 else (),
         )
 
     def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> tuple[list[SampledToken], list]:

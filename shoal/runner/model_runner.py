@@ -499,7 +499,7 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
             first = len(ids) - len(s.token_ids) if s.pool in ("cls", "score") else len(ids) - n
             pool_rows.extend(range(first, first + n))
             pool_lengths.append(n)
-    groups = len(seqs[0].group_tables) if seqs else 0
+    groups = [[s.group_tables[g] for s in seqs] for g in range(len(seqs[0].group_tables))] if seqs and seqs[0].group_tables else []
     batch = ForwardBatch(
         ids,
         [SeqSpan(s.start_pos, 1, tuple(s.block_table)) for s in decodes],
@@ -510,7 +510,7 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         images,
         pool_rows,
         pool_lengths,
-        [[s.group_tables[g] for s in seqs] for g in range(groups)],
+        groups,
     )
     return batch, seqs
 
