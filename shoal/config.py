@@ -97,6 +97,9 @@ class CacheConfig:
     prefix_cache_restore: str = "auto"  # auto: restore when the measured rates say it is cheaper | always | never
     # A vision model's image embeddings kept by content (runner/encoder_cache.py), so an image is encoded once.
     encoder_cache_memory: int = 256 * MiB
+    # Layers that share a sliding window keep only the window's blocks, in a KV group of their own (types.KVGroup).
+    # False: every layer keeps every block in one table (a draft model's pool, engine/draft.py, which keeps one).
+    kv_groups: bool = True
 
     def __post_init__(self) -> None:
         if self.encoder_cache_memory < 0:

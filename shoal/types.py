@@ -435,7 +435,7 @@ class ScheduledSeq:
     seq_id: int
     token_ids: tuple[int, ...]
     start_pos: int
-    block_table: tuple[int, ...]
+    block_table: tuple[int, ...]  # the first KV group's (KVGroup), the full-attention one where the model has it
     sample: bool
     params: SamplingParams
     # Token history the sampler needs for penalties (prompt, then output).
@@ -466,6 +466,25 @@ class ScheduledSeq:
     # on the chunk that ends the prompt (its last row), "cls" on the one that starts it (its first row); "" for a
     # sequence that samples or pools nothing this step.
     pool: str = ""
+    # The block tables of the model's other KV groups (KVGroup), in group order; empty for a model with one group.
+    group_tables: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that share one block table per sequence: those with the same sliding window (None: full attention),
+    as vLLM's KV cache groups (FullAttentionSpec, SlidingWindowSpec). A windowed group keeps only the blocks a
+    query can still see (engine/kv_manager.py), so its memory per sequence is bounded by its window."""
+
+    window: int | None
+    layers: tuple[int, ...]  # the model's layer indices, ascending
+
+
+def kv_groups(windows) -> tuple[KVGroup, ...]:
+    """Each layer's window (None: full) -> the KV groups: the full-attention group first, then the windows from
+    the smallest. A model with one kind of layer has one group."""
+    order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+    return tuple(KVGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in order)
 
 
 @dataclass(frozen=True)
@@ -473,7 +492,8 @@ class StepPlan:
     """Everything the model runner needs for one forward pass. Plain data."""
 
     seqs: tuple[ScheduledSeq, ...]
-    block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) copy-on-write before the forward
+    # (src, dst) copy-on-write before the forward, in the first KV group; (src, dst, group) in another one
+    block_copies: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:

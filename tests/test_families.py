@@ -18,8 +18,11 @@ import transformers
 from safetensors.torch import load_file
 
 from shoal import LLM, SamplingParams, kernels
-from shoal.runner.model_runner import ModelRunner
-from shoal.types import ScheduledSeq
+from shoal.engine.block_pool import KVBlockPool
+from shoal.engine.kv_manager import NO_MATCH, KVCacheManager
+from shoal.engine.sequence import Sequence
+from shoal.runner.model_runner import KVCacheSpec, ModelRunner
+from shoal.types import ScheduledSeq, kv_groups
 from test_loader import write_vocab
 from test_models import build_runner as models_runner
 from test_models import hf_logits, step_logits
@@ -81,6 +84,48 @@ def test_after_a_prefix_cache_hit_matches_transformers(family, attention):
     other = A_IDS[:12] + [7, 300, 42, 42, 9, 100, 250]
     got = step_logits(runner, [seq(2, other[12:], 12, A[:3] + (20, 21))])
     torch.testing.assert_close(got, hf_logits(hf, other)[12:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "invariant"])
+def test_kv_groups_keep_only_the_window_and_match_transformers(family, attention):
+    """The KV manager's tables, one per group (types.KVGroup): a windowed group's blocks out of the window are
+    freed and its table holds its null block there, and the logits are still transformers', chunked across the
+    window's edge, with two sequences in a step, and decoding."""
+    name, path, hf = family
+    model = build_runner(path, attention).model
+    groups = kv_groups([layer.attention.window for layer in model.spec.layers])
+    blocks = tuple(64 if g.window is None else 7 for g in groups)  # a windowed pool of 7: a reuses what slid out
+    runner = ModelRunner(model, KVCacheSpec(blocks[0], 4, 0, torch.float32, groups, blocks), (), torch.device("cpu"),
+                         torch.float32, attention)
+    pools = [KVBlockPool(n, 4) for n in blocks]
+    kv = KVCacheManager(pools, windows=[g.window for g in groups])
+    a = Sequence("a", A_IDS, GREEDY)
+    b = Sequence("b", B_IDS, GREEDY)
+
+    def step(*work):
+        plan = []
+        for s, n in work:
+            kv.grow(s, n) if s.block_table else kv.admit(s, NO_MATCH, n)
+            c = s.num_computed_tokens
+            plan.append(ScheduledSeq(s.seq_id, tuple(s.token_ids[c : c + n]), c, tuple(s.block_table), n == 1, GREEDY,
+                                     group_tables=tuple(tuple(t) for t in s.block_tables[1:])))
+        logits = step_logits(runner, plan)
+        for s, n in work:
+            s.num_computed_tokens += n
+            kv.commit(s)
+        return logits
+
+    got_a = [step((a, 6))]
+    second = step((a, 7), (b, 10))  # a's chunk crosses the window's edge
+    got_a += [second[:7], step((a, 7))]
+    decode = step((a, 1), (b, 1))  # a at 20 reads 13..20 of the window's layers
+    got_a.append(decode[:1])
+    torch.testing.assert_close(torch.cat(got_a), hf_logits(hf, A_IDS), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([second[7:], decode[1:]]), hf_logits(hf, B_IDS), atol=1e-4, rtol=0)
+    for g, group in enumerate(groups):  # a computed 21: its next query, at 21, sees 14..21 of a window of 8
+        held = [blk for blk in a.block_tables[g] if blk != pools[g].null_block]
+        assert len(held) == (6 if group.window is None else 3), (name, group)
+    kv.check_integrity(*([a.block_tables[g], b.block_tables[g]] for g in range(len(groups))))
 
 
 def test_greedy_generation_with_the_prefix_cache_matches_transformers(family):

@@ -14,6 +14,7 @@ from shoal.runner.kv_sizing import (
     Machine,
     MiB,
     PoolSize,
+    group_blocks,
     read_meminfo,
     served_context,
     size_pool,
@@ -148,3 +149,20 @@ def test_auto_values_of_the_flags():
     assert (auto_int("auto"), auto_int(" AUTO "), auto_int("4096"), auto_int(4096)) == (None, None, 4096, 4096)
     with pytest.raises(ValueError):
         auto_int("long")
+
+
+def test_a_windowed_group_holds_its_windows_and_the_full_group_takes_the_rest():
+    """Gemma 3 1B's shape: 4 global layers, 22 local ones with a window of 512. A pool of 4096 blocks of every
+    layer: the local layers need at most 64 sequences' windows (32 blocks, 2 more) and a step's 512 tokens, 2208
+    blocks; the layer-blocks that frees go to the global layers (14480 blocks), the bytes the same."""
+    from shoal.types import kv_groups  # noqa: PLC0415
+
+    gemma = kv_groups(([512] * 5 + [None]) * 4 + [512, 512])
+    assert [(g.window, len(g.layers)) for g in gemma] == [(None, 4), (512, 22)]
+    sized = dict(layer_bytes=1, block_size=16, max_num_seqs=64, step_tokens=512)
+    assert group_blocks(4096, gemma, fixed=False, **sized) == (14480, 2208)
+    assert 14480 * 4 + 2208 * 22 == 4096 * 26
+    assert group_blocks(4096, gemma, fixed=True, **sized) == (4096, 2208)  # a pool in blocks: the full group keeps them
+    assert group_blocks(1000, gemma, fixed=False, **sized) == (1000, 1000)  # a window as large as the pool saves nothing
+    assert group_blocks(4096, kv_groups([None] * 4), fixed=False, **sized) == (4096,)
+    assert group_blocks(4096, kv_groups([4096, 512]), fixed=False, **sized) == (4096, 4096)  # every layer windowed

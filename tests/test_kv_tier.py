@@ -340,6 +340,31 @@ def test_an_evicted_conversation_is_restored_with_what_computing_it_again_gives(
     assert answer(got[0]) == answer(want[0]) and answer(got[1]) == answer(want[1])
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_windowed_layers_and_the_tier(arch, tmp_path, caplog):
+    """Every layer windowed (a Mistral with a window of 40): one KV group, whose evicted blocks the tier keeps and
+    restores with what computing them again gives. Local and global layers (Gemma 3): two groups, which the tier
+    does not hold yet, so the model runs without it, says so, and answers as it would."""
+    from tiny_models import make_tiny_model  # noqa: PLC0415
+
+    path = str(make_tiny_model(arch, tmp_path / arch, **({"sliding_window": 40} if arch == "mistral" else {})))
+    rng = random.Random(1)
+    first, others, follow = traffic(rng, 1, 200, 380)[0], traffic(rng, 2, 300, 380), traffic(rng, 1, 20, 380)[0]
+    kw = dict(num_blocks=36, max_model_len=512, dtype="float32", check_integrity=True)
+    with LLM(path, **kw) as plain:
+        want = run_turns(plain, first, others, follow)
+        assert plain.engine.prefix_cache.stats.evictions > 0
+    with caplog.at_level(logging.WARNING, logger="shoal.engine"), \
+            LLM(path, prefix_cache_host_bytes=64 << 20, prefix_cache_restore="always", **kw) as llm:
+        got = run_turns(llm, first, others, follow)
+        tier = llm.engine.tier
+        if arch == "mistral":
+            assert tier.stats.restored_blocks >= 8 and got[1].num_cached_tokens > want[1].num_cached_tokens
+        else:
+            assert tier is None and "runs without the tier" in caplog.text
+    assert answer(got[0]) == answer(want[0]) and answer(got[1]) == answer(want[1])
+
+
 def test_a_restarted_server_finds_its_prompt_in_the_tier(tiny_llama_path, tmp_path):
     messages = [{"role": "user", "content": "Remember this prompt across a restart of the server, please. " * 3}]
 

@@ -370,3 +370,82 @@ def test_an_arrival_less_urgent_than_the_prefill_or_without_blocks_takes_nothing
     assert a.status is SequenceStatus.WAITING and a.block_table == []
     assert [(x.seq_id, len(x.token_ids), x.start_pos) for x in out.plan.seqs] == [(b.seq_id, 44, 256)]
     assert pool.num_free == 0 and len(b.block_table) == 19
+
+
+def test_preemption_and_readmission_under_a_window():
+    """Two sequences, a full-attention group and a window of 6 whose pool (4 blocks) cannot hold both windows
+    across a block edge: the newest is preempted, and readmitted once the other is done; both end with every
+    token, the windowed group never holds more than a window and a step of either, and every block comes back."""
+    from shoal.engine.prefix_cache import PrefixCache  # noqa: PLC0415
+
+    full, win = KVBlockPool(16, 4), KVBlockPool(4, 4)
+    kv = KVCacheManager([full, win], PrefixCache([full, win], windows=(None, 6)), windows=(None, 6))
+    s = Scheduler(SchedulerConfig(8, 8, 64), kv)
+    a = seq(10, "a")
+    b = Sequence(request_id="b", prompt_token_ids=list(range(50, 60)), params=P)
+    s.add(a)
+    s.add(b)
+    for _ in range(60):
+        out = s.schedule()
+        s.on_step_done(out, [SampledToken(x.seq_id, 7, 0.0) for x in out.plan.seqs if x.sample])
+        kv.check_integrity(*(s.held_block_tables(g) for g in kv.groups))
+        for x in (a, b):
+            held = [blk for blk in x.block_tables[1] if blk != win.null_block] if x.block_table else []
+            assert len(held) <= 3  # never more than the window's blocks and a step's
+            if x.num_output_tokens >= 12 and not x.finished:
+                s.finish(x, FinishReason.LENGTH)
+        if a.finished and b.finished:
+            break
+    assert a.finished and b.finished and s.num_preemptions >= 1 and b.num_preemptions >= 1
+    assert a.output_token_ids == b.output_token_ids == [7] * 12
+    assert (full.num_free, win.num_free) == (16, 4)
+    kv.check_integrity([], [])
+
+
+@pytest.mark.parametrize("windows", [(None, 6), (None, 5, 9), (7,)])
+def test_random_traffic_under_windows_keeps_every_pool_and_the_cache_consistent(windows):
+    """Seeded traffic over small pools: prompts sharing prefixes (hits after windows slid), chunked prefills,
+    preemptions, drafts partly rejected (trims), forks (n > 1) and aborts; the pools' counts equal the tables'
+    references and the trie agrees with the pools after every step, and every block comes back at the end."""
+    import random  # noqa: PLC0415
+
+    from shoal.engine.prefix_cache import PrefixCache  # noqa: PLC0415
+
+    rng = random.Random(sum(w or 0 for w in windows))
+    pools = [KVBlockPool(14 if w is None else 10, 4) for w in windows]
+    kv = KVCacheManager(pools, PrefixCache(pools, windows=windows), windows=windows)
+    s = Scheduler(SchedulerConfig(4, 12, 64), kv)
+    stems = [[rng.randrange(1, 50) for _ in range(20)] for _ in range(3)]
+    live: list[Sequence] = []
+    for step in range(400):
+        if len(live) < 5 and rng.random() < 0.3:
+            prompt = rng.choice(stems)[: rng.randrange(2, 21)] + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 8))]
+            first = Sequence(request_id=f"r{step}", prompt_token_ids=prompt, params=P)
+            s.add(first)
+            live.append(first)
+            if rng.random() < 0.3:  # a second choice of the same request: it forks the first's prompt
+                other = Sequence(request_id=f"r{step}", prompt_token_ids=prompt, params=P, index=1, fork_parent=first,
+                                 arrival=first.arrival)
+                s.add(other)
+                live.append(other)
+        for x in s.running:
+            if not x.draft and x.num_uncomputed_tokens == 1 and rng.random() < 0.3:
+                x.draft = tuple(rng.randrange(1, 50) for _ in range(rng.randrange(1, 4)))
+        out = s.schedule()
+        sampled = []
+        for x in out.plan.seqs:
+            if x.sample:  # the target agrees with a draft's first token half of the time
+                agree = [t if rng.random() < 0.5 else 99 for t in x.draft[:1]]
+                sampled += [SampledToken(x.seq_id, t, 0.0) for t in [*agree, 7][: len(x.draft) + 1]]
+        s.on_step_done(out, sampled)
+        kv.check_integrity(*(s.held_block_tables(g) for g in kv.groups))
+        for x in list(live):
+            if not x.finished and (x.num_output_tokens >= 10 or rng.random() < 0.01):
+                s.finish(x, FinishReason.LENGTH if x.num_output_tokens >= 10 else FinishReason.ABORT)
+            if x.finished:
+                live.remove(x)
+    for x in list(live):
+        s.finish(x, FinishReason.ABORT)
+    kv.check_integrity(*([] for _ in kv.groups))
+    assert [p.num_free for p in pools] == [p.num_blocks for p in pools]
+    assert s.num_preemptions > 0 and kv.cache.stats.hits > 0 and kv.cache.stats.evictions > 0

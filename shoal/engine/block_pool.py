@@ -73,6 +73,12 @@ class KVBlockPool:
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 
+    @property
+    def null_block(self) -> int:
+        """What a windowed KV group's table holds where its block slid out of the window: the id past the pool's
+        blocks, the runner's null block (read as zeros, never written, never handed out)."""
+        return self.num_blocks
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
@@ -150,10 +156,11 @@ class KVBlockPool:
     def check_integrity(self, block_tables: Iterable[Sequence[int]]) -> None:
         """Raise AssertionError unless the ref counts equal the references held.
 
-        `block_tables` are the tables of every sequence that holds blocks.
+        `block_tables` are the tables of every sequence that holds blocks (null entries skipped).
         """
         expected = [0] * self.num_blocks
         for table in block_tables:
+            table = [b for b in table if b != self.num_blocks]
             if len(set(table)) != len(table):
                 raise AssertionError(f"block table holds a block twice: {list(table)}")
             for b in table:

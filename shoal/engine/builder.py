@@ -52,8 +52,14 @@ def build_engine(config: EngineConfig) -> Engine:
 
 
 def build_tier(config: EngineConfig, runner, facts: EngineFacts) -> KVTier | None:
-    """The prefix cache's second tier (engine/kv_tier.py), if one is configured."""
+    """The prefix cache's second tier (engine/kv_tier.py), if one is configured. It holds one KV group's blocks
+    (types.KVGroup): a model with several (Gemma's local and global layers) runs without it."""
     cache = config.cache
+    groups = len(getattr(runner, "kv_groups", ()) or ())
+    if groups > 1 and (cache.prefix_cache_host_bytes or cache.prefix_cache_dir):
+        log.warning("the prefix cache's second tier holds one KV group's blocks, and this model has %d (layers with "
+                    "and without a sliding window): it runs without the tier", groups)
+        return None
     if cache.prefix_cache_host_bytes:
         store = HostStore(cache.prefix_cache_host_bytes, runner.bytes_per_block)
     elif cache.prefix_cache_dir:

@@ -55,7 +55,7 @@ class DraftProposer:
 
         memory, blocks = config.cache.kv_cache_memory, config.cache.num_blocks
         cache = CacheConfig(block_size=config.cache.block_size, enable_prefix_cache=False, kv_cache_memory=memory,
-                            num_blocks=blocks if blocks is not None or memory is not None else target_blocks)
+                            num_blocks=blocks if blocks is not None or memory is not None else target_blocks, kv_groups=False)
         draft_config = replace(config, model=model, cache=cache, max_model_len=max_model_len, parallel=type(config.parallel)())
         part = build_part(draft_config)
         check_same_vocabulary(part.checkpoint.tokenizer, tokenizer)

@@ -69,12 +69,15 @@ class Engine:
         self.vocab_size = runner.config.vocab_size
         self.vision = vision
         self.pooling = pooling
-        pool = KVBlockPool(runner.num_blocks, runner.block_size)
+        # a pool per KV group (types.KVGroup: the full-attention layers, the layers of each sliding window)
+        groups = getattr(runner, "kv_groups", None) or ()
+        pools = [KVBlockPool(n, runner.block_size) for n in getattr(runner, "group_blocks", None) or (runner.num_blocks,)]
+        windows = tuple(g.window for g in groups) or None
         cache = config.cache
         self.causal = getattr(runner, "causal", True)  # an encoder's prefix has no KV of its own to reuse
-        prefix_cache = PrefixCache(pool, ttl=cache.prefix_cache_ttl, block_bytes=runner.bytes_per_block) \
+        prefix_cache = PrefixCache(pools, windows=windows, ttl=cache.prefix_cache_ttl, block_bytes=runner.bytes_per_block) \
             if cache.enable_prefix_cache and self.causal else None
-        self.kv = KVCacheManager(pool, prefix_cache, tier)
+        self.kv = KVCacheManager(pools, prefix_cache, tier, windows)
         self.tier = self.kv.tier
         sched = config.scheduler
         self.scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_model_len), self.kv)
@@ -384,7 +387,7 @@ class Engine:
         return self.kv.clear_cache()
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(self.scheduler.held_block_tables())
+        self.kv.check_integrity(*(self.scheduler.held_block_tables(g) for g in self.kv.groups))
 
 
 def _fail_by(state: RequestState, e: Exception, doing: str) -> None:

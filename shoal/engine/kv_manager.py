@@ -28,11 +28,33 @@ A sequence's blocks after a hit or a fork, by position:
 The copy is copy-on-write done eagerly: a partial block is never shared, so no
 one writes into a block someone else reads. Copies run in the runner before the
 plan's forward (`StepPlan.block_copies`).
+
+KV groups (types.KVGroup, as vLLM's KVCacheManager with a SingleTypeKVCacheManager
+per group): the layers of one sliding window share a group, the full-attention
+layers another, each with its own pool, and a sequence has a block table per group
+(`Sequence.block_tables`), all as long as its tokens need. Every answer above is
+for all groups at once: a sequence grows only if every group's pool has room. A
+windowed group of window w lets go of the blocks no query can see any more: once
+a sequence has computed c tokens, its next query is at c and sees positions
+c - w + 1 .. c, so every block wholly before c - w + 1 goes back (to the prefix
+cache if it indexes it) and the table holds the pool's null block there:
+
+    positions:     0          c-w+1            c         c+n
+    full group:    [ b | b | b | b | b | b | b | new ]
+    window w:      [ null | null | b | b | b | b | new ]   (blocks wholly before c-w+1 freed)
+
+so a windowed group holds about w + a step's tokens per sequence, however long it
+is. A hit, a fork and a trim keep to the same rule; a fork whose parent has slid
+past what the child needs is refused (`can_share`), and the child computes its
+prompt. The second tier holds one group's blocks; a model with several groups
+runs without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from collections.abc import Sequence as Seq
 
 from shoal.engine.block_pool import KVBlockPool
 from shoal.engine.kv_tier import ROOT_DIGEST, KVTier, Spill, chain_digest
@@ -64,12 +86,21 @@ PENDING = Admission(pending=True)
 
 
 class KVCacheManager:
-    def __init__(self, pool: KVBlockPool, cache: PrefixCache | None = None, tier: KVTier | None = None) -> None:
-        self.pool = pool
+    def __init__(self, pool: KVBlockPool | Seq[KVBlockPool], cache: PrefixCache | None = None, tier: KVTier | None = None,
+                 windows: Seq[int | None] | None = None) -> None:
+        """pool: each KV group's pool (one pool: one group, full attention); windows: each group's sliding window
+        (None: full attention), in the pools' order; the prefix cache, where given, is over the same pools."""
+        self.pools = [pool] if isinstance(pool, KVBlockPool) else list(pool)
+        self.pool = self.pools[0]
+        self.windows = tuple(windows) if windows is not None else (None,) * len(self.pools)
+        if len(self.windows) != len(self.pools):
+            raise ValueError(f"{len(self.windows)} windows for {len(self.pools)} KV groups")
+        self.groups = range(len(self.pools))
+        self.windowed = any(w is not None for w in self.windows)
         self.cache = cache
-        self.tier = tier if cache is not None else None
-        self.block_size = pool.block_size
-        self._copies: list[tuple[int, int]] = []  # (source, destination) promised, not yet in a plan
+        self.tier = tier if cache is not None and len(self.pools) == 1 else None
+        self.block_size = self.pool.block_size
+        self._copies: list[tuple[int, ...]] = []  # (source, destination[, group > 0]) promised, not yet in a plan
         self._spills: list[Spill] = []  # evicted blocks whose bytes go to the tier before anything overwrites them
         self._restores: list[tuple[int, object]] = []  # (block, payload) to write before the next forward
         # waiting sequences matched already: a sequence the pool cannot take yet is matched every step, and counts
@@ -82,6 +113,21 @@ class KVCacheManager:
     @property
     def num_free(self) -> int:
         return self.pool.num_free
+
+    def first_needed(self, group: int, start: int) -> int:
+        """The first block of `group` a step computing from position `start` reads (0 without a window): a query
+        at `start` sees start - w + 1 .. start."""
+        w = self.windows[group]
+        return 0 if w is None else max(0, start - w + 1) // self.block_size
+
+    def _fresh_tables(self, seq: Sequence) -> None:
+        if len(seq.block_tables) != len(self.pools):
+            seq.block_tables = [[] for _ in self.groups]
+
+    def _held(self, group: int, table: list[int]) -> list[int]:
+        """The blocks a table references (not its null entries)."""
+        null = self.pools[group].null_block
+        return [b for b in table if b != null] if self.windows[group] is not None else table
 
     # ------------------------------------------------------------ admission
     def match(self, seq: Sequence) -> Admission:
@@ -135,33 +181,40 @@ class KVCacheManager:
     def admit(self, seq: Sequence, admission: Admission, num_new: int) -> bool:
         """Give a waiting sequence its matched blocks and room for `num_new` tokens after them.
         False, with nothing taken, when the pool is short."""
-        pool, m = self.pool, admission.match
+        m = admission.match
         restore = admission.restore
-        copy_block = m.copy_block if m is not None and not restore else None
+        copies = m.copies if m is not None and not restore else (None,) * len(self.pools)
+        self._fresh_tables(seq)
         if m is not None:
-            pool.incref(m.blocks)
-            if copy_block is not None:
-                pool.incref([copy_block])  # pinned: the allocation below must not evict it
-            seq.block_table = list(m.blocks)
+            for g, (pool, table, copy) in enumerate(zip(self.pools, m.tables, copies)):
+                held = [b for b in table if b is not None]
+                pool.incref(held)
+                if copy is not None:
+                    pool.incref([copy])  # pinned: the allocation below must not evict it
+                seq.block_tables[g] = [pool.null_block if b is None else b for b in table]
             seq.num_computed_tokens = admission.num_tokens
         fits = self.can_grow(seq, num_new)  # the restored blocks among what it needs
         if fits:
             if restore:
-                fresh = pool.allocate(len(restore))
+                fresh = self.pool.allocate(len(restore))
                 seq.block_table.extend(fresh)
                 self._restores.extend((b, payload) for b, (_, payload) in zip(fresh, restore))
                 self.tier.restored([d for d, _ in restore])
             self.grow(seq, num_new)
         if m is None:
             return fits
-        if copy_block is not None:
+        for g, copy in enumerate(copies):
+            if copy is None:
+                continue
             if fits:
-                self._copies.append((copy_block, seq.block_table[len(m.blocks)]))
-                self.cache.stats.copies += 1
-            pool.free([copy_block])
+                self._copies.append((copy, seq.block_tables[g][len(m.blocks)], *((g,) if g else ())))
+                if g == 0:
+                    self.cache.stats.copies += 1
+            self.pools[g].free([copy])
         if not fits:  # undo: the shared blocks go back to the cache
-            pool.free(seq.block_table)
-            seq.block_table, seq.num_computed_tokens = [], 0
+            for g, pool in enumerate(self.pools):
+                pool.free(self._held(g, seq.block_tables[g]))
+            seq.block_tables, seq.num_computed_tokens = [[] for _ in self.groups], 0
             return False
         seq.cache_nodes = list(m.nodes)
         seq.kv_fetch = None
@@ -173,50 +226,95 @@ class KVCacheManager:
         return True
 
     # ------------------------------------------------------------ growth
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        return self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
-
     def can_grow(self, seq: Sequence, num_new: int) -> bool:
-        return self._blocks_needed(seq, num_new) <= self.pool.num_free
+        """Whether every group's pool has the blocks for `num_new` more tokens."""
+        need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new)
+        tables = seq.block_tables
+        if len(self.pools) == 1:  # the common case, on every step of every sequence: no generator
+            return need - len(tables[0]) <= self.pool.num_free
+        if len(tables) != len(self.pools):  # a sequence that holds nothing yet
+            return all(need <= pool.num_free for pool in self.pools)
+        return all(need - len(table) <= pool.num_free for pool, table in zip(self.pools, tables))
 
     def grow(self, seq: Sequence, num_new: int) -> None:
         """Room for `num_new` more tokens (check can_grow first)."""
-        need = self._blocks_needed(seq, num_new)
-        if need > 0:
-            seq.block_table.extend(self.pool.allocate(need))
+        if len(seq.block_tables) != len(self.pools):
+            self._fresh_tables(seq)
+        need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new)
+        for pool, table in zip(self.pools, seq.block_tables):
+            if need > len(table):
+                table.extend(pool.allocate(need - len(table)))
 
     def trim(self, seq: Sequence) -> None:
         """Free the blocks past the sequence's computed tokens: those a rejected draft's positions took. They
         were allocated for this sequence in this step, and nothing indexes them (commit stops at computed)."""
         keep = self.pool.blocks_for_tokens(seq.num_computed_tokens)
-        if len(seq.block_table) > keep:
-            self.pool.free(seq.block_table[keep:])
-            del seq.block_table[keep:]
+        for pool, table in zip(self.pools, seq.block_tables):
+            if len(table) > keep:
+                pool.free(table[keep:])
+                del table[keep:]
+
+    def slide(self, seq: Sequence) -> int:
+        """Free each windowed group's blocks that the sequence's next query (at its computed count) cannot see;
+        returns how many. Their content stays findable where the prefix cache indexes it."""
+        freed = 0
+        for g, w in enumerate(self.windows):
+            if w is None:
+                continue
+            table, null = seq.block_tables[g], self.pools[g].null_block
+            # the table is nulls, then held blocks: walk back from the first needed one to the nulls
+            end = i = min(self.first_needed(g, seq.num_computed_tokens), len(table))
+            while i > 0 and table[i - 1] != null:
+                i -= 1
+            if i < end:
+                self.pools[g].free(table[i:end])
+                table[i:end] = [null] * (end - i)
+                freed += end - i
+        return freed
+
+    def can_share(self, parent: Sequence, shared: int) -> bool:
+        """Whether the parent still holds every block a child computing from position `shared` reads (a windowed
+        group's parent may have slid past them)."""
+        num_full, partial = divmod(shared, self.block_size)
+        for g in self.groups:
+            if self.windows[g] is None:
+                continue
+            table, null = parent.block_tables[g], self.pools[g].null_block
+            if any(b == null for b in table[self.first_needed(g, shared) : num_full + (partial > 0)]):
+                return False
+        return True
 
     def fork(self, child: Sequence, parent: Sequence, shared: int, num_new: int) -> bool:
         """The child starts from the parent's first `shared` computed tokens: full blocks by reference,
         a partial one by copy, then fresh blocks for `num_new` tokens. False, with nothing taken, when
-        the pool is short.
+        the pool is short or the parent no longer holds what the child reads (can_share).
 
             parent blocks: [ full | full | partial ]
             child blocks:  [ same | same | copy    | fresh ... ]
         """
         num_full, partial = divmod(shared, self.block_size)
         need = self.pool.blocks_for_tokens(shared + num_new) - num_full
-        if need > self.pool.num_free:
+        if any(need > pool.num_free for pool in self.pools) or not self.can_share(parent, shared):
             return False
-        full = parent.block_table[:num_full]
-        self.pool.incref(full)
-        fresh = self.pool.allocate(need)
-        if partial:
-            self._copies.append((parent.block_table[num_full], fresh[0]))
-        child.block_table = full + fresh
+        tables = []
+        for g, pool in enumerate(self.pools):
+            full = parent.block_tables[g][:num_full]
+            first = self.first_needed(g, shared)
+            if first:
+                full = [pool.null_block] * first + full[first:]
+            pool.incref(full[first:])
+            fresh = pool.allocate(need)
+            if partial:
+                self._copies.append((parent.block_tables[g][num_full], fresh[0], *((g,) if g else ())))
+            tables.append(full + fresh)
+        child.block_tables = tables
         child.cache_nodes = parent.cache_nodes[:num_full]
         child.num_computed_tokens = shared
         return True
 
-    def take_copies(self) -> tuple[tuple[int, int], ...]:
-        """The block copies promised so far, in promise order; the plan that carries them runs them first."""
+    def take_copies(self) -> tuple[tuple[int, ...], ...]:
+        """The block copies promised so far, in promise order; the plan that carries them runs them first.
+        (source, destination) in the first group, (source, destination, group) in another."""
         copies, self._copies = tuple(self._copies), []
         return copies
 
@@ -256,26 +354,47 @@ class KVCacheManager:
             self.cache.expire()
 
     def commit(self, seq: Sequence) -> None:
-        """Index every computed full block of `seq` not indexed yet (none of a pooling request's: Sequence.keeps_kv)."""
-        if self.cache is None or not seq.keeps_kv:
-            return
+        """Index every computed full block of `seq` not indexed yet (none of a pooling request's: Sequence.keeps_kv),
+        then let windowed groups' blocks out of the window go (slide)."""
+        if self.cache is not None and seq.keeps_kv:
+            self._index(seq)
+        if self.windowed:
+            self.slide(seq)
+
+    def _index(self, seq: Sequence) -> None:
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
         if len(seq.cache_nodes) >= num_full:
             return
         keys = _key_tokens(seq)
+        if len(self.pools) == 1 and not self.windowed:
+            table = seq.block_table
+            for i in range(len(seq.cache_nodes), num_full):
+                parent = seq.cache_nodes[-1] if seq.cache_nodes else None
+                node = self.cache.insert_full(parent, tuple(keys[i * bs : (i + 1) * bs]), table[i])
+                if node.block_id != table[i]:
+                    # The content was cached already (the same prompt admitted in the same step, or
+                    # a prompt-logprobs request that took no hit): hold the cached block instead of
+                    # the copy. A sequence then holds every node on its path, so an unreferenced
+                    # cached block never has a referenced child and eviction always finds a leaf.
+                    self.pool.incref([node.block_id])
+                    self.pool.free([table[i]])
+                    table[i] = node.block_id
+                seq.cache_nodes.append(node)
+            return
         for i in range(len(seq.cache_nodes), num_full):
             parent = seq.cache_nodes[-1] if seq.cache_nodes else None
-            node = self.cache.insert_full(parent, tuple(keys[i * bs : (i + 1) * bs]), seq.block_table[i])
-            if node.block_id != seq.block_table[i]:
-                # The content was cached already (the same prompt admitted in the same step, or
-                # a prompt-logprobs request that took no hit): hold the cached block instead of
-                # the copy. A sequence then holds every node on its path, so an unreferenced
-                # cached block never has a referenced child and eviction always finds a leaf.
-                self.pool.incref([node.block_id])
-                self.pool.free([seq.block_table[i]])
-                seq.block_table[i] = node.block_id
+            own = [self._own(g, seq.block_tables[g][i]) for g in self.groups]
+            node = self.cache.insert_full(parent, tuple(keys[i * bs : (i + 1) * bs]), own)
+            for g, b in enumerate(own):
+                if b is not None and node.blocks[g] != b:  # as above, per group
+                    self.pools[g].incref([node.blocks[g]])
+                    self.pools[g].free([b])
+                    seq.block_tables[g][i] = node.blocks[g]
             seq.cache_nodes.append(node)
+
+    def _own(self, group: int, block: int) -> int | None:
+        return None if block == self.pools[group].null_block and self.windows[group] is not None else block
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's block references; with the prefix cache, its computed content stays
@@ -284,25 +403,30 @@ class KVCacheManager:
         if not seq.block_table:
             return
         if self.cache is not None and seq.keeps_kv:
-            self.commit(seq)
+            self._index(seq)
             bs = self.block_size
             num_full, partial = divmod(seq.num_computed_tokens, bs)
             if partial:
                 parent = seq.cache_nodes[num_full - 1] if num_full else None
                 key = tuple(_key_tokens(seq)[num_full * bs : seq.num_computed_tokens])
-                self.cache.insert_partial(parent, key, seq.block_table[num_full])
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+                own = seq.block_table[num_full] if len(self.pools) == 1 else \
+                    [self._own(g, seq.block_tables[g][num_full]) for g in self.groups]
+                self.cache.insert_partial(parent, key, own)
+        for g, pool in enumerate(self.pools):
+            pool.free(self._held(g, seq.block_tables[g]))
+        seq.block_tables = [[] for _ in self.groups]
         seq.cache_nodes = []
 
     def clear_cache(self) -> int:
         """Forget all cached prefixes; returns blocks dropped."""
         return self.cache.clear() if self.cache is not None else 0
 
-    def check_integrity(self, block_tables) -> None:
+    def check_integrity(self, block_tables, *group_tables) -> None:
         """Raise AssertionError unless the pool's counts equal the references in `block_tables`
-        (every sequence that holds blocks) and the cache agrees with the pool."""
-        self.pool.check_integrity(block_tables)
+        (every sequence that holds blocks), each other group's pool's those in its `group_tables`,
+        and the cache agrees with the pools."""
+        for pool, tables in zip(self.pools, (block_tables, *group_tables)):
+            pool.check_integrity(tables)
         if self.cache is not None:
             self.cache.check_integrity()
 

@@ -139,9 +139,9 @@ class Scheduler:
         seq.finish_reason = reason
         del self._by_id[seq.seq_id]
 
-    def held_block_tables(self) -> list[list[int]]:
-        """Every block table that holds references (for the integrity check)."""
-        return [s.block_table for s in self.running + self.waiting if s.block_table]
+    def held_block_tables(self, group: int = 0) -> list[list[int]]:
+        """Every block table of a KV group that holds references (for the integrity check)."""
+        return [s.block_tables[group] for s in self.running + self.waiting if s.block_table]
 
     # ------------------------------------------------------------ schedule
     def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
@@ -190,7 +190,7 @@ class Scheduler:
                 j += 1
                 continue
             parent = seq.fork_parent
-            if parent is not None and not self._fork_ready(seq, parent):
+            if parent is not None and not self._fork_ready(seq, parent, self.kv):
                 j += 1  # siblings wait for the first choice to compute the prompt
                 continue
             num_new = self._fork(seq, budget) if seq.fork_parent else self._admit(seq, budget, cost)
@@ -308,8 +308,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ n > 1
     @staticmethod
-    def _fork_ready(seq: Sequence, parent: Sequence) -> bool:
+    def _fork_ready(seq: Sequence, parent: Sequence, kv: KVCacheManager) -> bool:
         if parent.status is SequenceStatus.RUNNING and parent.num_computed_tokens >= parent.prompt_len:
+            if not kv.can_share(parent, Scheduler._shared_prefix_len(seq)):
+                seq.fork_parent = None  # a windowed group of the parent slid past the prompt's end: compute it
             return True
         if parent.status is SequenceStatus.FINISHED:
             seq.fork_parent = None  # nothing to share any more: compute the prompt itself
@@ -390,6 +392,7 @@ class Scheduler:
             draft_masks=seq.draft_masks if draft and seq.grammar is not None else (),
             images=seq.images,
             pool=pool or "",
+            group_tables=tuple(map(tuple, seq.block_tables[1:])) if len(seq.block_tables) > 1 else (),
         )
 
     def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> tuple[list[SampledToken], list]:

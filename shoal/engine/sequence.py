@@ -38,7 +38,9 @@ class Sequence:
     arrival: int = -1
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # One block table per KV group (types.KVGroup); only the KV manager changes them. A windowed group's table
+    # holds its pool's null block where the blocks fell out of the window.
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     # For n > 1: siblings wait for the first sequence of their request to compute
@@ -89,6 +91,15 @@ class Sequence:
             self.extra_keys = multimodal.extra_keys(self.images)
         if self.arrival < 0:
             self.arrival = self.seq_id
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's table (the only one of a model with one group)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def prompt_len(self) -> int:

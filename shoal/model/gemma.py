@@ -10,7 +10,7 @@
 - Gemma 2 softcaps attention scores (attn_logit_softcapping) and the logits (final_logit_softcapping);
   Gemma 3 instead normalizes q and k per head before rotary.
 
-The windowed layers keep their whole KV for now (no KV groups): memory as if every layer were global.
+The local layers keep their window's KV only: they form a KV group of their own (types.KVGroup, engine/kv_manager.py).
 Reference: transformers' modeling_gemma2.py, modeling_gemma3.py.
 """
 

@@ -24,15 +24,15 @@ import torch
 from shoal import kernels
 from shoal.config import CacheConfig
 from shoal.model.attention import SeqSpan, make_attention_backend
-from shoal.model.attention.common import cache_row, kv_bytes_per_token
+from shoal.model.attention.common import GroupedMetadata, cache_row, kv_bytes_per_token
 from shoal.model.layers import DecoderForCausalLM, ExpertCounts
 from shoal.model.qwen2_vl import MRotary
 from shoal.multimodal import mrope_positions
 from shoal.runner.encoder_cache import EncoderCache
-from shoal.runner.kv_sizing import WORKSPACE, KVShape, Machine, PoolSize, read_meminfo, size_pool
+from shoal.runner.kv_sizing import WORKSPACE, KVShape, Machine, PoolSize, group_blocks, read_meminfo, size_pool
 from shoal.runner.pooling import pool
 from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, process_logits, sample
-from shoal.types import Logprob, SampledToken, ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
+from shoal.types import KVGroup, Logprob, SampledToken, ScheduledSeq, StepOutput, StepPlan, TokenLogprobs, kv_groups
 
 log = logging.getLogger("shoal.runner")
 
@@ -85,13 +85,15 @@ class ForwardBatch:
     token_ids: list[int]
     decodes: list[SeqSpan]
     chunks: list[SeqSpan]
-    block_copies: list[tuple[int, int]]
+    block_copies: list[tuple[int, ...]]
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled (a sequence's last token)
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
     images: list[ImageRows] = field(default_factory=list)  # the sequences with images, where their rows are
     # pooling chunks (ScheduledSeq.pool): their rows, segment after segment, and each segment's row count
     pool_rows: list[int] = field(default_factory=list)
     pool_lengths: list[int] = field(default_factory=list)
+    # the other KV groups' block tables (types.KVGroup), per group, of the sequences in the batch's order
+    group_tables: list[list[tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -110,10 +112,13 @@ class ImageRows:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    num_blocks: int
+    num_blocks: int  # the first KV group's
     block_size: int
-    bytes_per_block: int
+    bytes_per_block: int  # of the first group's layers
     dtype: torch.dtype  # what the cache holds (resolve_kv_dtype)
+    # The model's KV groups (types.KVGroup) and each one's blocks; empty: one group of every layer, num_blocks.
+    groups: tuple[KVGroup, ...] = ()
+    group_blocks: tuple[int, ...] = ()
 
 
 KV_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -145,11 +150,14 @@ def machine_memory(device: torch.device) -> Machine:
 
 
 def plan_kv_cache(config, cache: CacheConfig, device: torch.device, kv_dtype: torch.dtype, *, context: int,
-                  max_num_seqs: int, ranks_here: int = 1, machine: Machine | None = None) -> tuple[KVCacheSpec, PoolSize]:
+                  max_num_seqs: int, ranks_here: int = 1, machine: Machine | None = None, windows=None,
+                  step_tokens: int = 512) -> tuple[KVCacheSpec, PoolSize]:
     """The pool's blocks of `kv_dtype` (config: the model's ModelConfig, or this rank's part of it): as many as
     --kv-cache-memory, or sized from the machine (kv_sizing.size_pool); `cache.num_blocks` overrides both.
     context: the longest a sequence may be, for the auto size's cap. machine: what the pool has room in (by
-    default read now; a server's estimate before a load passes the room less the weights to come)."""
+    default read now; a server's estimate before a load passes the room less the weights to come).
+    windows: each layer's sliding window (None: all full attention, one KV group): layers of a window share a
+    group, whose blocks are bounded by the window and a step's `step_tokens` (kv_sizing.group_blocks)."""
     shape = KVShape(kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype), cache.block_size)
     if cache.num_blocks is not None:
         pool = PoolSize(cache.num_blocks, f"{cache.num_blocks} blocks, as configured")
@@ -158,7 +166,13 @@ def plan_kv_cache(config, cache: CacheConfig, device: torch.device, kv_dtype: to
         pool = size_pool(shape, machine, pool_bytes=cache.kv_cache_memory, context=context, max_num_seqs=max_num_seqs,
                          workspace=WORKSPACE, gpu_fraction=cache.gpu_memory_fraction, cap_bytes=cache.kv_cache_memory_cap,
                          ranks_here=ranks_here, share=cache.kv_share)
-    return KVCacheSpec(pool.num_blocks, cache.block_size, shape.bytes_per_block, kv_dtype), pool
+    groups = kv_groups(windows) if windows is not None else ()
+    if len(groups) <= 1 and not any(g.window is not None for g in groups):
+        return KVCacheSpec(pool.num_blocks, cache.block_size, shape.bytes_per_block, kv_dtype), pool
+    layer_bytes = shape.bytes_per_block // config.num_layers
+    blocks = group_blocks(pool.num_blocks, groups, layer_bytes=layer_bytes, block_size=cache.block_size,
+                          max_num_seqs=max_num_seqs, step_tokens=step_tokens, fixed=cache.num_blocks is not None)
+    return KVCacheSpec(blocks[0], cache.block_size, layer_bytes * len(groups[0].layers), kv_dtype, groups, blocks), pool
 
 
 def kv_pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -202,9 +216,17 @@ class ModelRunner:
         # attention/common.py). The last block is the null block: the pool never hands it out, attention
         # pads block tables with it and reads zeros.
         # An int8 cache holds each block's codes, then a float32 scale per token (attention/common.py).
+        # With KV groups (types.KVGroup) one such tensor per group, over its layers and with its own blocks.
         row = cache_row(c.head_dim, spec.dtype)
-        self.kv = kv_pool_tensor((c.num_layers, 2, c.num_kv_heads, spec.num_blocks + 1, spec.block_size, row), spec.dtype, device)
-        self.kv_caches = list(self.kv)  # per layer: [2, Hkv, blocks + 1, block_size, D (int8: D + 4)]
+        self.kv_groups = spec.groups or (KVGroup(None, tuple(range(c.num_layers))),)
+        self.group_blocks = spec.group_blocks or (spec.num_blocks,)
+        self.kv_tensors = [kv_pool_tensor((len(g.layers), 2, c.num_kv_heads, n + 1, spec.block_size, row), spec.dtype, device)
+                           for g, n in zip(self.kv_groups, self.group_blocks)]
+        self.kv = self.kv_tensors[0]
+        self.kv_caches = [None] * c.num_layers  # per layer: [2, Hkv, blocks + 1, block_size, D (int8: D + 4)]
+        for g, t in zip(self.kv_groups, self.kv_tensors):
+            for i, layer in enumerate(g.layers):
+                self.kv_caches[layer] = t[i]
         self.attention = make_attention_backend(attention, c, block_size=spec.block_size, null_block=spec.num_blocks, device=device,
                                                 dtype=dtype)
         self.encoder = EncoderCache(vision_tower, encoder_cache_memory) if vision_tower is not None else None
@@ -212,7 +234,7 @@ class ModelRunner:
         self.mrope = isinstance(model.model.rotary, MRotary)
         log.debug(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",
-            spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, self.kv.numel() * self.kv.element_size() / 2**20,
+            spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, sum(t.numel() * t.element_size() for t in self.kv_tensors) / 2**20,
             str(spec.dtype).removeprefix("torch."), spec.bytes_per_block // spec.block_size, self.attention.name,
         )
 
@@ -230,10 +252,14 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, copies) -> None:
         """(source, destination) block copies: copy-on-write for prefix-cache hits, forks and beams."""
-        if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
-            self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+        if not copies:
+            return
+        for g, kv in enumerate(self.kv_tensors):  # (source, destination) in the first group, a third item names another
+            pairs = [c for c in copies if (c[2] if len(c) > 2 else 0) == g] if len(self.kv_tensors) > 1 else copies
+            if pairs:
+                src = torch.tensor([c[0] for c in pairs], device=self.device)
+                dst = torch.tensor([c[1] for c in pairs], device=self.device)
+                kv[:, :, :, dst] = kv[:, :, :, src]
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], payloads: list) -> None:
@@ -313,8 +339,20 @@ class ModelRunner:
             positions = torch.tensor(pos, dtype=torch.long, device=dev)
         if batch.images and self.encoder is not None:
             embeds = self._image_embeddings(batch.images)
-        meta = self.attention.prepare(batch.decodes, batch.chunks)
+        meta = self.attention.prepare(batch.decodes, batch.chunks) if len(self.kv_groups) == 1 else self._grouped(batch)
         return self.model(input_ids, positions, self.kv_caches, meta, hidden, embeds)
+
+    def _grouped(self, batch: ForwardBatch) -> GroupedMetadata:
+        """The step's metadata for a model with several KV groups: each group's over its own block tables."""
+        by_window = {}
+        for g, (group, null) in enumerate(zip(self.kv_groups, self.group_blocks)):
+            decodes, chunks = batch.decodes, batch.chunks
+            if g:  # a plan made outside the KV manager (builder.time_steps' probe) names its blocks once, for all groups
+                tables = batch.group_tables[g - 1] if batch.group_tables else [s.block_table for s in decodes + chunks]
+                decodes = [replace(s, block_table=t) for s, t in zip(decodes, tables)]
+                chunks = [replace(s, block_table=t) for s, t in zip(chunks, tables[len(decodes):])]
+            by_window[group.window] = self.attention.prepare(decodes, chunks, window=group.window, null_block=null)
+        return GroupedMetadata(by_window, self.attention.window)
 
     @staticmethod
     def _mrope_positions(pos: list[int], images: list[ImageRows]) -> list[list[int]]:
@@ -461,6 +499,7 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
             first = len(ids) - len(s.token_ids) if s.pool in ("cls", "score") else len(ids) - n
             pool_rows.extend(range(first, first + n))
             pool_lengths.append(n)
+    groups = [[s.group_tables[g] for s in seqs] for g in range(len(seqs[0].group_tables))] if seqs and seqs[0].group_tables else []
     batch = ForwardBatch(
         ids,
         [SeqSpan(s.start_pos, 1, tuple(s.block_table)) for s in decodes],
@@ -471,6 +510,7 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         images,
         pool_rows,
         pool_lengths,
+        groups,
     )
     return batch, seqs
 

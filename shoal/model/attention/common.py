@@ -54,6 +54,20 @@ class PerWindow:
         return self.other_windows[window]
 
 
+class GroupedMetadata:
+    """A step's metadata where the model's layers keep their KV in several groups (types.KVGroup: a sliding
+    window's layers, the full-attention layers), each with its own block tables and null block: one backend
+    metadata per group, found by the layer's window. A model with one group gets the backend's metadata as it is."""
+
+    def __init__(self, by_window: dict, default_window) -> None:
+        self.by_window = by_window  # window -> the backend's metadata over that group's block tables
+        self.default_window = default_window  # what MODEL_WINDOW names: the backend's window
+
+    def forward(self, q, k, v, kv, scale: float, window=MODEL_WINDOW, softcap: float | None = None):
+        window = self.default_window if window is MODEL_WINDOW else window
+        return self.by_window[window].forward(q, k, v, kv, scale, window=window, softcap=softcap)
+
+
 def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float, cap: float) -> torch.Tensor:
     """q [B, H, M, D], k/v [B, H, S, D]; visible: [.., M, S] bool (True: seen) or None (all) -> [B, H, M, D].
 

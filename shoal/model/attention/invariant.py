@@ -125,17 +125,20 @@ class InvariantAttention:
         self.pad_single_row = torch_cpu and (self.wide or dtype) in (torch.float32, torch.float16, torch.bfloat16)
 
     # ------------------------------------------------------------ plan -> metadata
-    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan], window=MODEL_WINDOW) -> InvariantMetadata | NativeMetadata:
-        """window: the one the torch path's masks are for (MODEL_WINDOW: the backend's); the native op takes it per call."""
+    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan], window=MODEL_WINDOW,
+                null_block: int | None = None) -> InvariantMetadata | NativeMetadata:
+        """window: the one the torch path's masks are for (MODEL_WINDOW: the backend's); the native op takes it per call.
+        null_block: what pads the tables (None: the backend's; a KV group's cache has its own, types.KVGroup)."""
+        null = self.null_block if null_block is None else null_block
         if self.native:
-            return self._native(decodes + chunks)
+            return self._native(decodes + chunks, null)
         window = self.window if window is MODEL_WINDOW else window
         meta = InvariantMetadata(self, slot_mapping(decodes + chunks, self.block_size, self.device), window=window, spans=(decodes, chunks))
         if decodes:
-            meta.groups.append(self._group(0, decodes, 1, window))
+            meta.groups.append(self._group(0, decodes, 1, window, null))
         row = len(decodes)
         for s in chunks:
-            meta.groups.append(self._group(row, [s], s.length, window))
+            meta.groups.append(self._group(row, [s], s.length, window, null))
             row += s.length
         return meta
 
@@ -144,9 +147,9 @@ class InvariantAttention:
         are written by its forward; this is for caches filled from outside, as tests do)."""
         write_kv(kv, k, v, slots, transposed_keys=self.native)  # the native op keeps keys transposed within their block
 
-    def _native(self, spans: list[SeqSpan]) -> NativeMetadata:
+    def _native(self, spans: list[SeqSpan], null: int) -> NativeMetadata:
         width = max((len(s.block_table) for s in spans), default=1)
-        tables = [list(s.block_table) + [self.null_block] * (width - len(s.block_table)) for s in spans] or [[self.null_block]]
+        tables = [list(s.block_table) + [null] * (width - len(s.block_table)) for s in spans] or [[null]]
         seq: list[int] = []
         pos: list[int] = []
         for i, s in enumerate(spans):
@@ -155,13 +158,13 @@ class InvariantAttention:
         tables_t, seq_t, pos_t = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in (tables, seq, pos))
         return NativeMetadata(self, slot_mapping(spans, self.block_size, self.device), tables_t, seq_t, pos_t)
 
-    def _group(self, row_start: int, spans: list[SeqSpan], queries: int, window: int | None) -> _Group:
+    def _group(self, row_start: int, spans: list[SeqSpan], queries: int, window: int | None, null: int) -> _Group:
         T, bpt = self.tile, self.blocks_per_tile
         n = -(-max(s.context_len for s in spans) // T)
         ids: list[int] = []
         for s in spans:
             table = list(s.block_table[: n * bpt])
-            ids.extend(table + [self.null_block] * (n * bpt - len(table)))
+            ids.extend(table + [null] * (n * bpt - len(table)))
         if queries == 1:  # the decode group: one row per sequence, the same for every head
             pos = torch.tensor([s.start_pos for s in spans], device=self.device)
         else:  # one chunk: its positions

@@ -85,7 +85,8 @@ class SdpaAttention:
         self.window = sliding_window
         self.device = device
 
-    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan], window=MODEL_WINDOW) -> AttentionMetadata:
+    def prepare(self, decodes: list[SeqSpan], chunks: list[SeqSpan], window=MODEL_WINDOW, null_block: int | None = None) -> AttentionMetadata:
+        """null_block: unused; tables pad with block 0 here, which every cache has, and the masks hide it."""
         dev, bs, G = self.device, self.block_size, self.group_size
         window = self.window if window is MODEL_WINDOW else window
         meta = AttentionMetadata(slot_mapping=slot_mapping(decodes + chunks, bs, dev), num_decodes=len(decodes), window=window,
