@@ -367,27 +367,16 @@ class KVCacheManager:
         if len(seq.cache_nodes) >= num_full:
             return
         keys = _key_tokens(seq)
-        if len(self.pools) == 1 and not self.windowed:
-            table = seq.block_table
-            for i in range(len(seq.cache_nodes), num_full):
-                parent = seq.cache_nodes[-1] if seq.cache_nodes else None
-                node = self.cache.insert_full(parent, tuple(keys[i * bs : (i + 1) * bs]), table[i])
-                if node.block_id != table[i]:
-                    # The content was cached already (the same prompt admitted in the same step, or
-                    # a prompt-logprobs request that took no hit): hold the cached block instead of
-                    # the copy. A sequence then holds every node on its path, so an unreferenced
-                    # cached block never has a referenced child and eviction always finds a leaf.
-                    self.pool.incref([node.block_id])
-                    self.pool.free([table[i]])
-                    table[i] = node.block_id
-                seq.cache_nodes.append(node)
-            return
         for i in range(len(seq.cache_nodes), num_full):
             parent = seq.cache_nodes[-1] if seq.cache_nodes else None
             own = [self._own(g, seq.block_tables[g][i]) for g in self.groups]
             node = self.cache.insert_full(parent, tuple(keys[i * bs : (i + 1) * bs]), own)
             for g, b in enumerate(own):
-                if b is not None and node.blocks[g] != b:  # as above, per group
+                if b is not None and node.blocks[g] != b:
+                    # The content was cached already (the same prompt admitted in the same step, or
+                    # a prompt-logprobs request that took no hit): hold the cached block instead of
+                    # the copy, in each group. A sequence then holds every node on its path, so an
+                    # unreferenced cached block never has a referenced child and eviction always finds a leaf.
                     self.pools[g].incref([node.blocks[g]])
                     self.pools[g].free([b])
                     seq.block_tables[g][i] = node.blocks[g]
@@ -409,9 +398,7 @@ class KVCacheManager:
             if partial:
                 parent = seq.cache_nodes[num_full - 1] if num_full else None
                 key = tuple(_key_tokens(seq)[num_full * bs : seq.num_computed_tokens])
-                own = seq.block_table[num_full] if len(self.pools) == 1 else \
-                    [self._own(g, seq.block_tables[g][num_full]) for g in self.groups]
-                self.cache.insert_partial(parent, key, own)
+                self.cache.insert_partial(parent, key, [self._own(g, seq.block_tables[g][num_full]) for g in self.groups])
         for g, pool in enumerate(self.pools):
             pool.free(self._held(g, seq.block_tables[g]))
         seq.block_tables = [[] for _ in self.groups]
