@@ -134,7 +134,12 @@ def attention_inputs(default_gguf_path):
         seen.append((q.clone(), k.clone(), v.clone(), scale))
         return original(self, q, k, v, kv, scale, **layer)
 
-    with LLM("smollm2", enable_prefix_cache=False, max_num_batched_tokens=1024) as llm:  # the text in one step
+    # the Python forward, which calls the attention op through the metadata (the native forward's plan calls it from
+    # C++, with the same inputs: tests/test_native_decoder.py)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHOAL_NATIVE_FORWARD", "0")
+        llm = LLM("smollm2", enable_prefix_cache=False, max_num_batched_tokens=1024)  # the text in one step
+    with llm:
         ids = _real_text(llm, 700)
         NativeMetadata.forward = record
         try:

@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("shoal.kernels")
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu.cpp", "lowbit.cpp", "kquants.cpp"))  # compiled
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("vec.h", "lowbit.h"))  # included: part of the library's hash
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu.cpp", "lowbit.cpp", "kquants.cpp", "decoder.cpp"))  # compiled
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("vec.h", "lowbit.h", "ops.h"))  # included: part of the library's hash
 ISA_NAMES = {1: "x86-64 baseline", 2: "AVX2", 3: "AVX-512"}
 ISA_LEVELS = {"baseline": 1, "avx2": 2, "avx512": 3}  # SHOAL_CPU_ISA's values
 _lock = threading.Lock()

@@ -55,6 +55,7 @@
 #include <numeric>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -1168,3 +1169,17 @@ TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
 
 // the level the low-bit matmuls (lowbit.cpp) start from
 int64_t shoal_isa_level() { return isa(); }
+
+// ops.h: the ops above for decoder.cpp
+at::Tensor shoal_invariant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
+                                     const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& row_seq,
+                                     const at::Tensor& row_pos, double scale, int64_t window, int64_t group, double softcap) {
+  return invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale, window, group, softcap);
+}
+at::Tensor shoal_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm(x, weight, eps); }
+std::tuple<at::Tensor, at::Tensor> shoal_add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                      double eps) {
+  return add_rms_norm(x, delta, weight, eps);
+}
+at::Tensor shoal_rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) { return rope_(x, cos, sin); }
+at::Tensor shoal_silu_mul(const at::Tensor& x) { return silu_mul(x); }

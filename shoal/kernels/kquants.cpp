@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "lowbit.h"
+#include "ops.h"
 
 at::Tensor shoal_block32_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int kind);  // lowbit.cpp
 
@@ -851,6 +852,8 @@ at::Tensor gguf_grouped_linear(const at::Tensor& x, const at::Tensor& w, const a
 int64_t gguf_packed_bytes(int64_t t) { return packed_bytes(t); }
 
 }  // namespace
+
+at::Tensor shoal_gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t) { return gguf_linear(x, w, n, t); }
 
 TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
   m.def("gguf_linear(Tensor x, Tensor w, int n, int type) -> Tensor");

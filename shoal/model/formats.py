@@ -25,6 +25,7 @@ import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -95,6 +96,14 @@ NATIVE: dict[gguf.GGMLQuantizationType, Format] = {
 }
 # what a type without a kernel here is rounded to at load (after gguf-py dequantizes it)
 FALLBACK = NATIVE[T.Q8_0]
+
+
+class NativeRuns(NamedTuple):
+    """A projection as the native forward takes it (kernels/decoder.cpp): runs of packed weights, each (panels, rows,
+    GGUF type) and multiplied by gguf_linear, side by side, then the bias (None: none)."""
+
+    runs: tuple[tuple[torch.Tensor, int, int], ...]
+    bias: torch.Tensor | None
 
 
 def is_quantized(ggml_type) -> bool:
@@ -260,6 +269,10 @@ class GGUFLinear(Layer):
     @property
     def formats(self) -> tuple[str, ...]:
         return tuple(fmt.name for fmt, _ in self.runs)
+
+    def native_runs(self) -> NativeRuns:
+        """What the native forward multiplies by (model/native.py): this layer's packed runs and bias."""
+        return NativeRuns(tuple((getattr(self, f"packed{i}"), rows, int(fmt.type)) for i, (fmt, rows) in enumerate(self.runs)), self.bias)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by (references and tests)."""

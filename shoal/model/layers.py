@@ -414,6 +414,9 @@ class DecoderModel(Layer):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.final_norm_unit_offset)
         self.last = last
         self.fused = spec.fusable  # the native fused path computes these layers (LayerSpec.fusable)
+        # every layer in one native call (model/native.py), set by the runner over its KV caches where a plan covers
+        # these layers; None: the layers op by op from here
+        self.native_forward = None
 
     def set_max_positions(self, max_positions: int, device: torch.device | None = None) -> None:
         """(Re)build the rope tables for positions [0, max_positions) (the served context, runner/build.py)."""
@@ -439,6 +442,9 @@ class DecoderModel(Layer):
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         ropes = [rotary(positions, x.dtype) for rotary in self.rotaries]
         if self.fused and kernels.native_for(x):
+            native = self.native_forward
+            if native is not None and native.takes(ropes, meta):
+                return native(x, ropes, meta)
             return self._forward_fused(x, ropes, kv_caches, meta)
         for layer, kv, r in zip(self.layers, kv_caches, self.rope_index):
             x = layer(x, ropes[r], kv, meta)

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf import GGMLQuantizationType as GGUF_TYPE
 import torch
 from torch import nn
 
 from shoal import kernels
-from shoal.model.formats import GGUFEmbedding, GGUFLinear
+from shoal.model.formats import GGUFEmbedding, GGUFLinear, NativeRuns
 from shoal.model.layers import Layer, Linear
 
 GROUP_SIZE = 32  # ggml's Q4 and Q8 block: codes and scales map across unchanged
@@ -210,6 +211,11 @@ class Int8Linear(PartLoader, Layer):
         self.register_buffer("weight", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(self.dtype))
 
+    def native_runs(self) -> NativeRuns | None:
+        """The native forward's view (model/native.py): the packed Q8_0 panels, which gguf_linear multiplies as q8_linear
+        does; None on torch's path."""
+        return NativeRuns(((self.packed, self.out_features, int(GGUF_TYPE.Q8_0)),), self.bias) if self.native else None
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by (for references and tests)."""
         if self.native:
@@ -293,6 +299,11 @@ class Int4Linear(PartLoader, Layer):
         zero = low.float() + 8 * scale.float()
         # [groups, out, 2] in the activation dtype, the kernel's layout
         self.register_buffer("scales_and_zeros", torch.stack((scale.float(), zero), dim=-1).transpose(0, 1).contiguous().to(self.dtype))
+
+    def native_runs(self) -> NativeRuns | None:
+        """The native forward's view (model/native.py): the packed Q4 panels, which gguf_linear multiplies as q4_linear
+        does (as a Q4_1's); None on torch's path."""
+        return NativeRuns(((self.packed, self.out_features, int(GGUF_TYPE.Q4_1)),), self.bias) if self.native else None
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by (for references and tests)."""

@@ -25,6 +25,7 @@ from shoal import kernels
 from shoal.config import CacheConfig
 from shoal.model.attention import SeqSpan, make_attention_backend
 from shoal.model.attention.common import GroupedMetadata, cache_row, kv_bytes_per_token
+from shoal.model import native
 from shoal.model.layers import DecoderForCausalLM, ExpertCounts
 from shoal.model.qwen2_vl import MRotary
 from shoal.multimodal import mrope_positions
@@ -232,6 +233,8 @@ class ModelRunner:
         self.encoder = EncoderCache(vision_tower, encoder_cache_memory) if vision_tower is not None else None
         self.expert_tokens = ExpertCounts.of(model)  # a mixture-of-experts model's routing counts (metrics); else None
         self.mrope = isinstance(model.model.rotary, MRotary)
+        if len(self.kv_groups) == 1 and getattr(self.attention, "native", False):  # every layer in one native call, where it can
+            model.model.native_forward = native.build(model.model, self.kv_caches)
         log.debug(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",
             spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, sum(t.numel() * t.element_size() for t in self.kv_tensors) / 2**20,

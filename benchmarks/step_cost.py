@@ -1,0 +1,173 @@
+"""Where a one-stream decode step's time goes: inside shoal's native calls, and everything else (issue 53).
+
+    .venv/bin/python benchmarks/step_cost.py                          # the default model, every path this CPU has
+    .venv/bin/python benchmarks/step_cost.py --models smollm2 .peers/models/random-1b-Q4_0.gguf --rounds 2
+
+One stream decodes greedily with the offline engine (`LLM`, speculation off, so every step is one token) on each
+model, each code path (SHOAL_CPU_ISA), on both cores and held to one (`taskset -c 0`, one thread: a stand-in for
+a slower machine, where the kernels slow down and Python's share does not), and with the native forward on (the
+default) and off (SHOAL_NATIVE_FORWARD=0: the layers op by op from Python). Each case runs in a process of its
+own, native and Python forwards taking turns round after round.
+
+- **step**: milliseconds a token, the median of the timed generations;
+- **native**: the time inside native calls a token: the decoder plan (kernels/decoder.cpp, every layer in one
+  call) and every shoal_kernels op called from Python (the logits head, the embedding lookup; with the native
+  forward off, every layer's ops), timed around each call in a second, instrumented pass;
+- **outside**: step - native: Python, torch's dispatcher and the tensors the runner, the sampler, the scheduler and
+  the engine build and read each step. Its share of the step is what issue 53 bounds (<= 10% on the default model).
+
+The outside milliseconds are roughly the same on a faster and a slower core of one clock, and the native ones
+scale with the memory the step reads, so a slower CPU's step is about outside * (this clock / its clock) plus
+native * (this bandwidth / its bandwidth). Results: benchmarks/results/step_cost-<CPU kind>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shoal  # noqa: E402,F401  before torch: SHOAL_CPU_ISA caps torch's kernels only if set before torch loads
+
+PATHS = ("avx512", "avx2")
+OPS = ("gguf_linear", "gguf_rows", "gguf_grouped_linear", "q4_linear", "q8_linear", "invariant_attention", "rms_norm",
+       "add_rms_norm", "rope_", "silu_mul")
+PROMPT = "Write a long story about a lighthouse keeper and the ships she guides through the winter storms."
+
+
+class Timer:
+    """Nanoseconds spent inside wrapped callables."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+
+    def wrap(self, f):
+        def timed(*args, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.ns += time.perf_counter_ns() - t
+                self.calls += 1
+        return timed
+
+
+class TimedPlan:
+    """A decoder plan whose forward is timed."""
+
+    def __init__(self, plan, timer: Timer) -> None:
+        self.forward = timer.wrap(plan.forward)
+
+
+def measure(model: str, tokens: int, reps: int) -> dict:
+    """In the child process: one stream's step time, and the native part of it."""
+    import torch
+
+    from shoal import kernels
+    from shoal.engine.llm import LLM
+    from shoal.types import SamplingParams
+
+    llm = LLM(model, speculative="off")
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(PROMPT, params)  # warm-up: the plan is built, the pages are in
+
+    def per_token() -> float:
+        t = time.perf_counter()
+        out = llm.generate(PROMPT, params)[0]
+        assert len(out.outputs[0].token_ids) == tokens
+        return (time.perf_counter() - t) / tokens * 1e3
+
+    steps = [per_token() for _ in range(reps)]
+    timer = Timer()
+    ns = torch.ops.shoal_kernels
+    for name in OPS:
+        setattr(ns, name, timer.wrap(getattr(ns, name)))
+    decoder = llm.engine.runner.model.model
+    native = decoder.__dict__.get("native_forward")
+    if native is not None:
+        native.plan = TimedPlan(native.plan, timer)
+    instrumented = [per_token() for _ in range(reps)]
+    native_ms = timer.ns / 1e6 / (tokens * reps)
+    step = statistics.median(steps)
+    return {"model": model, "path": kernels.isa(), "threads": torch.get_num_threads(), "native_forward": native is not None,
+            "step_ms": step, "steps_ms": steps, "instrumented_ms": statistics.median(instrumented), "native_ms": native_ms,
+            "outside_ms": step - native_ms, "native_calls_per_token": timer.calls / (tokens * reps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2"], help="models to measure (default: the default model)")
+    ap.add_argument("--paths", nargs="+", choices=PATHS, help="code paths (default: every one this CPU has)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds; in each, every case runs once, native and Python in turn")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens a timed generation decodes (default 128)")
+    ap.add_argument("--reps", type=int, default=3, help="timed generations per case and round (default 3)")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # model, tokens, reps: the child process's mode
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(measure(a.child[0], int(a.child[1]), int(a.child[2]))))
+        return
+    from publish import cpu_kind, machine, machine_line, publish, table
+
+    import torch
+
+    from shoal import kernels
+
+    assert kernels.available(), "shoal's native kernels did not build"
+    best = int(torch.ops.shoal_kernels.use_isa(0))
+    paths = [p for p in (a.paths or PATHS) if kernels.ISA_LEVELS[p] <= best]
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+    cases = [(m, p, cores) for m in a.models for p in paths for cores in ("all", "one")]
+    runs: list[dict] = []
+    total, done = len(cases) * 2 * a.rounds, 0
+    for r in range(a.rounds):
+        for model, path, cores in cases:
+            order = ("1", "0") if (r + len(runs)) % 2 == 0 else ("0", "1")  # native and Python forwards take turns
+            for flag in order:
+                done += 1
+                print(f"[{done}/{total}] round {r + 1}: {Path(model).name}, {path}, {cores} cores, "
+                      f"{'native' if flag == '1' else 'Python'} forward", file=sys.stderr, flush=True)
+                child_env = {**env, "SHOAL_CPU_ISA": path, "SHOAL_NATIVE_FORWARD": flag}
+                cmd = [sys.executable, __file__, "--child", model, str(a.tokens), str(a.reps)]
+                if cores == "one":
+                    child_env["OMP_NUM_THREADS"] = "1"
+                    cmd = ["taskset", "-c", "0", *cmd]
+                out = subprocess.run(cmd, env=child_env, stdout=subprocess.PIPE, text=True, check=True)
+                run = {**json.loads(out.stdout), "round": r + 1, "cores": cores, "isa": path}
+                runs.append(run)
+                print(f"    {run['step_ms']:.2f} ms a token: {run['native_ms']:.2f} native, {run['outside_ms']:.2f} outside "
+                      f"({run['outside_ms'] / run['step_ms']:.0%})", file=sys.stderr, flush=True)
+    doc = {"machine": machine(), "tokens": a.tokens, "reps": a.reps, "rounds": a.rounds, "runs": runs}
+    kind = cpu_kind(doc["machine"]["cpu_flags"])
+    rows = []
+    for model, path, cores in cases:
+        cells = [Path(model).name, path, cores]
+        for on in (True, False):
+            mine = [x for x in runs if (x["model"], x["isa"], x["cores"], x["native_forward"]) == (model, path, cores, on)]
+            if not mine:  # a model the native forward does not cover
+                cells.append("n/a")
+                continue
+            step = statistics.median(x["step_ms"] for x in mine)
+            nat = statistics.median(x["native_ms"] for x in mine)
+            cells.append(f"{step:.2f} = {nat:.2f} + {step - nat:.2f} ({(step - nat) / step:.0%})")
+        rows.append(cells)
+    lines = [f"# A one-stream decode step: native calls and everything else ({kind})", "",
+             f"On {machine_line(doc['machine'])}. One stream, greedy, speculation off, {a.tokens} tokens a generation, "
+             f"{a.reps} generations a case and round, {a.rounds} rounds (medians). Milliseconds a token: step = native + "
+             "outside (outside's share). `one` core: `taskset -c 0` and one thread. `benchmarks/step_cost.py` says what "
+             "each part holds.", "",
+             *table(["model", "path", "cores", "native forward (default)", "Python forward (SHOAL_NATIVE_FORWARD=0)"], rows)]
+    publish(f"step_cost-{kind}", doc, lines)
+
+
+if __name__ == "__main__":
+    main()

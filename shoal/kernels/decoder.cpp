@@ -1,0 +1,165 @@
+// A decoder's layers in one native call: the native forward of model/native.py.
+//
+// The Python forward (model/layers.py DecoderModel._forward_fused) calls about nine native ops a layer (the
+// projections, rotary, attention, SiLU-and-multiply, the residual adds fused into their norms), each through
+// torch's dispatcher and a module's forward: on the default model that is 270 calls and some 0.8 ms of Python a
+// token, a seventh of a one-stream decode step. Here a `DecoderPlan` holds every layer's weights, norms and KV
+// cache once, and `forward` runs the same ops in the same order on the same tensors, calling the functions the
+// torch ops run (ops.h), with nothing between them. So it gives the Python forward's bits, for every step:
+// decodes, prefill chunks, drafts under verification; tests/test_native_decoder.py holds it to that.
+//
+// What a plan covers is what model/native.py builds one for: layers of two plain RMSNorms around attention and a
+// gated SiLU MLP, projections of shoal's low-bit kernels (a GGUF's types, int8 and int4), full rotary, the
+// invariant attention op, one process. Anything else keeps the Python forward.
+//
+// The plan's description, from model/native.py (`ints`, `floats` and `tensors` read in this order):
+//   model:  ints [layers, last], floats [final norm eps], tensors [final norm weight (when last)]
+//   layer:  ints [heads, kv heads, head dim, window (-1: the backend's), rope table, has q/k norms]
+//           floats [input norm eps, post-attention norm eps, q/k norm eps, scale, softcap (0: none)]
+//           tensors [input norm, post-attention norm, (q norm, k norm), KV cache]
+//           then its projections qkv, o, gate_up, down, each: ints [runs, has bias, (rows, type) per run],
+//           tensors [packed weights per run, (bias)]
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+// y = x @ W.T (+ bias): the runs of packed weights side by side, as formats.GGUFLinear.forward computes it
+struct Projection {
+  std::vector<at::Tensor> packed;
+  std::vector<int64_t> rows, types;
+  at::Tensor bias;  // undefined: none
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    const at::Tensor in = x.stride(-1) == 1 ? x : x.contiguous();
+    at::Tensor y;
+    if (packed.size() == 1) {
+      y = shoal_gguf_linear(in, packed[0], rows[0], types[0]);
+    } else {
+      std::vector<at::Tensor> parts;
+      for (size_t i = 0; i < packed.size(); ++i) parts.push_back(shoal_gguf_linear(in, packed[i], rows[i], types[i]));
+      y = at::cat(parts, 1);
+    }
+    return bias.defined() ? y + bias : y;
+  }
+};
+
+struct Layer {
+  int64_t heads, kv_heads, head_dim, window, rope;
+  bool qk_norm;
+  double in_eps, post_eps, qk_eps, scale, softcap;
+  at::Tensor in_norm, post_norm, q_norm, k_norm, kv;
+  Projection qkv, o, gate_up, down;
+};
+
+// reads the description in order (see the top of the file)
+struct Reader {
+  const std::vector<at::Tensor>& tensors;
+  const std::vector<int64_t>& ints;
+  const std::vector<double>& floats;
+  size_t t = 0, i = 0, f = 0;
+
+  at::Tensor tensor() {
+    TORCH_CHECK(t < tensors.size(), "decoder plan: too few tensors");
+    return tensors[t++];
+  }
+  int64_t integer() {
+    TORCH_CHECK(i < ints.size(), "decoder plan: too few integers");
+    return ints[i++];
+  }
+  double real() {
+    TORCH_CHECK(f < floats.size(), "decoder plan: too few floats");
+    return floats[f++];
+  }
+  Projection projection() {
+    Projection p;
+    const int64_t runs = integer();
+    const bool bias = integer() != 0;
+    TORCH_CHECK(runs >= 1, "decoder plan: a projection without weights");
+    for (int64_t r = 0; r < runs; ++r) {
+      p.rows.push_back(integer());
+      p.types.push_back(integer());
+    }
+    for (int64_t r = 0; r < runs; ++r) p.packed.push_back(tensor());
+    if (bias) p.bias = tensor();
+    return p;
+  }
+};
+
+}  // namespace
+
+struct DecoderPlan : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  bool last = true;
+  double final_eps = 0;
+  at::Tensor final_norm;
+
+  DecoderPlan(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats) {
+    Reader r{tensors, ints, floats};
+    const int64_t n = r.integer();
+    last = r.integer() != 0;
+    final_eps = r.real();
+    if (last) final_norm = r.tensor();
+    for (int64_t l = 0; l < n; ++l) {
+      Layer y;
+      y.heads = r.integer(), y.kv_heads = r.integer(), y.head_dim = r.integer(), y.window = r.integer(), y.rope = r.integer();
+      y.qk_norm = r.integer() != 0;
+      y.in_eps = r.real(), y.post_eps = r.real(), y.qk_eps = r.real(), y.scale = r.real(), y.softcap = r.real();
+      y.in_norm = r.tensor(), y.post_norm = r.tensor();
+      if (y.qk_norm) y.q_norm = r.tensor(), y.k_norm = r.tensor();
+      y.kv = r.tensor();
+      y.qkv = r.projection(), y.o = r.projection(), y.gate_up = r.projection(), y.down = r.projection();
+      TORCH_CHECK(y.heads % y.kv_heads == 0, "decoder plan: query heads not a multiple of KV heads");
+      layers.push_back(std::move(y));
+    }
+    TORCH_CHECK(r.t == tensors.size() && r.i == ints.size() && r.f == floats.size(), "decoder plan: a description longer than its layers");
+  }
+
+  // x [T, hidden] (the embeddings, or a previous stage's output) -> the last layer's normed output [T, hidden]
+  // (a stage before the last: its residual stream). cos, sin: the step's tables per rope (layers.RopeTables,
+  // native); slots .. row_pos: attention.invariant.NativeMetadata's; window: the backend's (0: none).
+  at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor slots, at::Tensor tables,
+                     at::Tensor row_seq, at::Tensor row_pos, int64_t window) {
+    TORCH_CHECK(x.dim() == 2 && !layers.empty(), "decoder plan: x [tokens, hidden]");
+    const int64_t T = x.size(0);
+    at::Tensor h = shoal_rms_norm(x, layers[0].in_norm, layers[0].in_eps);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const Layer& y = layers[l];
+      const int64_t D = y.head_dim, q_size = y.heads * D, kv_size = y.kv_heads * D;
+      // attention (layers.Attention.forward)
+      const at::Tensor qkv = y.qkv(h);
+      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, y.heads + y.kv_heads, D});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, y.kv_heads, D});
+      if (y.qk_norm) {
+        const at::Tensor q = qk.narrow(1, 0, y.heads), k = qk.narrow(1, y.heads, y.kv_heads);
+        qk = at::cat({shoal_rms_norm(q.reshape({-1, D}), y.q_norm, y.qk_eps).view(q.sizes()),
+                      shoal_rms_norm(k.reshape({-1, D}), y.k_norm, y.qk_eps).view(k.sizes())}, 1);
+      }
+      shoal_rope_(qk, cos[y.rope], sin[y.rope]);
+      const at::Tensor attn = shoal_invariant_attention(qk.narrow(1, 0, y.heads), qk.narrow(1, y.heads, y.kv_heads), v, y.kv, slots,
+                                                        tables, row_seq, row_pos, y.scale, y.window < 0 ? window : y.window,
+                                                        y.heads / y.kv_heads, y.softcap);
+      auto [sum, normed] = shoal_add_rms_norm(x, y.o(attn.reshape({T, q_size})), y.post_norm, y.post_eps);
+      // the MLP (layers.MLP, gated SiLU)
+      const at::Tensor delta = y.down(shoal_silu_mul(y.gate_up(normed)));
+      const bool final_layer = l + 1 == layers.size();
+      if (final_layer && !last) return sum + delta;
+      const at::Tensor& w = final_layer ? final_norm : layers[l + 1].in_norm;
+      std::tie(x, h) = shoal_add_rms_norm(sum, delta, w, final_layer ? final_eps : layers[l + 1].in_eps);
+    }
+    return h;
+  }
+};
+
+TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
+  m.class_<DecoderPlan>("DecoderPlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
+      .def("forward", &DecoderPlan::forward);
+}

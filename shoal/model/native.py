@@ -1,0 +1,125 @@
+"""The native forward: a decoder's layers in one C++ call (kernels/decoder.cpp), where the model allows it.
+
+The Python forward (`layers.DecoderModel._forward_fused`) calls about nine native ops a layer through torch's
+dispatcher and the modules' forwards; on the default model, 270 calls and some 0.8 ms of Python a token, which
+is what one stream on a small model waits for besides its kernels. `DecoderPlan` takes every layer's weights,
+norms and KV cache once, and its `forward` runs those ops in the same order on the same tensors with nothing
+between them, so it gives the Python forward's bits: batch, chunk and cache invariance hold as they hold there.
+The Python forward stays the reference (tests/test_native_decoder.py compares the two) and the path for what
+a plan does not cover.
+
+A plan covers (`unsupported` says why not, in the start-up log):
+- layers of two plain RMSNorms around attention and an MLP (spec.LayerSpec.fusable), the MLP dense with SiLU;
+- projections on shoal's low-bit kernels: a GGUF's types, and `--quantization int8` / `int4` (their
+  `native_runs`); float weights keep the Python forward (their matmuls are torch's);
+- q/k norms per head (Qwen3), rotary over the whole head, the invariant attention op with one KV group;
+- one process: tensor parallelism's gathers sit between the ops, so a sharded model keeps the Python forward.
+A pipeline stage is covered (its layers; the stage before the last hands on its residual stream).
+
+SHOAL_NATIVE_FORWARD=0 turns it off (the Python forward everywhere), for comparisons.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from shoal import kernels
+from shoal.model.attention.common import MODEL_WINDOW
+from shoal.model.attention.invariant import NativeMetadata
+from shoal.model.layers import MLP, RMSNorm
+
+log = logging.getLogger("shoal.model")
+
+
+def enabled() -> bool:
+    return os.environ.get("SHOAL_NATIVE_FORWARD", "1").strip() != "0"
+
+
+class NativeForward:
+    """One model's (or pipeline stage's) plan over its KV caches `kv`: call it with the step's inputs. The runner
+    builds it once the model is final (`build`) and sets it as the DecoderModel's `native_forward`."""
+
+    def __init__(self, model, kv: list[torch.Tensor]) -> None:
+        self.plan = torch.classes.shoal_kernels.DecoderPlan(*describe(model, kv))
+
+    @staticmethod
+    def takes(ropes, meta) -> bool:
+        """Whether this step's inputs suit the plan: the native attention op's metadata (one KV group) and tables."""
+        return type(meta) is NativeMetadata and all(r.native for r in ropes)
+
+    def __call__(self, x: torch.Tensor, ropes, meta: NativeMetadata) -> torch.Tensor:
+        b = meta.backend
+        return self.plan.forward(x, [r.cos for r in ropes], [r.signed_sin for r in ropes], meta.slot_mapping, meta.tables,
+                                 meta.row_seq, meta.row_pos, b.window or 0)
+
+
+def build(model, kv: list[torch.Tensor]) -> NativeForward | None:
+    """model's native forward over its KV caches `kv`, or None where a plan does not cover it (logged)."""
+    why = unsupported(model)
+    if why is not None:
+        log.info("native forward: off for this model (%s); its layers run op by op from Python", why)
+        return None
+    native = NativeForward(model, kv)
+    log.info("native forward: on, %d layers in one native call a step", len(model.layers))
+    return native
+
+
+def unsupported(model) -> str | None:
+    """Why a plan cannot compute this DecoderModel's layers (None: it can)."""
+    if not enabled():
+        return "SHOAL_NATIVE_FORWARD=0"
+    if not kernels.available():
+        return "the native kernels are off"
+    if not model.fused:
+        return "a layer's norms are not two plain RMSNorms"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(mlp) is not MLP or mlp.activation != "silu":
+            return "an MLP that is not a dense gated SiLU"
+        if attn.qk_norm_whole or attn.clip is not None:
+            return "q/k norms over all heads or a clamp (OLMoE)"
+        if attn.qk_norm and not all(type(n) is RMSNorm and not n.unit_offset for n in (attn.q_norm, attn.k_norm)):
+            return "q/k norms that are not plain RMSNorms"
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            runs = getattr(proj, "native_runs", None)
+            if runs is None or runs() is None:
+                return f"{type(proj).__name__} projections (the native forward takes shoal's low-bit kernels)"
+            if runs().runs[0][0].device.type != "cpu":
+                return "weights off the CPU"
+    for rotary in model.rotaries:
+        if rotary.cos.shape[-1] != model.config.head_dim:
+            return "rotary over part of each head"
+    return None
+
+
+def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[float]]:
+    """The plan's description (kernels/decoder.cpp's top comment has the order): tensors, integers, floats."""
+    c = model.config
+    tensors: list[torch.Tensor] = []
+    ints = [len(model.layers), int(model.last)]
+    floats = [float(model.norm.eps)]
+    if model.last:
+        tensors.append(model.norm.weight)
+    for layer, cache, rope in zip(model.layers, kv, model.rope_index):
+        attn, mlp = layer.self_attn, layer.mlp
+        pre_attn, pre_mlp = layer.norms[0], layer.norms[2]
+        window = -1 if attn.window is MODEL_WINDOW else attn.window or 0
+        ints += [c.num_heads, c.num_kv_heads, c.head_dim, window, rope, int(attn.qk_norm)]
+        floats += [float(pre_attn.eps), float(pre_mlp.eps), float(attn.q_norm.eps) if attn.qk_norm else 0.0, float(attn.scale),
+                   float(attn.softcap or 0.0)]
+        tensors += [pre_attn.weight, pre_mlp.weight]
+        if attn.qk_norm:
+            tensors += [attn.q_norm.weight, attn.k_norm.weight]
+        tensors.append(cache)
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            runs, bias = proj.native_runs()
+            ints += [len(runs), int(bias is not None)]
+            for _, rows, ggml_type in runs:
+                ints += [rows, ggml_type]
+            tensors += [packed for packed, _, _ in runs]
+            if bias is not None:
+                tensors.append(bias)
+    return tensors, ints, floats

@@ -1,0 +1,127 @@
+"""The native forward (model/native.py, kernels/decoder.cpp): a decoder's layers in one C++ call give the Python
+forward's bits, for every step a server runs (prompts alone and batched, chunked prefill, speculation's drafts,
+seeded sampling, prefix-cache hits), for every low-bit format it covers, in float32 and bfloat16; a model it does
+not cover says why and keeps the Python forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal import kernels
+from shoal.engine.llm import LLM
+from shoal.model import native
+from shoal.model.attention.common import SeqSpan
+from shoal.types import SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native forward needs shoal's native kernels")
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    return [[(7 * i + 13 * j * j) % (vocab - 10) + 5 for i in range(n)] for j, n in enumerate((3, 29, 70, 11))]
+
+
+def _workload(llm: LLM, vocab: int) -> list[tuple]:
+    """Greedy prompts batched (chunked by the small token budget), a seeded sampled one, then the greedy ones again
+    (prefix-cache hits): every token id and logprob, as the engine reports them."""
+    prompts = _prompts(vocab)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, logprobs=3, ignore_eos=True)
+    outs = llm.generate(prompts + [prompts[2]], [greedy] * len(prompts) + [seeded])
+    outs += llm.generate(prompts[:2], greedy)
+    return [(o.outputs[0].token_ids, [(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _native_of(llm: LLM):
+    return llm.engine.runner.model.model.native_forward
+
+
+def _both(monkeypatch, model: str, vocab: int, **kwargs) -> tuple[list, list, LLM]:
+    """The workload with the native forward and with SHOAL_NATIVE_FORWARD=0, each in an engine of its own."""
+    kwargs = dict(num_blocks=128, block_size=4, max_model_len=160, max_num_batched_tokens=32, speculative="ngram", **kwargs)
+    with LLM(model, **kwargs) as llm:
+        ours = _workload(llm, vocab)
+        assert isinstance(_native_of(llm), native.NativeForward)
+    monkeypatch.setenv("SHOAL_NATIVE_FORWARD", "0")
+    with LLM(model, **kwargs) as ref_llm:
+        ref = _workload(ref_llm, vocab)
+        assert _native_of(ref_llm) is None
+    return ours, ref, llm
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_k_quant_mix_gives_the_python_forwards_bits(monkeypatch, dtype):
+    """tiny-llama-Q4_K_M: a layer's q and k in one Q4_K run and v in a Q6_K run, a projection of two kernel calls."""
+    ours, ref, llm = _both(monkeypatch, str(FIXTURES / "tiny-llama-Q4_K_M.gguf"), 400, dtype=dtype)
+    assert any(len(layer.self_attn.qkv_proj.native_runs().runs) == 2 for layer in llm.engine.runner.model.model.layers)
+    assert ours == ref
+
+
+@pytest.mark.parametrize("arch,quantization,dtype", [("qwen2", "int8", "float32"), ("qwen3", "int4", "bfloat16"),
+                                                     ("llama", "int4", "float32")])
+def test_int8_and_int4_with_biases_and_qk_norms_give_the_python_forwards_bits(monkeypatch, tmp_path, arch, quantization, dtype):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms run inside the plan too."""
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(arch, tmp_path / arch)
+    ours, ref, _ = _both(monkeypatch, str(path), 400, quantization=quantization, dtype=dtype)
+    assert ours == ref
+
+
+def test_the_default_model_gives_the_python_forwards_bits(monkeypatch, default_gguf_path):
+    ours, ref, _ = _both(monkeypatch, str(default_gguf_path), 49152)
+    assert ours == ref
+
+
+def _spans(runner, lengths: list[int]) -> list[SeqSpan]:
+    """Prefill spans from position 0, each sequence on blocks of its own."""
+    bs, spans, next_block = runner.block_size, [], 0
+    for n in lengths:
+        blocks = -(-n // bs)
+        spans.append(SeqSpan(0, n, tuple(range(next_block, next_block + blocks))))
+        next_block += blocks
+    return spans
+
+
+def test_a_pipeline_stage_hands_on_its_residual_stream_as_the_python_forward_does():
+    """A stage before the last returns the residual stream, not the normed output: the plan's `last` flag, against
+    the Python forward on the same inputs (both write the same keys and values at the same slots)."""
+    with LLM(str(FIXTURES / "tiny-llama-Q4_K_M.gguf"), num_blocks=64, block_size=4, max_model_len=64, speculative="off") as llm:
+        runner = llm.engine.runner
+        decoder = runner.model.model
+        spans = _spans(runner, [9, 5])
+        ids = torch.tensor([(3 * i) % 300 + 5 for i in range(14)])
+        pos = torch.tensor([*range(9), *range(5)])
+        for last in (True, False):
+            decoder.last = last
+            decoder.native_forward = native.build(decoder, runner.kv_caches)
+            assert isinstance(decoder.native_forward, native.NativeForward)
+            meta = runner.attention.prepare([], spans)
+            with torch.inference_mode():
+                got = decoder(ids, pos, runner.kv_caches, meta)
+                x = decoder.embed_tokens(ids)
+                ropes = [r(pos, x.dtype) for r in decoder.rotaries]
+                want = decoder._forward_fused(x, ropes, runner.kv_caches, meta)
+            assert torch.equal(got, want), last
+        decoder.last = True
+
+
+def test_a_model_the_plan_does_not_cover_says_why_and_keeps_the_python_forward(tiny_llama_path, caplog):
+    """Float weights: their matmuls are torch's, so the plan does not take them."""
+    with caplog.at_level("INFO", logger="shoal.model"), LLM(str(tiny_llama_path), num_blocks=32, block_size=4, max_model_len=64,
+                                                             speculative="off", quantization="none", attention="invariant") as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2))
+        assert _native_of(llm) is None
+    assert any("native forward: off for this model (InvariantLinear projections" in r.getMessage() for r in caplog.records)
+
+
+def test_a_description_that_does_not_add_up_is_refused():
+    with pytest.raises(RuntimeError, match="decoder plan: too few"):
+        torch.classes.shoal_kernels.DecoderPlan([], [1, 0], [1e-5])
+    with pytest.raises(RuntimeError, match="longer than its layers"):
+        torch.classes.shoal_kernels.DecoderPlan([], [0, 0, 7], [1e-5])
