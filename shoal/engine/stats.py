@@ -215,12 +215,18 @@ class StatsMonitor:
         return MappingProxyType(out)
 
 
+def _fields(stats) -> dict:
+    """A counters dataclass's fields, numbers and names: a shallow copy. (dataclasses.asdict deep-copies each
+    value, which made the snapshot of every step, taken after each one, 0.09 ms of a 5 ms one-stream step.)"""
+    return dict(vars(stats))
+
+
 def _cache_view(cache) -> MappingProxyType | None:
     """The prefix cache's figures as the snapshot holds them (None without a cache)."""
     if cache is None:
         return None
     pc = cache.stats
-    return MappingProxyType({**dataclasses.asdict(pc), "hits": pc.hits, "token_hit_rate": pc.token_hit_rate,
+    return MappingProxyType({**_fields(pc), "hits": pc.hits, "token_hit_rate": pc.token_hit_rate,
                              "cached_bytes": pc.cached_bytes, "pool_bytes": pc.pool_bytes})
 
 
@@ -228,7 +234,7 @@ def _tier_view(tier) -> MappingProxyType | None:
     """The second tier's figures as the snapshot holds them (None without a tier)."""
     if tier is None:
         return None
-    return MappingProxyType({**dataclasses.asdict(tier.stats), "bytes": tier.stats.bytes})
+    return MappingProxyType({**_fields(tier.stats), "bytes": tier.stats.bytes})
 
 
 def _spec_view(speculator) -> MappingProxyType | None:
@@ -237,7 +243,7 @@ def _spec_view(speculator) -> MappingProxyType | None:
         return None
     st = speculator.stats
     return MappingProxyType({"proposer": speculator.name, "max_draft_tokens": speculator.max_tokens,
-                             "max_batch": speculator.max_batch, "draft_cost": speculator.draft_cost, **dataclasses.asdict(st),
+                             "max_batch": speculator.max_batch, "draft_cost": speculator.draft_cost, **_fields(st),
                              "acceptance_rate": st.acceptance_rate, "steps_off": speculator.steps_off})
 
 
@@ -246,7 +252,7 @@ def _vision_view(runner) -> MappingProxyType | None:
     encoder = getattr(runner, "encoder", None)
     if encoder is None:
         return None
-    return MappingProxyType({**dataclasses.asdict(encoder.stats), "capacity_bytes": encoder.capacity})
+    return MappingProxyType({**_fields(encoder.stats), "capacity_bytes": encoder.capacity})
 
 
 def _experts_view(runner) -> MappingProxyType | None:

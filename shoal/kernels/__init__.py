@@ -205,6 +205,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.shoal_kernels.silu_mul(gate_up)
 
 
+def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, V] float32 -> (x.argmax(-1), x.amax(-1)): the first index of each row's maximum (a row's first NaN, where
+    it has one) and that maximum, in one op."""
+    return torch.ops.shoal_kernels.row_argmax(x)
+
+
 def invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale: float, window: int, group: int,
                         softcap: float = 0.0) -> torch.Tensor:
     """See cpu.cpp: writes k/v into kv at `slots`, returns attention [T, Hq, D] in q's dtype."""

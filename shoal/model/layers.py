@@ -110,27 +110,31 @@ class Rotary(Layer):
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.register_buffer("sin", signed(emb.sin() * scaling), persistent=False)  # signed once here, not per step
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """positions: [T] -> the step's cos and signed sin: looked up once per step, used by every layer."""
         return self.tables(self.cos[positions], self.sin[positions], dtype)
 
     @staticmethod
-    def tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """cos, sin: [T, D], the step's rows of the tables -> what apply_rope takes.
-
-        HF rotates x by x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
-        That is roll(x, D/2) * cat(-sin1, sin2): the sign moves into the table,
-        and the rotation is one roll instead of a chunk, a negation and a cat.
-        """
-        sin = sin.float()
-        half = sin.shape[-1] // 2
-        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    def tables(cos: torch.Tensor, signed_sin: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos, signed_sin: [T, D], the step's rows of the tables (the sin table signed, `signed`) -> what apply_rope
+        takes."""
         cos = cos.float()
         if kernels.native_for(cos):  # the native op takes float32 [T, D] and rounds once
-            return RopeTables(cos.contiguous(), signed, native=True)
-        return RopeTables(cos.unsqueeze(1).to(dtype), signed.unsqueeze(1).to(dtype), native=False)
+            return RopeTables(cos.contiguous(), signed_sin.contiguous(), native=True)
+        return RopeTables(cos.unsqueeze(1).to(dtype), signed_sin.unsqueeze(1).to(dtype), native=False)
+
+
+def signed(sin: torch.Tensor) -> torch.Tensor:
+    """A sin table [.., D] with its first half negated: what apply_rope multiplies the rolled head by.
+
+    HF rotates x by x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
+    That is roll(x, D/2) * cat(-sin1, sin2): the sign moves into the table,
+    and the rotation is one roll instead of a chunk, a negation and a cat.
+    """
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class RopeTables(NamedTuple):
