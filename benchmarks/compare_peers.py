@@ -170,13 +170,14 @@ class Shoal(Peer):
 class ShoalAt(Shoal):
     """shoal at another git revision, from a worktree of it (PYTHONPATH first, so its `shoal` package is imported)."""
 
-    def __init__(self, rev: str) -> None:
+    def __init__(self, rev: str, isa: str | None = None) -> None:
+        """isa: SHOAL_CPU_ISA for it, as for the current shoal (--isa)."""
         commit = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
         self.source = PEERS_DIR / f"rev-{commit}"
         if not self.source.exists():
             subprocess.run(["git", "worktree", "add", "--detach", str(self.source), commit], cwd=ROOT, check=True, capture_output=True)
-        super().__init__(f"shoal@{commit}")
-        self.label = f"shoal at {commit} (before)"
+        super().__init__(f"shoal@{commit}", isa=isa)
+        self.label = f"shoal at {commit} (before)" + (f" (SHOAL_CPU_ISA={isa})" if isa else "")
         self.env = {**self.env, "PYTHONPATH": str(self.source)}
 
 
@@ -524,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against-rev", default=None, metavar="REV", help="also run shoal as it was at this git revision")
     a = ap.parse_args(argv)
     if a.against_rev:
-        peers.append(ShoalAt(a.against_rev))
+        peers.append(ShoalAt(a.against_rev, isa))
         if a.peers is not None:
             a.peers.append(peers[-1].name)
 
