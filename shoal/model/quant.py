@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf import GGMLQuantizationType as GGUF_TYPE
 import torch
+from gguf import GGMLQuantizationType as GGUF_TYPE
 from torch import nn
 
 from shoal import kernels

@@ -23,9 +23,9 @@ import torch
 
 from shoal import kernels
 from shoal.config import CacheConfig
+from shoal.model import native
 from shoal.model.attention import SeqSpan, make_attention_backend
 from shoal.model.attention.common import GroupedMetadata, cache_row, kv_bytes_per_token
-from shoal.model import native
 from shoal.model.layers import DecoderForCausalLM, ExpertCounts
 from shoal.model.qwen2_vl import MRotary
 from shoal.multimodal import mrope_positions
@@ -505,8 +505,8 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
     groups = [[s.group_tables[g] for s in seqs] for g in range(len(seqs[0].group_tables))] if seqs and seqs[0].group_tables else []
     batch = ForwardBatch(
         ids,
-        [SeqSpan(s.start_pos, 1, tuple(s.block_table)) for s in decodes],
-        [SeqSpan(s.start_pos, len(s.token_ids), tuple(s.block_table)) for s in chunks],
+        [SeqSpan(s.start_pos, 1, tuple(s.block_table), s.seq_id) for s in decodes],
+        [SeqSpan(s.start_pos, len(s.token_ids), tuple(s.block_table), s.seq_id) for s in chunks],
         list(plan.block_copies),
         sample_rows,
         prompt_rows,

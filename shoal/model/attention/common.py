@@ -88,6 +88,7 @@ class SeqSpan:
     start_pos: int
     length: int
     block_table: tuple[int, ...]
+    seq_id: int = -1  # the sequence's, where the runner knows it (-1: none; a backend then keeps nothing of it)
 
     @property
     def context_len(self) -> int:

@@ -38,6 +38,7 @@ transposed within their block, so the cache is read by this backend alone.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -100,8 +101,74 @@ class NativeMetadata:
                                            scale, window or 0, b.group_size, softcap or 0.0)
 
 
+class TableRows:
+    """The block tables of the sequences a step attends over, kept as rows of one int32 tensor from step to step, so a
+    step writes only what changed (issue 53: nothing O(context) rebuilt in Python per sequence per step).
+
+    A sequence's row holds the table it had when last written, padded with the null block; a step compares each
+    sequence's table with that (a C-level tuple compare) and writes only its new blocks, or the whole row where an
+    earlier entry changed (copy-on-write of the last block, a window's freed blocks, a restart after preemption).
+    Rows of sequences no step has named for longest are reused once every row is taken; the tensor doubles where a
+    step needs more rows or a table more columns. `tables(spans)` is then one gather of the step's rows, wider than
+    the widest table only by null columns, which the attention op never reads past a row's position.
+    """
+
+    def __init__(self, null: int, device: torch.device, rows: int = 16, columns: int = 16) -> None:
+        self.null, self.device = null, device
+        self.tensor = torch.full((rows, columns), null, dtype=torch.int32, device=device)
+        self.row_of: OrderedDict[int, int] = OrderedDict()  # seq_id -> its row, least recently named first
+        self.held: dict[int, tuple[int, ...]] = {}  # seq_id -> the table its row holds
+        self.free = list(range(rows - 1, -1, -1))
+
+    def tables(self, spans: list[SeqSpan]) -> torch.Tensor:
+        """[len(spans), columns] int32: each span's block table from column 0, null after it."""
+        widest = max(len(s.block_table) for s in spans)
+        if widest > self.tensor.shape[1]:
+            self._grow(self.tensor.shape[0], max(widest, 2 * self.tensor.shape[1]))
+        step = {s.seq_id for s in spans}
+        rows = []
+        for s in spans:
+            sid, table = s.seq_id, s.block_table
+            row = self.row_of.get(sid)
+            if row is None:
+                row = self._take_row(step)
+                self.row_of[sid] = row
+                held = None
+            else:
+                self.row_of.move_to_end(sid)
+                held = self.held[sid]
+            if held is not None and len(table) >= len(held) and table[: len(held)] == held:
+                if len(table) > len(held):  # new blocks only
+                    self.tensor[row, len(held) : len(table)] = torch.tensor(table[len(held) :], dtype=torch.int32)
+            elif held != table:  # a new sequence, or an earlier entry changed: the whole row
+                self.tensor[row].fill_(self.null)
+                if table:
+                    self.tensor[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            self.held[sid] = table
+            rows.append(row)
+        return self.tensor.index_select(0, torch.tensor(rows, device=self.device))
+
+    def _take_row(self, step: set[int]) -> int:
+        if not self.free:
+            stale = next((sid for sid in self.row_of if sid not in step), None)
+            if stale is None:  # every row is this step's: twice the rows
+                rows = self.tensor.shape[0]
+                self._grow(2 * rows, self.tensor.shape[1])
+                self.free = list(range(2 * rows - 1, rows - 1, -1))
+            else:
+                self.free.append(self.row_of.pop(stale))
+                del self.held[stale]
+        return self.free.pop()
+
+    def _grow(self, rows: int, columns: int) -> None:
+        bigger = torch.full((rows, columns), self.null, dtype=torch.int32, device=self.device)
+        bigger[: self.tensor.shape[0], : self.tensor.shape[1]] = self.tensor
+        self.tensor = bigger
+
+
 class InvariantAttention:
     name = "invariant"
+    keep_tables = True  # the native op's tables kept across steps (TableRows); False: built afresh every step
 
     def __init__(self, *, block_size: int, num_kv_heads: int, group_size: int, sliding_window: int | None,
                  null_block: int, device: torch.device, dtype: torch.dtype, native: bool | None = None) -> None:
@@ -116,6 +183,7 @@ class InvariantAttention:
         self.device = device
         # the native op (CPU, where it built): row-invariant by construction, needs neither setting below
         self.native = device.type == "cpu" and (native is not False) and kernels.available()
+        self.table_rows: dict[int, TableRows] = {}  # the native op's block tables, kept across steps, per null block
         torch_cpu = device.type == "cpu" and not self.native
         # where the host's GEMMs in this dtype are not row-invariant (MKL's float32 on AMD EPYC, emulated
         # bfloat16): products in a wider dtype, rounded once (invariance.wide_dtype, a probe run once per dtype)
@@ -148,15 +216,27 @@ class InvariantAttention:
         write_kv(kv, k, v, slots, transposed_keys=self.native)  # the native op keeps keys transposed within their block
 
     def _native(self, spans: list[SeqSpan], null: int) -> NativeMetadata:
-        width = max((len(s.block_table) for s in spans), default=1)
-        tables = [list(s.block_table) + [null] * (width - len(s.block_table)) for s in spans] or [[null]]
+        if self.keep_tables and spans and all(s.seq_id >= 0 for s in spans) and len({s.seq_id for s in spans}) == len(spans):
+            # the runner's sequences, each once: their rows kept across steps
+            rows = self.table_rows.get(null)
+            if rows is None:
+                rows = self.table_rows[null] = TableRows(null, self.device)
+            tables_t = rows.tables(spans)
+        else:
+            tables_t = self.tables(spans, null)
         seq: list[int] = []
         pos: list[int] = []
         for i, s in enumerate(spans):
             seq.extend([i] * s.length)
             pos.extend(range(s.start_pos, s.context_len))
-        tables_t, seq_t, pos_t = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in (tables, seq, pos))
+        seq_t, pos_t = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in (seq, pos))
         return NativeMetadata(self, slot_mapping(spans, self.block_size, self.device), tables_t, seq_t, pos_t)
+
+    def tables(self, spans: list[SeqSpan], null: int) -> torch.Tensor:
+        """The spans' block tables [S, widest] int32, padded with `null`, built from scratch (what TableRows keeps)."""
+        width = max((len(s.block_table) for s in spans), default=1)
+        tables = [list(s.block_table) + [null] * (width - len(s.block_table)) for s in spans] or [[null]]
+        return torch.tensor(tables, dtype=torch.int32, device=self.device)
 
     def _group(self, row_start: int, spans: list[SeqSpan], queries: int, window: int | None, null: int) -> _Group:
         T, bpt = self.tile, self.blocks_per_tile
