@@ -10,9 +10,10 @@ default) and off (SHOAL_NATIVE_FORWARD=0: the layers op by op from Python). Each
 own, native and Python forwards taking turns round after round.
 
 - **step**: milliseconds a token, the median of the timed generations;
-- **native**: the time inside native calls a token: the decoder plan (kernels/decoder.cpp, every layer in one
-  call) and every shoal_kernels op called from Python (the logits head, the embedding lookup; with the native
-  forward off, every layer's ops), timed around each call in a second, instrumented pass;
+- **native**: the time inside native calls a token: the decoder plan (kernels/decoder.cpp: the embedding lookup,
+  the rope tables and every layer in one call) and every shoal_kernels op called from Python (the logits head, the
+  sampler's greedy rows; with the native forward off, every layer's ops), timed around each call in a second,
+  instrumented pass;
 - **outside**: step - native: Python, torch's dispatcher and the tensors the runner, the sampler, the scheduler and
   the engine build and read each step. Its share of the step is what issue 53 bounds (<= 10% on the default model).
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shoal  # noqa: E402,F401  before torch: SHOAL_CPU_ISA caps torch's kernels only if set before torch loads
 
 PATHS = ("avx512", "avx2")
-OPS = ("row_argmax", "gguf_linear", "gguf_rows", "gguf_grouped_linear", "q4_linear", "q8_linear", "invariant_attention", "rms_norm",
+OPS = ("greedy_rows", "row_argmax", "gguf_linear", "gguf_rows", "gguf_grouped_linear", "q4_linear", "q8_linear", "invariant_attention", "rms_norm",
        "add_rms_norm", "rope_", "silu_mul")
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guides through the winter storms."
 
@@ -63,10 +64,11 @@ class Timer:
 
 
 class TimedPlan:
-    """A decoder plan whose forward is timed."""
+    """A decoder plan whose calls are timed."""
 
     def __init__(self, plan, timer: Timer) -> None:
         self.forward = timer.wrap(plan.forward)
+        self.forward_ids = timer.wrap(plan.forward_ids)
 
 
 def measure(model: str, tokens: int, reps: int) -> dict:

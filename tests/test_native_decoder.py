@@ -47,6 +47,8 @@ def _both(monkeypatch, model: str, vocab: int, **kwargs) -> tuple[list, list, LL
     with LLM(model, **kwargs) as llm:
         ours = _workload(llm, vocab)
         assert isinstance(_native_of(llm), native.NativeForward)
+        # a GGUF's embedding table: the plan looks up the step's embeddings and rope tables too (forward_ids)
+        assert _native_of(llm).ids == (kwargs.get("quantization") is None)
     monkeypatch.setenv("SHOAL_NATIVE_FORWARD", "0")
     with LLM(model, **kwargs) as ref_llm:
         ref = _workload(ref_llm, vocab)
@@ -124,4 +126,4 @@ def test_a_description_that_does_not_add_up_is_refused():
     with pytest.raises(RuntimeError, match="decoder plan: too few"):
         torch.classes.shoal_kernels.DecoderPlan([], [1, 0], [1e-5])
     with pytest.raises(RuntimeError, match="longer than its layers"):
-        torch.classes.shoal_kernels.DecoderPlan([], [0, 0, 7], [1e-5])
+        torch.classes.shoal_kernels.DecoderPlan([], [0, 0, 0, 0, 7], [1e-5])

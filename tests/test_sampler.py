@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from shoal import kernels
 from shoal.runner import sampler as sampler_mod
 from shoal.runner.sampler import (
     ROW_ALL_BANNED,
@@ -711,3 +712,26 @@ def test_rows_without_a_token_get_error_codes_and_the_rest_are_untouched():
         out = sample(logits, build(rows(4), V))
         assert out.token_ids[1:].tolist() == [ROW_NONFINITE_LOGITS] * 3 + [ROW_ALL_BANNED]
         assert out.token_ids[0] == sample(logits[:1], build(rows(1)[:1], V)).token_ids[0]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native greedy op")
+def test_greedy_rows_in_one_native_op_give_the_torch_paths_tokens_codes_and_logprob_bits(monkeypatch):
+    """An all-greedy batch without top logprobs takes kernels.greedy_rows: against the same batch through the torch
+    ops (the native row ops off), every token id, error code and logprob bit, with and without a processor."""
+    g = gen(31)
+    V = 1000
+    logits = torch.randn(6, V, generator=g) * 3
+    logits[1, 7] = float("nan")
+    logits[2] = -INF
+    logits[3, 9] = INF
+    logits[4, 100:110] = logits[4].max() + 1  # ties for the max: the first wins
+    for extra in (dict(), dict(logit_bias={5: 40.0}), dict(no_repeat_ngram_size=1, prompt=tuple(range(V)))):
+        batch = build([row(temperature=0.0, **extra) for _ in range(6)], V)
+        native = sample(logits, batch)
+        with monkeypatch.context() as m:
+            m.setattr(sampler_mod, "_native_rows", lambda x: False)
+            ref = sample(logits, batch)
+        assert torch.equal(native.token_ids, ref.token_ids), extra
+        assert torch.equal(native.logprobs.nan_to_num(0.5, 1.5, -1.5), ref.logprobs.nan_to_num(0.5, 1.5, -1.5)), extra
+    assert native.token_ids.tolist() == [ROW_ALL_BANNED, ROW_NONFINITE_LOGITS, ROW_NONFINITE_LOGITS, ROW_NONFINITE_LOGITS,
+                                         ROW_ALL_BANNED, ROW_ALL_BANNED]

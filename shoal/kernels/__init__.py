@@ -211,6 +211,12 @@ def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.shoal_kernels.row_argmax(x)
 
 
+def greedy_rows(raw: torch.Tensor, processed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy batch's tokens (the argmax of `processed`, or a negative error code: -1 raw not finite, -2 all
+    banned) and their logprobs under `raw`'s log_softmax, in one op (runner/sampler.py's codes)."""
+    return torch.ops.shoal_kernels.greedy_rows(raw, processed)
+
+
 def invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale: float, window: int, group: int,
                         softcap: float = 0.0) -> torch.Tensor:
     """See cpu.cpp: writes k/v into kv at `slots`, returns attention [T, Hq, D] in q's dtype."""

@@ -1156,6 +1156,26 @@ std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& x) {
   return {ids, top};
 }
 
+// The sampler's end for a batch of greedy rows (runner/sampler.py): raw [B, V] float32 logits, processed [B, V] the
+// same after the logits processors (or raw itself) -> (token ids [B] int64, each the processed row's argmax or a
+// negative code, their logprobs under raw [B] float32). The logprobs come from at::log_softmax, the kernel torch's
+// log_softmax runs, so they are its bits. The codes, as the sampler's: -1 where raw's maximum is not finite (its
+// log_softmax has none), else -2 where every processed logit is -inf (all banned).
+std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::Tensor& processed) {
+  TORCH_CHECK(raw.sizes() == processed.sizes(), "greedy_rows: raw and processed logits of one shape");
+  auto [ids, top] = row_argmax(processed);
+  const at::Tensor raw_top = processed.is_same(raw) ? top : std::get<1>(row_argmax(raw));
+  const at::Tensor logp = at::log_softmax(raw, -1).gather(1, ids.unsqueeze(1)).squeeze(1);
+  int64_t* ip = ids.data_ptr<int64_t>();
+  const float* tp = top.data_ptr<float>();
+  const float* rp = raw_top.data_ptr<float>();
+  for (int64_t r = 0; r < ids.size(0); ++r) {
+    if (!std::isfinite(rp[r])) ip[r] = -1;
+    else if (!(tp[r] > -INFINITY)) ip[r] = -2;
+  }
+  return {ids, logp};
+}
+
 // gate_up [T, 2I] -> silu(gate) * up [T, I]
 at::Tensor silu_mul(const at::Tensor& x) {
   const int64_t T = x.size(0), I = x.size(1) / 2;
@@ -1217,6 +1237,7 @@ TORCH_LIBRARY(shoal_kernels, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("row_argmax(Tensor x) -> (Tensor, Tensor)");
+  m.def("greedy_rows(Tensor raw, Tensor processed) -> (Tensor, Tensor)");
   m.def("shm_gather(Tensor part, Tensor slots, Tensor posted, int rank, int n, int[] widths, int slot_bytes, int spin) -> Tensor?",
         &shm_gather);
 }
@@ -1228,6 +1249,7 @@ TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("row_argmax", &row_argmax);
+  m.impl("greedy_rows", &greedy_rows);
 }
 
 // the level the low-bit matmuls (lowbit.cpp) start from

@@ -14,6 +14,8 @@
 //
 // The plan's description, from model/native.py (`ints`, `floats` and `tensors` read in this order):
 //   model:  ints [layers, last], floats [final norm eps], tensors [final norm weight (when last)]
+//   input:  ints [has embedding, (its GGUF type, columns), rope tables], tensors [(its packed rows, an empty tensor
+//           of the model's dtype), (cos, signed sin) per rope table]: what `forward_ids` looks up
 //   layer:  ints [heads, kv heads, head dim, window (-1: the backend's), rope table, has q/k norms]
 //           floats [input norm eps, post-attention norm eps, q/k norm eps, scale, softcap (0: none)]
 //           tensors [input norm, post-attention norm, (q norm, k norm), KV cache]
@@ -100,6 +102,10 @@ struct DecoderPlan : torch::CustomClassHolder {
   bool last = true;
   double final_eps = 0;
   at::Tensor final_norm;
+  at::Tensor embedding;  // packed rows of a GGUF embedding table (undefined: the caller embeds)
+  int64_t embedding_type = 0, embedding_cols = 0;
+  at::ScalarType dtype = at::kFloat;  // the model's activations
+  std::vector<at::Tensor> cos_tables, sin_tables;  // per rope: [positions, rotated dims] float32, the sin signed
 
   DecoderPlan(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats) {
     Reader r{tensors, ints, floats};
@@ -107,6 +113,13 @@ struct DecoderPlan : torch::CustomClassHolder {
     last = r.integer() != 0;
     final_eps = r.real();
     if (last) final_norm = r.tensor();
+    if (r.integer() != 0) {
+      embedding_type = r.integer(), embedding_cols = r.integer();
+      embedding = r.tensor();
+      dtype = r.tensor().scalar_type();
+    }
+    const int64_t ropes = r.integer();
+    for (int64_t k = 0; k < ropes; ++k) cos_tables.push_back(r.tensor()), sin_tables.push_back(r.tensor());
     for (int64_t l = 0; l < n; ++l) {
       Layer y;
       y.heads = r.integer(), y.kv_heads = r.integer(), y.head_dim = r.integer(), y.window = r.integer(), y.rope = r.integer();
@@ -120,6 +133,21 @@ struct DecoderPlan : torch::CustomClassHolder {
       layers.push_back(std::move(y));
     }
     TORCH_CHECK(r.t == tensors.size() && r.i == ints.size() && r.f == floats.size(), "decoder plan: a description longer than its layers");
+  }
+
+  // ids, positions [T] int64 -> forward's output: the tokens' rows of the embedding table in the model's dtype, and
+  // each rope's rows of cos and signed sin, looked up as the Python forward looks them up (GGUFEmbedding, Rotary)
+  at::Tensor forward_ids(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor tables, at::Tensor row_seq,
+                         at::Tensor row_pos, int64_t window) {
+    TORCH_CHECK(embedding.defined(), "decoder plan: no embedding table: call forward with the embeddings");
+    TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0), "decoder plan: ids and positions [T]");
+    const at::Tensor x = shoal_gguf_rows(embedding, ids, embedding_type, embedding_cols).to(dtype);
+    std::vector<at::Tensor> cos, sin;
+    for (size_t k = 0; k < cos_tables.size(); ++k) {
+      cos.push_back(cos_tables[k].index_select(0, positions));
+      sin.push_back(sin_tables[k].index_select(0, positions));
+    }
+    return forward(x, cos, sin, slots, tables, row_seq, row_pos, window);
   }
 
   // x [T, hidden] (the embeddings, or a previous stage's output) -> the last layer's normed output [T, hidden]
@@ -161,5 +189,6 @@ struct DecoderPlan : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
   m.class_<DecoderPlan>("DecoderPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
-      .def("forward", &DecoderPlan::forward);
+      .def("forward", &DecoderPlan::forward)
+      .def("forward_ids", &DecoderPlan::forward_ids);
 }

@@ -436,6 +436,9 @@ class DecoderModel(Layer):
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None, embeds=None):
         """hidden: the previous pipeline stage's output, in place of embedding input_ids. embeds: (rows [N],
         values [N, hidden]) that replace those rows' token embeddings (an image's, from its encoder)."""
+        native = self.native_forward
+        if native is not None and hidden is None and embeds is None and native.takes_step(positions, meta):
+            return native.from_ids(input_ids, positions, meta)  # the whole step in one native call
         if hidden is None:
             x = self.embed_tokens(input_ids)  # [T, hidden]
             if self.spec.embed_scale is not None:  # rounded to the model's dtype first, as HF's Gemma does

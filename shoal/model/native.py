@@ -29,7 +29,8 @@ import torch
 from shoal import kernels
 from shoal.model.attention.common import MODEL_WINDOW
 from shoal.model.attention.invariant import NativeMetadata
-from shoal.model.layers import MLP, RMSNorm
+from shoal.model.formats import GGUFEmbedding
+from shoal.model.layers import MLP, RMSNorm, Rotary
 
 log = logging.getLogger("shoal.model")
 
@@ -44,11 +45,22 @@ class NativeForward:
 
     def __init__(self, model, kv: list[torch.Tensor]) -> None:
         self.plan = torch.classes.shoal_kernels.DecoderPlan(*describe(model, kv))
+        self.ids = takes_ids(model)  # the plan looks up the embeddings and rope tables itself (forward_ids)
 
     @staticmethod
     def takes(ropes, meta) -> bool:
         """Whether this step's inputs suit the plan: the native attention op's metadata (one KV group) and tables."""
         return type(meta) is NativeMetadata and all(r.native for r in ropes)
+
+    def takes_step(self, positions: torch.Tensor, meta) -> bool:
+        """Whether the whole step, from the token ids, suits the plan (forward_ids): it holds the lookups, one row of
+        positions (not M-RoPE's three), the native attention op's metadata."""
+        return self.ids and positions.dim() == 1 and type(meta) is NativeMetadata
+
+    def from_ids(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: NativeMetadata) -> torch.Tensor:
+        """The step from its token ids and positions [T]: the model's output, as DecoderModel.forward gives it."""
+        return self.plan.forward_ids(input_ids, positions, meta.slot_mapping, meta.tables, meta.row_seq, meta.row_pos,
+                                     meta.backend.window or 0)
 
     def __call__(self, x: torch.Tensor, ropes, meta: NativeMetadata) -> torch.Tensor:
         b = meta.backend
@@ -95,6 +107,14 @@ def unsupported(model) -> str | None:
     return None
 
 
+def takes_ids(model) -> bool:
+    """Whether the plan looks up the step's embeddings and rope tables itself (forward_ids): a GGUF embedding table of
+    one type, no embedding scale, and plain rotary tables (not M-RoPE's)."""
+    embed = model.embed_tokens
+    return (type(embed) is GGUFEmbedding and len(embed.runs) == 1 and model.spec.embed_scale is None
+            and all(type(r) is Rotary for r in model.rotaries))
+
+
 def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[float]]:
     """The plan's description (kernels/decoder.cpp's top comment has the order): tensors, integers, floats."""
     c = model.config
@@ -103,6 +123,16 @@ def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
     floats = [float(model.norm.eps)]
     if model.last:
         tensors.append(model.norm.weight)
+    embed = model.embed_tokens
+    if takes_ids(model):  # the step's lookups too: the embedding's rows, and each rope's (forward_ids)
+        (fmt, _), = embed.runs
+        ints += [1, int(fmt.type), embed.in_features]
+        tensors += [embed.packed0, torch.empty(0, dtype=embed.dtype)]
+        ints.append(len(model.rotaries))
+        for rotary in model.rotaries:
+            tensors += [rotary.cos, rotary.sin]
+    else:
+        ints += [0, 0]
     for layer, cache, rope in zip(model.layers, kv, model.rope_index):
         attn, mlp = layer.self_attn, layer.mlp
         pre_attn, pre_mlp = layer.norms[0], layer.norms[2]

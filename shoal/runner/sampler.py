@@ -552,9 +552,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax_rows(x), x.amax(dim=-1)) for [n, V]: on the CPU one native op (kernels.row_argmax) where they built,
     the same ids and maxima (a row's first NaN and NaN, where it has one)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[-1] and kernels.available():
+    if _native_rows(x):
         return kernels.row_argmax(x)
     return argmax_rows(x), x.amax(dim=-1)
+
+
+def _native_rows(x: torch.Tensor) -> bool:
+    """Whether shoal's native row ops take x [n, V]: float32 rows on the CPU, where the kernels built."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[-1] > 0 and kernels.available()
 
 
 def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -591,6 +596,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of `logits` [B, V] (the raw model output)."""
     raw = logits.float()
     processed = apply_processors(raw, batch)  # [B, V]; `raw` itself is never modified
+    if batch.all_greedy and not batch.num_top_logprobs and _native_rows(raw) and _native_rows(processed):
+        # the steps below for greedy rows in one native op: the same argmax, torch's log_softmax, the same codes
+        return SamplerOutput(*kernels.greedy_rows(raw, processed), None, None)
 
     drawn_ok = None  # [B] bool: the exponential race picked a token of positive probability
     if batch.all_greedy:
