@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shoal  # noqa: E402,F401  before torch: SHOAL_CPU_ISA caps torch's kernels only if set before torch loads
 
 PATHS = ("avx512", "avx2")
-OPS = ("greedy_rows", "row_argmax", "gguf_linear", "gguf_rows", "gguf_grouped_linear", "q4_linear", "q8_linear", "invariant_attention", "rms_norm",
-       "add_rms_norm", "rope_", "silu_mul")
+OPS = ("greedy_rows", "row_argmax", "gguf_linear", "gguf_rows", "gguf_grouped_linear", "q4_linear", "q8_linear",
+       "invariant_attention", "rms_norm", "add_rms_norm", "rope_", "silu_mul")
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guides through the winter storms."
 
 
