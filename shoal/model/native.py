@@ -14,7 +14,9 @@ A plan covers (`unsupported` says why not, in the start-up log):
   `native_runs`); float weights keep the Python forward (their matmuls are torch's);
 - q/k norms per head (Qwen3), rotary over the whole head, the invariant attention op with one KV group;
 - one process: tensor parallelism's gathers sit between the ops, so a sharded model keeps the Python forward.
-A pipeline stage is covered (its layers; the stage before the last hands on its residual stream).
+A pipeline stage is covered (its layers; the stage before the last hands on its residual stream). Where the
+embedding is a GGUF table and the rotary tables are plain, the plan looks up the step's embeddings and rope rows too
+(`forward_ids`), so a step is one call from its token ids.
 
 SHOAL_NATIVE_FORWARD=0 turns it off (the Python forward everywhere), for comparisons.
 """
