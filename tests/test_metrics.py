@@ -53,6 +53,26 @@ def test_timing_records_are_exact_under_a_fake_clock(tiny_llama_path):
         snap.running = 5  # exporters cannot change what the engine published
 
 
+def test_throughput_windows_are_exact_over_minutes_of_steps(tiny_llama_path):
+    """Tokens a second over the last 10 s and 60 s, from the oldest sample inside each window to the newest, under a
+    fake clock that steps 2 s at a time for three minutes (samples leave each window as they age out of it)."""
+    engine = tiny_engine(tiny_llama_path)
+    clock = engine.clock = FakeClock()
+    monitor = engine.monitor
+    for step in range(91):  # t = 0, 2, ..., 180; 3 generated tokens a step
+        clock.t = 2.0 * step
+        engine.stats.generated_tokens = 3 * step
+        monitor.publish([])
+        rates = dict(engine.snapshot.generation_throughput)
+        if step:
+            # the oldest sample inside a window of w seconds is w // 2 steps back (or the first): 3 tokens per 2 s
+            assert rates == {"10s": 1.5, "60s": 1.5}, (step, rates)
+    assert [len(monitor._windows[w]) for w in (10.0, 60.0)] == [6, 31]  # only what each window still sees
+    clock.t = 181.0  # a step of nothing new, a second later: 15 tokens over 11 s of the short window, 90 over 61
+    monitor.publish([])
+    assert dict(engine.snapshot.generation_throughput) == {"10s": 12 / 9, "60s": 87 / 59}
+
+
 def test_a_cache_hit_is_recorded_with_its_kind(tiny_llama_path):
     engine = tiny_engine(tiny_llama_path)
     prompt = tuple(range(5, 45))

@@ -293,7 +293,10 @@ class ModelRunner:
         pooled = pool(hidden, batch.pool_rows, batch.pool_lengths) if batch.pool_rows else None
         head = self.model.compute_logits
         rows = batch.sample_rows
-        sampled = head(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]) if rows else None
+        if rows and len(rows) == len(hidden) and rows[-1] == len(rows) - 1:  # every row, in order (rows only increase):
+            sampled = head(hidden)  # a step of decodes, with no gather
+        else:
+            sampled = head(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]) if rows else None
         pieces = []
         if batch.prompt_rows:
             row_t = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
