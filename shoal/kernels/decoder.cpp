@@ -156,6 +156,8 @@ struct DecoderPlan : torch::CustomClassHolder {
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor slots, at::Tensor tables,
                      at::Tensor row_seq, at::Tensor row_pos, int64_t window) {
     TORCH_CHECK(x.dim() == 2 && !layers.empty(), "decoder plan: x [tokens, hidden]");
+    TORCH_CHECK(cos.size() == sin.size(), "decoder plan: a cos and a sin table per rope");
+    for (const Layer& y : layers) TORCH_CHECK(y.rope >= 0 && y.rope < static_cast<int64_t>(cos.size()), "decoder plan: a layer's rope table missing");
     const int64_t T = x.size(0);
     at::Tensor h = shoal_rms_norm(x, layers[0].in_norm, layers[0].in_eps);
     for (size_t l = 0; l < layers.size(); ++l) {
