@@ -32,7 +32,6 @@ from shoal.runner.sampler import (
     apply_top_k_top_p,
     apply_top_p_candidates,
     argmax_rows,
-    row_argmax,
     logits_to_probs,
     no_repeat_ngram_bans,
     process_logits,
@@ -119,10 +118,11 @@ def test_argmax_rows_equals_argmax_including_first_tie(V):
     assert torch.equal(argmax_rows(x), x.argmax(-1))
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the native op")
 @pytest.mark.parametrize("V", [49152, 999, 1])
 def test_row_argmax_gives_torchs_argmax_and_amax_and_each_row_alone_its_own(V):
-    """The native op (kernels.row_argmax, where it built) against torch's argmax and amax: first ties, a NaN row (its
-    first NaN), infinities, rows of a wider tensor, and every row alone as in the batch."""
+    """The native op (kernels.row_argmax, argmax_rows' where it built) against torch's argmax and amax: first ties, a
+    NaN row (its first NaN), infinities, rows of a wider tensor, and every row alone as in the batch."""
     g = gen(21)
     x = torch.randint(0, 3, (6, V + 5), generator=g).float()[:, :V]  # rows with a stride, ties for the max
     x[1] = -INF
@@ -130,11 +130,12 @@ def test_row_argmax_gives_torchs_argmax_and_amax_and_each_row_alone_its_own(V):
     x[2, V - 1] = float("nan")
     x[3, V // 3] = INF
     x[4, 0] = INF
-    ids, top = row_argmax(x)
+    ids, top = kernels.row_argmax(x)
+    assert torch.equal(argmax_rows(x), ids)
     assert torch.equal(ids, x.argmax(-1))
     assert torch.equal(top.nan_to_num(0.5), x.amax(-1).nan_to_num(0.5))
     for r in range(len(x)):
-        alone = row_argmax(x[r : r + 1].clone())
+        alone = kernels.row_argmax(x[r : r + 1].clone())
         assert alone[0].item() == ids[r].item() and alone[1].nan_to_num(0.5).item() == top[r].nan_to_num(0.5).item()
 
 

@@ -54,7 +54,7 @@ def test_rows_follow_every_kind_of_table_change_in_a_seeded_random_walk():
                 del tables[sid]
         step = [sid for sid in tables if rng.random() < 0.7] or list(tables)[:1]
         spans = [SeqSpan(0, 1, tuple(tables[sid]), sid) for sid in step]
-        _assert_rows(rows.tables(spans), spans, NULL)
+        _assert_rows(rows.tables(spans, set(step)), spans, NULL)
     assert rows.tensor.shape[0] > 4 and rows.tensor.shape[1] > 4  # it grew, rows and columns
     assert next_id > 10 * rows.tensor.shape[0]  # and rows were reused
 
@@ -66,8 +66,8 @@ def test_the_engines_tables_equal_a_fresh_build_after_every_step_and_outputs_do_
     checked = []
     original = TableRows.tables
 
-    def checking(self, spans):
-        got = original(self, spans)
+    def checking(self, spans, step):
+        got = original(self, spans, step)
         _assert_rows(got, spans, self.null)
         checked.append(len(spans))
         return got

@@ -449,7 +449,6 @@ class DecoderModel(Layer):
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         ropes = [rotary(positions, x.dtype) for rotary in self.rotaries]
         if self.fused and kernels.native_for(x):
-            native = self.native_forward
             if native is not None and native.takes(ropes, meta):
                 return native(x, ropes, meta)
             return self._forward_fused(x, ropes, kv_caches, meta)

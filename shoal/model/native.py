@@ -98,10 +98,10 @@ def unsupported(model) -> str | None:
         if attn.qk_norm and not all(type(n) is RMSNorm and not n.unit_offset for n in (attn.q_norm, attn.k_norm)):
             return "q/k norms that are not plain RMSNorms"
         for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            runs = getattr(proj, "native_runs", None)
-            if runs is None or runs() is None:
+            runs = getattr(proj, "native_runs", lambda: None)()
+            if runs is None:
                 return f"{type(proj).__name__} projections (the native forward takes shoal's low-bit kernels)"
-            if runs().runs[0][0].device.type != "cpu":
+            if runs.runs[0][0].device.type != "cpu":
                 return "weights off the CPU"
     for rotary in model.rotaries:
         if rotary.cos.shape[-1] != model.config.head_dim:

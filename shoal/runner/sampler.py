@@ -529,16 +529,19 @@ def uniform_to_exponential_(u: torch.Tensor) -> torch.Tensor:
 def sample_from_probs(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p, with no
     host sync (unlike torch.multinomial). [n, V] -> [n] int64; overwrites probs."""
-    return row_argmax(probs.div_(q))[0]
+    return argmax_rows(probs.div_(q))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for [n, V], first index on ties, the same result.
 
-    On CPU torch's argmax is a scalar loop (~3 ns/element, 20x slower than amax),
-    so find the block holding the max with the vectorized amax over [n, V/blk, blk],
-    then argmax only the first such block: ~5x faster at V = 49152.
+    On CPU torch's argmax is a scalar loop (~3 ns/element, 20x slower than amax): one native op where the kernels
+    built (kernels.row_argmax: 10 us at V = 49152, a row's first NaN where it has one, as torch's); elsewhere find
+    the block holding the max with the vectorized amax over [n, V/blk, blk], then argmax only the first such block
+    (~5x faster than torch's argmax at V = 49152).
     """
+    if _native_rows(x):
+        return kernels.row_argmax(x)[0]
     n, V = x.shape
     blk = next((b for b in (128, 64, 32) if V % b == 0), 0)
     if x.device.type != "cpu" or not blk or V < 4 * blk:
@@ -547,14 +550,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     block = xb.amax(dim=-1).argmax(dim=-1)  # [n] first block containing the row max
     inner = xb.gather(1, block.view(n, 1, 1).expand(n, 1, blk)).squeeze(1).argmax(dim=-1)  # [n]
     return block * blk + inner
-
-
-def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax_rows(x), x.amax(dim=-1)) for [n, V]: on the CPU one native op (kernels.row_argmax) where they built,
-    the same ids and maxima (a row's first NaN and NaN, where it has one)."""
-    if _native_rows(x):
-        return kernels.row_argmax(x)
-    return argmax_rows(x), x.amax(dim=-1)
 
 
 def _native_rows(x: torch.Tensor) -> bool:
@@ -602,7 +597,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
     drawn_ok = None  # [B] bool: the exponential race picked a token of positive probability
     if batch.all_greedy:
-        token_ids, top = row_argmax(processed)
+        token_ids = argmax_rows(processed)
     else:
         sub = processed if batch.all_sampled else processed[batch.sample_rows]  # [Bs, V]
         probs = logits_to_probs(sub, batch)
@@ -624,13 +619,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.num_top_logprobs > 0:
         top_ids = topk_ids(raw, batch.num_top_logprobs)  # sorted descending, ties by token id
         top_logprobs = logp.gather(1, top_ids)
-    if batch.all_greedy:
-        # the argmax's maxima say it without two more passes over the rows: a raw row's log_softmax has a finite maximum
-        # exactly where the row's maximum is finite (with max(x) finite, the sum under the log is within [1, V]), and the
-        # chosen token's processed logit is the processed row's maximum
-        raw_top = top if processed is raw else row_argmax(raw)[1]
-        token_ids = torch.where(top > _NEG_INF, token_ids, ROW_ALL_BANNED)
-        return SamplerOutput(torch.where(raw_top.isfinite(), token_ids, ROW_NONFINITE_LOGITS), chosen, top_ids, top_logprobs)
     # NaN or +inf anywhere in a row, or nothing finite, leaves no finite log_softmax maximum
     finite = logp.amax(dim=-1).isfinite()
     return SamplerOutput(_mark_rows_without_token(token_ids, finite, processed, drawn_ok), chosen, top_ids, top_logprobs)

@@ -120,12 +120,12 @@ class TableRows:
         self.held: dict[int, tuple[int, ...]] = {}  # seq_id -> the table its row holds
         self.free = list(range(rows - 1, -1, -1))
 
-    def tables(self, spans: list[SeqSpan]) -> torch.Tensor:
-        """[len(spans), columns] int32: each span's block table from column 0, null after it."""
+    def tables(self, spans: list[SeqSpan], step: set[int]) -> torch.Tensor:
+        """[len(spans), columns] int32: each span's block table from column 0, null after it. step: the spans'
+        sequence ids, each span's own."""
         widest = max(len(s.block_table) for s in spans)
         if widest > self.tensor.shape[1]:
             self._grow(self.tensor.shape[0], max(widest, 2 * self.tensor.shape[1]))
-        step = {s.seq_id for s in spans}
         rows = []
         for s in spans:
             sid, table = s.seq_id, s.block_table
@@ -140,7 +140,7 @@ class TableRows:
             if held is not None and len(table) >= len(held) and table[: len(held)] == held:
                 if len(table) > len(held):  # new blocks only
                     self.tensor[row, len(held) : len(table)] = torch.tensor(table[len(held) :], dtype=torch.int32)
-            elif held != table:  # a new sequence, or an earlier entry changed: the whole row
+            else:  # a new sequence, or an earlier entry changed: the whole row
                 self.tensor[row].fill_(self.null)
                 if table:
                     self.tensor[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
@@ -216,12 +216,13 @@ class InvariantAttention:
         write_kv(kv, k, v, slots, transposed_keys=self.native)  # the native op keeps keys transposed within their block
 
     def _native(self, spans: list[SeqSpan], null: int) -> NativeMetadata:
-        if self.keep_tables and spans and all(s.seq_id >= 0 for s in spans) and len({s.seq_id for s in spans}) == len(spans):
+        ids = {s.seq_id for s in spans}
+        if self.keep_tables and spans and min(ids) >= 0 and len(ids) == len(spans):
             # the runner's sequences, each once: their rows kept across steps
             rows = self.table_rows.get(null)
             if rows is None:
                 rows = self.table_rows[null] = TableRows(null, self.device)
-            tables_t = rows.tables(spans)
+            tables_t = rows.tables(spans, ids)
         else:
             tables_t = self.tables(spans, null)
         seq: list[int] = []
