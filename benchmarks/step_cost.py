@@ -16,7 +16,9 @@ own, native and Python forwards taking turns round after round.
   sampler's greedy rows; with the native forward off, every layer's ops), timed around each call in a second,
   instrumented pass;
 - **outside**: step - native: Python, torch's dispatcher and the tensors the runner, the sampler, the scheduler and
-  the engine build and read each step. Its share of the step is what issue 53 bounds (<= 10% on the default model).
+  the engine build and read each step. Its share of the step is what issue 53 bounds (<= 10% on the default model);
+- **RSS**: the process's resident memory after its timed generations (the native forward holds references to the
+  model's tensors, no copies, so it should match the Python forward's).
 
 The outside milliseconds are roughly the same on a faster and a slower core of one clock, and the native ones
 scale with the memory the step reads, so a slower CPU's step is about outside * (this clock / its clock) plus
@@ -76,6 +78,8 @@ def measure(model: str, tokens: int, reps: int) -> dict:
     """In the child process: one stream's step time, and the native part of it."""
     import torch
 
+    from gguf_formats import rss_bytes
+
     from shoal import kernels
     from shoal.engine.llm import LLM
     from shoal.types import SamplingParams
@@ -113,7 +117,8 @@ def measure(model: str, tokens: int, reps: int) -> dict:
     # day cancels); the wrappers add about 0.5 us a native call to it
     return {"model": model, "path": kernels.isa(), "threads": torch.get_num_threads(), "native_forward": native is not None,
             "step_ms": statistics.median(steps), "steps_ms": steps, "instrumented_ms": timed, "native_ms": native_ms,
-            "outside_ms": timed - native_ms, "native_calls_per_token": timer.calls / counted[0], "generated": n}
+            "outside_ms": timed - native_ms, "native_calls_per_token": timer.calls / counted[0], "generated": n,
+            "rss_bytes": rss_bytes(os.getpid())}  # resident after the timed passes: the weights, the KV pool's written part
 
 
 def main() -> None:
@@ -171,14 +176,16 @@ def main() -> None:
             step = statistics.median(x["step_ms"] for x in mine)
             share = statistics.median(x["outside_ms"] / x["instrumented_ms"] for x in mine)
             out = statistics.median(x["outside_ms"] for x in mine)
-            cells.append(f"{step:.2f}: {step - out:.2f} + {out:.2f} ({share:.0%})")
+            rss = statistics.median(x["rss_bytes"] for x in mine) / 2**20
+            cells.append(f"{step:.2f}: {step - out:.2f} + {out:.2f} ({share:.0%}), RSS {rss:.0f} MiB")
         rows.append(cells)
     made = ", ".join(sorted({f"{Path(x['model']).name} {x['generated']}" for x in runs}))
     lines = [f"# A one-stream decode step: native calls and everything else ({kind})", "",
              f"On {machine_line(doc['machine'])}. One stream, greedy, speculation off, up to {a.tokens} tokens a generation "
              f"({made} made), "
              f"{a.reps} generations a case and round, {a.rounds} rounds (medians). Milliseconds a token: step: native + "
-             "outside (outside's share of the instrumented step). `one` core: `taskset -c 0` and one thread. "
+             "outside (outside's share of the instrumented step), and the process's resident memory after its timed "
+             "generations. `one` core: `taskset -c 0` and one thread. "
              "`benchmarks/step_cost.py` says what each part holds.", "",
              *table(["model", "path", "cores", "native forward (default)", "Python forward (SHOAL_NATIVE_FORWARD=0)"], rows)]
     publish(f"step_cost-{kind}", doc, lines)
