@@ -215,6 +215,13 @@ class SamplingParams:
     def use_beam_search(self) -> bool:
         return self.num_beams > 1
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the sequence's token history: penalties, n-gram bans, and min_tokens (EOS is banned
+        while the output is shorter)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.no_repeat_ngram_size > 0 or self.min_tokens > 0)
+
 
 POOLING_MODES = ("last", "mean", "cls", "score")
 
@@ -435,12 +442,18 @@ class ScheduledSeq:
     seq_id: int
     token_ids: tuple[int, ...]
     start_pos: int
-    block_table: tuple[int, ...]  # the first KV group's (KVGroup), the full-attention one where the model has it
+    # The first KV group's block table (KVGroup), the full-attention one where the model has it, from entry
+    # `table_from` on: the runner keeps each sequence's tables from step to step and puts these in place of its
+    # entries from there (runner/kept.py). 0: the whole table (always, for a seq_id below 0, which nothing keeps).
+    block_table: tuple[int, ...]
     sample: bool
     params: SamplingParams
-    # Token history the sampler needs for penalties (prompt, then output).
+    table_from: int = 0
+    # The token history the sampler needs for penalties and bans (prompt, then output), from token `history_from`
+    # on: the runner keeps the rest, as it keeps the tables.
     prompt_len: int = 0
     history: tuple[int, ...] = ()
+    history_from: int = 0
     # Per-sequence generator seed and how many tokens this sequence has sampled,
     # so seeded sampling is the same alone or in a batch.
     seed: int | None = None
@@ -466,8 +479,10 @@ class ScheduledSeq:
     # on the chunk that ends the prompt (its last row), "cls" on the one that starts it (its first row); "" for a
     # sequence that samples or pools nothing this step.
     pool: str = ""
-    # The block tables of the model's other KV groups (KVGroup), in group order; empty for a model with one group.
+    # The block tables of the model's other KV groups (KVGroup), in group order, each from its entry in
+    # `group_from` on (as block_table); empty for a model with one group.
     group_tables: tuple[tuple[int, ...], ...] = ()
+    group_from: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -494,6 +509,8 @@ class StepPlan:
     seqs: tuple[ScheduledSeq, ...]
     # (src, dst) copy-on-write before the forward, in the first KV group; (src, dst, group) in another one
     block_copies: tuple[tuple[int, ...], ...] = ()
+    # Sequences that are gone (finished, aborted): the runners drop what they kept of them.
+    finished: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

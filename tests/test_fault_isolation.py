@@ -16,6 +16,7 @@ from shoal import LLM, SamplingParams
 from shoal.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from shoal.runner import model_runner
 from shoal.runner import sampler as sampler_mod
+from shoal.runner.kept import TokenHistory
 from shoal.types import FinishReason, GenerationRequest
 from server_utils import LiveServer
 
@@ -93,14 +94,14 @@ def test_a_detokenizer_that_raises_fails_only_its_request(llm, alone):
 
 
 def test_a_sampling_row_that_raises_fails_only_its_request(llm, alone, monkeypatch):
-    real = sampler_mod.no_repeat_ngram_bans
+    real = TokenHistory.ngram_bans
 
-    def raising(tokens, n):
-        if n == 3:
+    def raising(self, extra=()):
+        if self.ngram == 3:
             raise IndexError("internal sampler state")
-        return real(tokens, n)
+        return real(self, extra)
 
-    monkeypatch.setattr(sampler_mod, "no_repeat_ngram_bans", raising)
+    monkeypatch.setattr(TokenHistory, "ngram_bans", raising)
     poison = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, no_repeat_ngram_size=3)
     outs, bad = run_with_poison(llm, poison)
     assert [o.outputs[0].token_ids for o in outs] == alone

@@ -40,12 +40,16 @@ def test_prefill_then_decode_is_one_path_of_computed_catching_up():
     assert (a.num_computed_tokens, a.num_tokens, a.status) == (6, 7, SequenceStatus.RUNNING)
     out = run_step(s)
     (x,) = out.plan.seqs
-    assert (x.token_ids, x.start_pos, x.block_table) == ((7,), 6, (0, 1))
+    # the plan sends the table's new entries only (runner/kept.py): none, the runner holds (0, 1)
+    assert (x.token_ids, x.start_pos, x.table_from, x.block_table) == ((7,), 6, 2, ())
     # Position 7 still fits block 1; position 8 needs a third block.
     out = run_step(s)
-    assert out.plan.seqs[0].block_table == (0, 1)
+    assert (out.plan.seqs[0].table_from, out.plan.seqs[0].block_table) == (2, ())
     out = run_step(s)
-    assert (out.plan.seqs[0].start_pos, out.plan.seqs[0].block_table) == (8, (0, 1, 2))
+    assert (out.plan.seqs[0].start_pos, out.plan.seqs[0].table_from, out.plan.seqs[0].block_table) == (8, 2, (2,))
+    s.finish(a, FinishReason.STOP)  # the next plan tells the runners to drop what they kept of it
+    assert s.schedule().plan.finished == (a.seq_id,)
+    assert s.schedule().plan.finished == ()
 
 
 def test_long_prompt_is_chunked_by_the_token_budget_and_mixed_with_decodes():
@@ -103,6 +107,31 @@ def test_preemption_takes_the_newest_running_and_frees_its_blocks():
     assert (b.status, b.num_computed_tokens, b.block_table, b.num_tokens) == (SequenceStatus.WAITING, 0, [], 5)
     assert s.waiting == [b]
     assert pool.num_free == 1
+
+
+def test_plans_send_diffs_a_preempted_table_goes_whole_and_a_history_only_its_new_tokens():
+    """The plan of diffs (runner/kept.py): a table after preemption is new, so it goes out whole; a sequence with
+    penalties sends its prompt once, then each new token; one without sends no history."""
+    s, pool = make(num_blocks=4, block_size=2, budget=16)
+    a = seq(3, "a")
+    b = Sequence(request_id="b", prompt_token_ids=[10, 11, 12], params=SamplingParams(max_tokens=100, repetition_penalty=1.2))
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    x, y = out.plan.seqs
+    assert (x.history_from, x.history) == (0, ())
+    assert (y.table_from, y.block_table, y.history_from, y.history) == (0, (2, 3), 0, (10, 11, 12))
+    out = run_step(s)
+    x, y = out.plan.seqs
+    assert (y.table_from, y.block_table, y.history_from, y.history) == (2, (), 3, (7,))
+    out = run_step(s)  # b is preempted: its blocks are gone
+    assert out.preempted == [b]
+    assert (out.plan.seqs[0].table_from, out.plan.seqs[0].block_table) == (2, (3,))  # a's new block only
+    s.finish(a, FinishReason.STOP)
+    out = run_step(s)  # b comes back with new blocks: its table goes whole, its history goes on from where it was
+    (y,) = out.plan.seqs
+    assert out.plan.finished == (a.seq_id,)
+    assert (y.table_from, y.block_table, y.history_from, y.history) == (0, tuple(b.block_table), 4, (7,))
 
 
 def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_newest():

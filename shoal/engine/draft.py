@@ -44,6 +44,7 @@ class DraftProposer:
         self.max_model_len = max_model_len
         self.pool = KVBlockPool(runner.num_blocks, runner.block_size)
         self._seqs: dict[int, tuple[object, _DraftSeq]] = {}
+        self._gone: list[int] = []  # sequences released since the last step, for the runner to forget
 
     @classmethod
     def load(cls, model: str, config, tokenizer, max_model_len: int, target_blocks: int) -> DraftProposer:
@@ -105,7 +106,8 @@ class DraftProposer:
         return [drafts.get(seq.seq_id, []) for seq, _ in wanted]
 
     def _run(self, seqs: list[ScheduledSeq]) -> dict[int, int]:
-        out = self.runner.execute(StepPlan(tuple(seqs)))
+        gone, self._gone = tuple(self._gone), []  # the runner drops what it kept of them (runner/kept.py)
+        out = self.runner.execute(StepPlan(tuple(seqs), finished=gone))
         return {s.seq_id: s.token_id for s in out.sampled if s.error is None}
 
     def _scheduled(self, seq_id: int, tokens: list[int], start: int, d: _DraftSeq) -> ScheduledSeq:
@@ -135,6 +137,7 @@ class DraftProposer:
         entry = self._seqs.pop(seq_id, None)
         if entry is not None:
             self._free(entry[1])
+            self._gone.append(seq_id)
 
     def _forget_gone(self) -> None:
         """Return the blocks of sequences that finished or were preempted (they recompute from the start)."""
@@ -142,6 +145,7 @@ class DraftProposer:
             if seq.status is not SequenceStatus.RUNNING or not seq.block_table:
                 self._free(d)
                 del self._seqs[seq_id]
+                self._gone.append(seq_id)
 
     @property
     def num_tracked(self) -> int:

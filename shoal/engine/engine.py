@@ -287,7 +287,7 @@ class Engine:
             out = scheduler.schedule(share)
             if self.tier is not None:
                 out.plan = self._move_tier_blocks(out.plan)
-            if out.empty and not out.plan.block_copies:
+            if out.empty and not out.plan.block_copies and not out.plan.finished:
                 return
             now = self.clock()
             ticket = self.executor.submit(out.plan)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from shoal.config import SchedulerConfig
 from shoal.engine.kv_manager import KVCacheManager
-from shoal.engine.sequence import Sequence, SequenceStatus
+from shoal.engine.sequence import BlockTable, Sequence, SequenceStatus
 from shoal.engine.speculative import accepted_length
 from shoal.types import FinishReason, SampledToken, SamplingParams, ScheduledSeq, StepPlan
 
@@ -81,17 +81,6 @@ def chunk_within(cost: float, start: int) -> int:
     return n - 1 if n > 0 and chunk_cost(n, start) > cost else n  # float rounding never lets a chunk over
 
 
-def needs_history(p: SamplingParams) -> bool:
-    """Whether the sampler needs this sequence's token history."""
-    return (
-        p.repetition_penalty != 1.0
-        or p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
-        or p.no_repeat_ngram_size > 0
-        or p.min_tokens > 0  # EOS is banned while the output is shorter
-    )
-
-
 @dataclass
 class SchedulerOutput:
     plan: StepPlan
@@ -108,6 +97,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self._gone: list[int] = []  # sequences finished since the last plan, whose runner state goes with the next
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self._by_id: dict[int, Sequence] = {}
         self.num_preemptions = 0
@@ -138,6 +128,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._by_id[seq.seq_id]
+        self._gone.append(seq.seq_id)  # the next plan tells the runners
 
     def held_block_tables(self, group: int = 0) -> list[list[int]]:
         """Every block table of a KV group that holds references (for the integrity check)."""
@@ -215,7 +206,8 @@ class Scheduler:
             again = self.schedule(max_seqs)
             again.preempted[:0] = out.preempted
             return again
-        out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), self.kv.take_copies())
+        gone, self._gone = tuple(self._gone), []
+        out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), self.kv.take_copies(), gone)
         return out
 
     def _arrival_waits(self, seats: int) -> bool:
@@ -373,15 +365,22 @@ class Scheduler:
         sample = end == seq.num_tokens and seq.pooling is None
         p_mode = seq.pooling
         pool = p_mode if p_mode == "mean" or (p_mode == "last" and end == seq.num_tokens) or (p_mode in ("cls", "score") and start == 0) else ""
+        froms, tails = _table_diffs(seq.block_tables)
+        history_from, history = seq.history_sent, ()
+        if p.needs_history:  # the tokens the runner lacks of it
+            history = tuple(seq.token_ids[history_from:])
+            seq.history_sent = len(seq.token_ids)
         return ScheduledSeq(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:end]) + draft,
             start_pos=start,
-            block_table=tuple(seq.block_table),
+            block_table=tails[0],
             sample=sample,
             params=p,
+            table_from=froms[0],
             prompt_len=seq.prompt_len,
-            history=tuple(seq.token_ids) if needs_history(p) else (),
+            history=history,
+            history_from=history_from,
             seed=seq.seed,
             num_sampled=seq.num_output_tokens,
             prompt_logprobs=p.prompt_logprobs or 0,
@@ -392,7 +391,8 @@ class Scheduler:
             draft_masks=seq.draft_masks if draft and seq.grammar is not None else (),
             images=seq.images,
             pool=pool or "",
-            group_tables=tuple(map(tuple, seq.block_tables[1:])) if len(seq.block_tables) > 1 else (),
+            group_tables=tails[1:],
+            group_from=froms[1:],
         )
 
     def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> tuple[list[SampledToken], list]:
@@ -426,6 +426,19 @@ class Scheduler:
             self.kv.commit(seq)
             kept.extend(got)
         return kept, verified
+
+
+def _table_diffs(tables: list[list[int]]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Each KV group's table from where the runners' copy of it stops being right (BlockTable.diff): a table the
+    KV manager made anew is wrapped here, and goes out whole."""
+    froms, tails = [], []
+    for g, table in enumerate(tables):
+        if type(table) is not BlockTable:
+            table = tables[g] = BlockTable(table)
+        start, tail = table.diff()
+        froms.append(start)
+        tails.append(tail)
+    return tuple(froms), tuple(tails)
 
 
 def _take(queue: list[Sequence], seq: Sequence) -> None:

@@ -20,6 +20,76 @@ from shoal.types import FinishReason, SamplingParams
 _seq_counter = itertools.count()
 
 
+class BlockTable(list):
+    """A KV group's block table that knows how much of it the model runners hold (the plan of diffs, issue 53).
+
+    The runners keep every sequence's tables from step to step; a step sends each table's entries from `kept` on,
+    and the runners put them in place of theirs from there (runner/kept.py). Every change to an entry before the
+    end lowers `kept` to it: copy-on-write's swap of a block (kv_manager._index), a window's freed blocks (slide),
+    a rejected draft's blocks (trim). Appending needs nothing: the new entries are past `kept`. A table the KV
+    manager makes anew (admission, fork, release) is a plain list, which the scheduler wraps with `kept` 0, so it
+    goes out whole.
+    """
+
+    __slots__ = ("kept",)
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.kept = 0
+
+    def diff(self) -> tuple[int, tuple[int, ...]]:
+        """(where the unsent entries start, those entries); from now on the runners hold them all."""
+        start = self.kept
+        self.kept = len(self)
+        return start, tuple(self[start:])
+
+    def _changed(self, index) -> None:
+        if isinstance(index, slice):
+            index = index.indices(len(self))[0] if index.step in (None, 1) else 0
+        elif index < 0:
+            index += len(self)
+        self.kept = max(0, min(self.kept, index))
+
+    def __setitem__(self, index, value) -> None:
+        self._changed(index)
+        super().__setitem__(index, value)
+
+    def __delitem__(self, index) -> None:
+        self._changed(index)
+        super().__delitem__(index)
+
+    def insert(self, index, value) -> None:
+        self._changed(index)
+        super().insert(index, value)
+
+    def pop(self, index=-1):
+        self._changed(index)
+        return super().pop(index)
+
+    def _reset(self) -> None:  # a mutator that may move any entry: the whole table goes out again
+        self.kept = 0
+
+    def remove(self, value) -> None:
+        self._reset()
+        super().remove(value)
+
+    def clear(self) -> None:
+        self._reset()
+        super().clear()
+
+    def sort(self, *args, **kwargs) -> None:
+        self._reset()
+        super().sort(*args, **kwargs)
+
+    def reverse(self) -> None:
+        self._reset()
+        super().reverse()
+
+    def __imul__(self, n):
+        self._reset()
+        return super().__imul__(n)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -46,6 +116,9 @@ class Sequence:
     # For n > 1: siblings wait for the first sequence of their request to compute
     # the prompt, then share its blocks (see Scheduler._fork).
     fork_parent: Sequence | None = None
+    # The tokens of token_ids the model runner holds as this sequence's history (the sampler's penalties and
+    # bans): a step sends it the rest (Scheduler._scheduled_seq).
+    history_sent: int = 0
     # Held by its group (a beam that has sampled, engine/beam.py): its next token is the
     # group's choice, so it is never scheduled again; it keeps its KV for what continues it.
     paused: bool = False

@@ -117,7 +117,7 @@ class DistributedExecutor:
             with self._failing():
                 self._broadcast(batch)
                 logits = self.runner.logits(batch, self.runner.forward(batch), seqs)
-            return self.runner.sample(seqs, logits)
+            return self.runner.sample(seqs, logits, batch.finished)
         with self._failing():
             self._broadcast(batch)
             sends = self.stage.run(batch)  # stage 0's layers, on to stage 1

@@ -30,6 +30,7 @@ from shoal.model.layers import DecoderForCausalLM, ExpertCounts
 from shoal.model.qwen2_vl import MRotary
 from shoal.multimodal import mrope_positions
 from shoal.runner.encoder_cache import EncoderCache
+from shoal.runner.kept import KeptHistories, KeptLists, TokenHistory
 from shoal.runner.kv_sizing import WORKSPACE, KVShape, Machine, PoolSize, group_blocks, read_meminfo, size_pool
 from shoal.runner.pooling import pool
 from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, process_logits, sample
@@ -93,8 +94,11 @@ class ForwardBatch:
     # pooling chunks (ScheduledSeq.pool): their rows, segment after segment, and each segment's row count
     pool_rows: list[int] = field(default_factory=list)
     pool_lengths: list[int] = field(default_factory=list)
-    # the other KV groups' block tables (types.KVGroup), per group, of the sequences in the batch's order
+    # the other KV groups' block tables (types.KVGroup), per group, of the sequences in the batch's order, each from
+    # its entry in group_from on (the spans' tables from their changed_from: runner/kept.py)
     group_tables: list[list[tuple[int, ...]]] = field(default_factory=list)
+    group_from: list[list[int]] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)  # sequences that are gone: what the runner kept of them goes
 
     @property
     def empty(self) -> bool:
@@ -233,6 +237,11 @@ class ModelRunner:
         self.encoder = EncoderCache(vision_tower, encoder_cache_memory) if vision_tower is not None else None
         self.expert_tokens = ExpertCounts.of(model)  # a mixture-of-experts model's routing counts (metrics); else None
         self.mrope = isinstance(model.model.rotary, MRotary)
+        # Each sequence's block tables (every rank) and token history (rank 0's sampler), kept from step to step: the
+        # plans carry diffs (runner/kept.py).
+        self.kept_tables = KeptLists("block table of KV group")
+        self.kept_history = KeptHistories()
+        self._kept_sampling = None  # (rows' key, their SamplingBatch, top logprobs per row, seeded rows): _sampling_batch
         if len(self.kv_groups) == 1 and getattr(self.attention, "native", False):  # every layer in one native call, where it can
             model.model.native_forward = native.build(model.model, self.kv_caches)
         log.debug(
@@ -280,7 +289,7 @@ class ModelRunner:
 
     def outputs(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor | None) -> StepOutput:
         """The step's end on rank 0 from the forward's hidden states: logits, sampled tokens, prompt logprobs."""
-        return self.sample(seqs, self.logits(batch, hidden, seqs))
+        return self.sample(seqs, self.logits(batch, hidden, seqs), batch.finished)
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch, hidden: torch.Tensor | None, seqs: list[ScheduledSeq] | None = None) -> StepLogits | None:
@@ -313,12 +322,17 @@ class ModelRunner:
                     pieces.append((chosen, top.values if k else None, top.indices if k else None))
         return StepLogits(sampled, pieces, pooled)
 
-    def sample(self, seqs: list[ScheduledSeq], logits: StepLogits | None) -> StepOutput:
-        """Rank 0: the sampled tokens and prompt logprobs of a step whose logits are in."""
+    def sample(self, seqs: list[ScheduledSeq], logits: StepLogits | None, finished=()) -> StepOutput:
+        """Rank 0: the sampled tokens and prompt logprobs of a step whose logits are in. finished: the plan's
+        sequences that are gone. Runs once per plan, in the plans' order (as the forwards do), so the histories
+        kept here follow the plans' diffs."""
+        self.kept_history.drop(finished)
         if logits is None:
             return StepOutput([], {})
+        histories = {s.seq_id: self.kept_history.put(s.seq_id, s.history_from, s.history, s.prompt_len, s.params.no_repeat_ngram_size)
+                     for s in seqs if s.history or s.history_from}  # every sequence's diff, the ones that do not sample too
         sampled = [row for s in seqs if s.sample for row in _verified_rows(s)]
-        result = self._sample(sampled, logits.sampled) if sampled else []
+        result = self._sample(sampled, logits.sampled, histories) if sampled else []
         pooled = None
         if logits.pooled is not None:  # one host transfer for every pooling chunk of the step
             pooled = dict(zip((s.seq_id for s in seqs if s.pool), logits.pooled.tolist()))
@@ -329,6 +343,7 @@ class ModelRunner:
         """Copy blocks, then run the model over the batch: hidden states [T, hidden] (None when it has no tokens).
         hidden: the previous pipeline stage's output, for a stage without the embedding."""
         dev = self.device
+        spans = self._spans(batch)  # first: what the runner keeps follows every batch, whatever fails after
         self.copy_blocks(batch.block_copies)
         if batch.empty:
             return None
@@ -345,20 +360,32 @@ class ModelRunner:
             positions = torch.tensor(pos, dtype=torch.long, device=dev)
         if batch.images and self.encoder is not None:
             embeds = self._image_embeddings(batch.images)
-        meta = self.attention.prepare(batch.decodes, batch.chunks) if len(self.kv_groups) == 1 else self._grouped(batch)
+        n = len(batch.decodes)
+        if len(spans) == 1:
+            meta = self.attention.prepare(spans[0][:n], spans[0][n:])
+        else:  # each KV group's metadata over its own block tables
+            meta = GroupedMetadata({group.window: self.attention.prepare(s[:n], s[n:], window=group.window, null_block=null)
+                                    for group, null, s in zip(self.kv_groups, self.group_blocks, spans)}, self.attention.window)
         return self.model(input_ids, positions, self.kv_caches, meta, hidden, embeds)
 
-    def _grouped(self, batch: ForwardBatch) -> GroupedMetadata:
-        """The step's metadata for a model with several KV groups: each group's over its own block tables."""
-        by_window = {}
-        for g, (group, null) in enumerate(zip(self.kv_groups, self.group_blocks)):
-            decodes, chunks = batch.decodes, batch.chunks
-            if g:  # a plan made outside the KV manager (builder.time_steps' probe) names its blocks once, for all groups
-                tables = batch.group_tables[g - 1] if batch.group_tables else [s.block_table for s in decodes + chunks]
-                decodes = [replace(s, block_table=t) for s, t in zip(decodes, tables)]
-                chunks = [replace(s, block_table=t) for s, t in zip(chunks, tables[len(decodes):])]
-            by_window[group.window] = self.attention.prepare(decodes, chunks, window=group.window, null_block=null)
-        return GroupedMetadata(by_window, self.attention.window)
+    def _spans(self, batch: ForwardBatch) -> list[list[SeqSpan]]:
+        """Per KV group, the step's spans (decodes, then chunks) with whole block tables: the kept ones with the
+        batch's diffs in place (runner/kept.py). Runs once per batch, on every rank."""
+        self.kept_tables.drop(batch.finished)
+        groups = len(self.kv_groups)
+        out: list[list[SeqSpan]] = [[] for _ in range(groups)]
+        for i, s in enumerate(batch.decodes + batch.chunks):
+            if groups == 1:
+                starts, tails = (s.changed_from,), (s.block_table,)
+            elif batch.group_tables:
+                starts = (s.changed_from, *(f[i] for f in batch.group_from))
+                tails = (s.block_table, *(t[i] for t in batch.group_tables))
+            else:  # a plan made outside the KV manager (builder.time_steps' probe) names its blocks once, for all groups
+                starts, tails = (s.changed_from,) * groups, (s.block_table,) * groups
+            tables = self.kept_tables.put(s.seq_id, starts, tails)
+            for g in range(groups):
+                out[g].append(SeqSpan(s.start_pos, s.length, tables[g], s.seq_id, starts[g]))
+        return out
 
     @staticmethod
     def _mrope_positions(pos: list[int], images: list[ImageRows]) -> list[list[int]]:
@@ -386,43 +413,66 @@ class ModelRunner:
             return None
         return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts)
 
-    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
+    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor, histories: dict[int, TokenHistory]) -> list[SampledToken]:
         """One SampledToken per sequence. A failure that belongs to some rows (their
         parameters, a bug they trigger) fails those sequences alone: the batch is
         sampled again row by row, and the rows that still raise get an error."""
         try:
-            return self._sample_batch(seqs, logits)
+            return self._sample_batch(seqs, logits, histories)
         except Exception:
             log.exception("sampling %d rows failed; sampling them one by one to find the culprits", len(seqs))
         result = []
         for i, s in enumerate(seqs):
             try:
-                result.extend(self._sample_batch([s], logits[i : i + 1]))
+                result.extend(self._sample_batch([s], logits[i : i + 1], histories))
             except Exception:
                 log.exception("sampling failed for sequence %d", s.seq_id)
                 result.append(SampledToken(s.seq_id, -1, float("nan"), error=SAMPLING_FAILED))
         return result
 
-    def _sample_batch(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SampledToken]:
+    def _sampling_batch(self, seqs: list[ScheduledSeq], vocab_size: int, histories: dict[int, TokenHistory]) -> tuple[SamplingBatch, list[int]]:
+        """The rows' SamplingBatch, and each row's number of top logprobs. The last step's batch serves again while
+        its rows are the same sequences with the same parameters, and none of them carries what changes from step
+        to step (a history for penalties or bans, a grammar's mask, a beam): only seeded rows' generators are made
+        anew, for their position. So SamplingBatch.build runs only when the batch changes (issue 53)."""
+        key = [(s.seq_id, s.params) for s in seqs]  # the same parameters: the same histories read, the same beams
+        kept = self._kept_sampling
+        if kept is not None and kept[0] == key and all(s.token_mask is None for s in seqs):  # a grammar's mask: anew
+            batch, num_logprobs, seeded = kept[1:]
+            if seeded:  # the sampled rows' generators, for this step's positions
+                batch.generators = tuple(self._generator(seqs[i]) for i in seeded)
+            return batch, num_logprobs
         rows = []
         for s in seqs:
             p = s.params
             if p.use_beam_search:
                 p = replace(p, temperature=0.0)  # beams pick by score: processors apply, warpers do not
-            gen = None if p.greedy or s.seed is None else seeded_generator(s.seed, s.num_sampled, self.device)
-            hist = s.history
             rows.append(
                 SamplerRow(
                     params=p,
-                    prompt_token_ids=hist[: s.prompt_len],
-                    output_token_ids=hist[s.prompt_len :],
                     eos_token_ids=self.eos_token_ids,
-                    generator=gen,
+                    generator=self._generator(s),
                     num_logprobs=_num_logprobs(p),
                     token_mask=s.token_mask,
+                    history=histories.get(s.seq_id),
+                    extra=s.draft,  # a verified row's: the drafted tokens before it (_verified_rows)
                 )
             )
-        batch = SamplingBatch.build(rows, logits.shape[-1], self.device)
+        batch = SamplingBatch.build(rows, vocab_size, self.device)
+        num_logprobs = [r.num_logprobs for r in rows]
+        same_next = not any(s.seq_id in histories or s.token_mask is not None or s.params.use_beam_search for s in seqs)
+        seeded = [i for i, s in enumerate(seqs) if not s.params.greedy] if any(r.generator is not None for r in rows) else []
+        self._kept_sampling = (key, batch, num_logprobs, seeded) if same_next else None
+        return batch, num_logprobs
+
+    def _generator(self, s: ScheduledSeq) -> torch.Generator | None:
+        """A seeded sampled row's generator at its position; None: the global RNG (or a greedy row's, which draws none)."""
+        if s.seed is None or s.params.greedy or s.params.use_beam_search:
+            return None
+        return seeded_generator(s.seed, s.num_sampled, self.device)
+
+    def _sample_batch(self, seqs: list[ScheduledSeq], logits: torch.Tensor, histories: dict[int, TokenHistory]) -> list[SampledToken]:
+        batch, num_logprobs = self._sampling_batch(seqs, logits.shape[-1], histories)
         out = sample(logits, batch)
         # The step's one host sync: everything the engine needs, in one transfer each.
         token_ids = out.token_ids.tolist()
@@ -434,7 +484,7 @@ class ModelRunner:
             # Beams rank continuations by the logits processors (penalties, bias,
             # bans) applied to the logprobs, not renormalized: transformers' beam search.
             idx = torch.tensor(beam_rows, device=self.device)
-            k = max(rows[i].num_logprobs for i in beam_rows)
+            k = max(num_logprobs[i] for i in beam_rows)
             best = process_logits(torch.log_softmax(logits.float(), dim=-1), batch)[idx].topk(k)
             for i, ids, lps in zip(beam_rows, best.indices.tolist(), best.values.tolist()):
                 top_ids[i], top_lps[i] = ids, lps
@@ -443,7 +493,7 @@ class ModelRunner:
             if token_ids[i] < 0:  # no token: the sampler's code says why
                 result.append(SampledToken(s.seq_id, -1, float("nan"), error=ROW_ERRORS[token_ids[i]]))
                 continue
-            k = rows[i].num_logprobs
+            k = num_logprobs[i]
             top = tuple(Logprob(t, lp) for t, lp in zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids else ()
             result.append(SampledToken(s.seq_id, token_ids[i], logprobs[i], top))
         return result
@@ -505,33 +555,35 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
             first = len(ids) - len(s.token_ids) if s.pool in ("cls", "score") else len(ids) - n
             pool_rows.extend(range(first, first + n))
             pool_lengths.append(n)
-    groups = [[s.group_tables[g] for s in seqs] for g in range(len(seqs[0].group_tables))] if seqs and seqs[0].group_tables else []
+    others = range(len(seqs[0].group_tables)) if seqs else ()
     batch = ForwardBatch(
         ids,
-        [SeqSpan(s.start_pos, 1, tuple(s.block_table), s.seq_id) for s in decodes],
-        [SeqSpan(s.start_pos, len(s.token_ids), tuple(s.block_table), s.seq_id) for s in chunks],
+        [SeqSpan(s.start_pos, 1, s.block_table, s.seq_id, s.table_from) for s in decodes],
+        [SeqSpan(s.start_pos, len(s.token_ids), s.block_table, s.seq_id, s.table_from) for s in chunks],
         list(plan.block_copies),
         sample_rows,
         prompt_rows,
         images,
         pool_rows,
         pool_lengths,
-        groups,
+        [[s.group_tables[g] for s in seqs] for g in others],
+        [[s.group_from[g] if s.group_from else 0 for s in seqs] for g in others],
+        list(plan.finished),
     )
     return batch, seqs
 
 
 def _verified_rows(s: ScheduledSeq) -> list[ScheduledSeq]:
     """The sampling rows of a sequence: one, or with a draft d_0..d_{k-1} k + 1, row i sampling as a decode
-    after d_0..d_{i-1} would (engine/speculative.py): its history holds them, its generator is the one of
-    its position, its mask the grammar's after them."""
+    after d_0..d_{i-1} would (engine/speculative.py): its `draft` is those tokens (what its penalties and bans count
+    after the history), its generator the one of its position, its mask the grammar's after them."""
     if not s.draft:
         return [s]
-    rows = [s]
+    rows = [replace(s, draft=())]
     for i in range(1, len(s.draft) + 1):
         rows.append(replace(
             s,
-            history=s.history + s.draft[:i] if s.history else (),
+            draft=s.draft[:i],
             num_sampled=s.num_sampled + i,
             token_mask=s.draft_masks[i - 1] if s.draft_masks else None,
         ))

@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 
 from shoal import kernels
+from shoal.runner.kept import TokenHistory
 from shoal.types import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -80,7 +81,9 @@ class SamplerRow:
     """Plain data for one sampled row; the runner makes one per sequence."""
 
     params: SamplingParams
-    prompt_token_ids: Sequence[int] = ()  # read only for repetition_penalty / no_repeat_ngram
+    # The row's token history, read only for penalties and bans: given whole (prompt_token_ids, output_token_ids), or
+    # the runner's kept one (`history`, runner/kept.py), with `extra` tokens after it (a draft's, before this row).
+    prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()  # generated so far
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS set
     # Seeded per sequence, on the logits' device; None: the global RNG. A sampled
@@ -90,6 +93,14 @@ class SamplerRow:
     # Structured output: the tokens the grammar allows (bit t of the little-endian bytes:
     # token t), or None for an unconstrained row.
     token_mask: bytes | None = None
+    history: TokenHistory | None = None
+    extra: tuple[int, ...] = ()
+
+    def tokens(self) -> TokenHistory:
+        """The history with the views penalties and bans read: the kept one, or one built from the ids given."""
+        if self.history is not None:
+            return self.history
+        return TokenHistory.of(self.prompt_token_ids, self.output_token_ids, self.params.no_repeat_ngram_size)
 
 
 @dataclass
@@ -153,11 +164,15 @@ class SamplingBatch:
         def f32(xs: list[float]) -> torch.Tensor:  # [n] -> [n, 1]
             return torch.tensor(xs, dtype=torch.float32, device=dev).unsqueeze(1)
 
+        # The histories of the rows that read one (penalties, bans), each once: their views are kept up to date as
+        # tokens come (runner/kept.py TokenHistory), so nothing here passes over a history in Python.
+        hist = {i: r.tokens() for i, r in enumerate(rows) if r.params.needs_history}
+
         # -------- repetition penalty: the distinct tokens of prompt + output (HF)
         rep = [r.params.repetition_penalty for r in rows]
         if any(p != 1.0 for p in rep):
-            ids = [list(r.prompt_token_ids) + list(r.output_token_ids) if p != 1.0 else [] for r, p in zip(rows, rep)]
-            row_idx, tok_idx, _ = _unique_pairs(ids, V)
+            ids = [hist[i].seen_tokens(r.extra) if p != 1.0 else [] for i, (r, p) in enumerate(zip(rows, rep))]
+            row_idx, tok_idx, _ = _pairs(ids, V)
             if len(row_idx):
                 b.rep_index = (row_idx.to(dev), tok_idx.to(dev))
                 lo, hi = REPETITION_PENALTY_RANGE
@@ -168,8 +183,8 @@ class SamplingBatch:
         pres = [r.params.presence_penalty for r in rows]
         freq = [r.params.frequency_penalty for r in rows]
         if any(pres) or any(freq):
-            ids = [list(r.output_token_ids) if (pp or fp) else [] for r, pp, fp in zip(rows, pres, freq)]
-            row_idx, tok_idx, counts = _unique_pairs(ids, V)
+            pairs = [hist[i].output_counts(r.extra) if (pp or fp) else ([], []) for i, (r, pp, fp) in enumerate(zip(rows, pres, freq))]
+            row_idx, tok_idx, counts = _pairs([t for t, _ in pairs], V, [c for _, c in pairs])
             if len(row_idx):
                 pres_t = torch.tensor(pres, dtype=torch.float32)[row_idx]
                 freq_t = torch.tensor(freq, dtype=torch.float32)[row_idx]
@@ -195,7 +210,7 @@ class SamplingBatch:
         ban_rows: list[int] = []
         ban_toks: list[int] = []
         for i, r in enumerate(rows):
-            banned = _banned_tokens(r)
+            banned = _banned_tokens(r, hist.get(i))
             ban_toks.extend(t for t in banned if 0 <= t < V)
             ban_rows.extend([i] * (len(ban_toks) - len(ban_rows)))
         if ban_rows:
@@ -241,14 +256,16 @@ def _i64(xs: list[int], dev: torch.device) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64, device=dev)
 
 
-def _unique_pairs(ids: list[list[int]], V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ragged per-row token lists -> distinct (row [N], token [N]) pairs and their counts [N],
-    on CPU; ids outside [0, V) are dropped."""
-    flat = torch.tensor([t for row in ids for t in row], dtype=torch.int64)
+def _pairs(ids: list[list[int]], V: int, counts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-row lists of distinct token ids (and each one's count) -> (row [N], token [N], count [N] or None) on the
+    CPU; ids outside [0, V) are dropped."""
+    flat = torch.tensor([t for row in ids for t in row] if len(ids) > 1 else ids[0], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(r) for r in ids], dtype=torch.int64))
     keep = (flat >= 0) & (flat < V)
-    keys, counts = torch.unique(rows[keep] * V + flat[keep], return_counts=True)
-    return keys // V, keys % V, counts
+    n = None
+    if counts is not None:
+        n = torch.tensor([c for row in counts for c in row] if len(counts) > 1 else counts[0], dtype=torch.int64)[keep]
+    return rows[keep], flat[keep], n
 
 
 _BIT = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
@@ -264,17 +281,19 @@ def unpack_token_masks(masks: list[bytes], V: int) -> torch.Tensor:
     return allowed[:, :V]
 
 
-def _banned_tokens(r: SamplerRow) -> list[int]:
-    """Token ids this row may not pick this step (duplicates are harmless)."""
+def _banned_tokens(r: SamplerRow, history: TokenHistory | None = None) -> list[int]:
+    """Token ids this row may not pick this step (duplicates are harmless). history: r.tokens(), where built."""
     p = r.params
     banned: list[int] = []
     if p.ignore_eos:
         banned.extend(r.eos_token_ids)
-    if len(r.output_token_ids) < p.min_tokens:
-        banned.extend(r.eos_token_ids)
-        banned.extend(p.stop_token_ids)
-    if p.no_repeat_ngram_size > 0:
-        banned.extend(no_repeat_ngram_bans(list(r.prompt_token_ids) + list(r.output_token_ids), p.no_repeat_ngram_size))
+    if p.min_tokens > 0 or p.no_repeat_ngram_size > 0:
+        history = history if history is not None else r.tokens()
+        if history.num_output(r.extra) < p.min_tokens:
+            banned.extend(r.eos_token_ids)
+            banned.extend(p.stop_token_ids)
+        if p.no_repeat_ngram_size > 0:
+            banned.extend(history.ngram_bans(r.extra))
     return banned
 
 

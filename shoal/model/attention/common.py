@@ -87,8 +87,11 @@ class SeqSpan:
 
     start_pos: int
     length: int
-    block_table: tuple[int, ...]
+    block_table: tuple[int, ...]  # on the wire (ForwardBatch), the entries from changed_from on; in a backend, all
     seq_id: int = -1  # the sequence's, where the runner knows it (-1: none; a backend then keeps nothing of it)
+    # The first entry of the table that may differ from the one this sequence had in the last step that named it
+    # (runner/kept.py): a backend that keeps tables rewrites from there. 0: all of it.
+    changed_from: int = 0
 
     @property
     def context_len(self) -> int:

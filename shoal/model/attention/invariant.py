@@ -105,19 +105,20 @@ class TableRows:
     """The block tables of the sequences a step attends over, kept as rows of one int32 tensor from step to step, so a
     step writes only what changed (issue 53: nothing O(context) rebuilt in Python per sequence per step).
 
-    A sequence's row holds the table it had when last written, padded with the null block; a step compares each
-    sequence's table with that (a C-level tuple compare) and writes only its new blocks, or the whole row where an
-    earlier entry changed (copy-on-write of the last block, a window's freed blocks, a restart after preemption).
-    Rows of sequences no step has named for longest are reused once every row is taken; the tensor doubles where a
-    step needs more rows or a table more columns. `tables(spans)` is then one gather of the step's rows, wider than
-    the widest table only by null columns, which the attention op never reads past a row's position.
+    A sequence's row holds the table it had in the last step that named it, padded with the null block. A span says
+    from which entry its table may differ from that one (SeqSpan.changed_from, from the plan's diffs: runner/kept.py),
+    so a step writes a sequence's new blocks only, or from the earliest entry that changed (copy-on-write's swap of a
+    block, a window's freed blocks, a rejected draft's), or the whole row for a sequence it has not seen. Rows of
+    sequences no step has named for longest are reused once every row is taken; the tensor doubles where a step
+    needs more rows or a table more columns. `tables(spans)` is then one gather of the step's rows, wider than the
+    widest table only by null columns, which the attention op never reads past a row's position.
     """
 
     def __init__(self, null: int, device: torch.device, rows: int = 16, columns: int = 16) -> None:
         self.null, self.device = null, device
         self.tensor = torch.full((rows, columns), null, dtype=torch.int32, device=device)
         self.row_of: OrderedDict[int, int] = OrderedDict()  # seq_id -> its row, least recently named first
-        self.held: dict[int, tuple[int, ...]] = {}  # seq_id -> the table its row holds
+        self.held: dict[int, int] = {}  # seq_id -> the length of the table its row holds
         self.free = list(range(rows - 1, -1, -1))
 
     def tables(self, spans: list[SeqSpan], step: set[int]) -> torch.Tensor:
@@ -133,18 +134,18 @@ class TableRows:
             if row is None:
                 row = self._take_row(step)
                 self.row_of[sid] = row
-                held = None
+                start = 0
             else:
                 self.row_of.move_to_end(sid)
                 held = self.held[sid]
-            if held is not None and len(table) >= len(held) and table[: len(held)] == held:
-                if len(table) > len(held):  # new blocks only
-                    self.tensor[row, len(held) : len(table)] = torch.tensor(table[len(held) :], dtype=torch.int32)
-            else:  # a new sequence, or an earlier entry changed: the whole row
+                start = min(s.changed_from, held)
+                if len(table) < held:  # a shorter table: its old entries past the end go back to null
+                    self.tensor[row, len(table) : held] = self.null
+            if start == 0:
                 self.tensor[row].fill_(self.null)
-                if table:
-                    self.tensor[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            self.held[sid] = table
+            if len(table) > start:
+                self.tensor[row, start : len(table)] = torch.tensor(table[start:], dtype=torch.int32)
+            self.held[sid] = len(table)
             rows.append(row)
         return self.tensor.index_select(0, torch.tensor(rows, device=self.device))
 
@@ -183,7 +184,7 @@ class InvariantAttention:
         self.device = device
         # the native op (CPU, where it built): row-invariant by construction, needs neither setting below
         self.native = device.type == "cpu" and (native is not False) and kernels.available()
-        self.table_rows: dict[int, TableRows] = {}  # the native op's block tables, kept across steps, per null block
+        self.table_rows: dict[tuple, TableRows] = {}  # the native op's block tables, kept across steps, per KV group
         torch_cpu = device.type == "cpu" and not self.native
         # where the host's GEMMs in this dtype are not row-invariant (MKL's float32 on AMD EPYC, emulated
         # bfloat16): products in a wider dtype, rounded once (invariance.wide_dtype, a probe run once per dtype)
@@ -199,7 +200,7 @@ class InvariantAttention:
         null_block: what pads the tables (None: the backend's; a KV group's cache has its own, types.KVGroup)."""
         null = self.null_block if null_block is None else null_block
         if self.native:
-            return self._native(decodes + chunks, null)
+            return self._native(decodes + chunks, null, window)
         window = self.window if window is MODEL_WINDOW else window
         meta = InvariantMetadata(self, slot_mapping(decodes + chunks, self.block_size, self.device), window=window, spans=(decodes, chunks))
         if decodes:
@@ -215,13 +216,13 @@ class InvariantAttention:
         are written by its forward; this is for caches filled from outside, as tests do)."""
         write_kv(kv, k, v, slots, transposed_keys=self.native)  # the native op keeps keys transposed within their block
 
-    def _native(self, spans: list[SeqSpan], null: int) -> NativeMetadata:
+    def _native(self, spans: list[SeqSpan], null: int, window) -> NativeMetadata:
         ids = {s.seq_id for s in spans}
         if self.keep_tables and spans and min(ids) >= 0 and len(ids) == len(spans):
-            # the runner's sequences, each once: their rows kept across steps
-            rows = self.table_rows.get(null)
+            # the runner's sequences, each once: their rows kept across steps, per KV group
+            rows = self.table_rows.get((null, window))
             if rows is None:
-                rows = self.table_rows[null] = TableRows(null, self.device)
+                rows = self.table_rows[(null, window)] = TableRows(null, self.device)
             tables_t = rows.tables(spans, ids)
         else:
             tables_t = self.tables(spans, null)
