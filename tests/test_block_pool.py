@@ -11,7 +11,7 @@ def test_bookkeeping_modules_do_not_import_torch():
     code = (
         "import sys; import shoal.engine.block_pool, shoal.engine.prefix_cache, shoal.engine.kv_manager, shoal.engine.kv_tier, shoal.engine.kv_store, "
         "shoal.engine.scheduler, shoal.engine.sequence, shoal.engine.request, shoal.engine.beam, shoal.engine.stats, "
-        "shoal.engine.detokenizer, shoal.json_schema, shoal.runner.shard_plan, shoal.runner.kv_sizing, shoal.model.file_checks, shoal.types, shoal.config; print('torch' in sys.modules)"
+        "shoal.engine.detokenizer, shoal.json_schema, shoal.runner.shard_plan, shoal.runner.kv_sizing, shoal.runner.kept, shoal.model.file_checks, shoal.types, shoal.config; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

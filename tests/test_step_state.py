@@ -6,6 +6,7 @@ admissions, preemptions, aborts, beams and speculation's drafts; the plans' diff
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,9 @@ import torch
 from shoal import kernels
 from shoal.engine.llm import LLM
 from shoal.engine.scheduler import _table_diffs
-from shoal.runner.kept import KeptHistories, KeptLists, TokenHistory
+from shoal.runner.kept import KeptHistories, KeptLists, OutOfStep, TokenHistory
 from shoal.runner.model_runner import ModelRunner
-from shoal.runner.sampler import SamplingBatch
+from shoal.runner.sampler import SamplingBatch, no_repeat_ngram_bans
 from shoal.model.attention.common import SeqSpan
 from shoal.model.attention.invariant import InvariantAttention, TableRows
 from shoal.types import GenerationRequest, SamplingParams
@@ -214,3 +215,36 @@ def test_a_kept_sampling_batch_gives_the_tokens_of_one_built_every_step(monkeypa
     fresh, fresh_builds, _ = run(False)
     assert kept == fresh
     assert fresh_builds >= steps - 1 and kept_builds < fresh_builds / 3, (kept_builds, fresh_builds, steps)
+
+
+def test_a_kept_historys_views_are_those_of_the_whole_history_as_tokens_come():
+    """TokenHistory's distinct tokens, output counts and n-gram bans, brought up to date token by token and with a
+    draft's extra tokens on top, equal those counted from the whole history (sampler.no_repeat_ngram_bans is
+    HF's, tests/test_sampler.py); a diff that starts past what is kept raises, one that starts earlier rebuilds."""
+    rng = random.Random(1)
+    for _ in range(2000):
+        n, V = rng.randint(0, 5), rng.randint(1, 6)
+        prompt = [rng.randrange(V) for _ in range(rng.randint(0, 8))]
+        kept = KeptHistories()
+        h = kept.put(1, 0, prompt, len(prompt), n)
+        out: list[int] = []
+        for _ in range(rng.randint(0, 10)):
+            new = [rng.randrange(V) for _ in range(rng.randint(0, 3))]
+            h = kept.put(1, len(prompt) + len(out), new, len(prompt), n)
+            out += new
+            extra = tuple(rng.randrange(V) for _ in range(rng.randint(0, 4)))
+            whole = prompt + out + list(extra)
+            bans = h.ngram_bans(extra)
+            assert (sorted(bans) if n == 1 else bans) == (sorted(no_repeat_ngram_bans(whole, n)) if n == 1 else no_repeat_ngram_bans(whole, n))
+            assert sorted(h.seen_tokens(extra)) == sorted(set(whole))
+            assert dict(zip(*h.output_counts(extra))) == dict(Counter(out + list(extra)))
+            assert h.num_output(extra) == len(out) + len(extra)
+        assert h.tokens == prompt + out  # the extras were never kept
+        if out:
+            with pytest.raises(OutOfStep, match="starts at"):
+                kept.put(1, len(h.tokens) + 1, [0], len(prompt), n)
+            again = kept.put(1, len(prompt), out[:1], len(prompt), n)  # rewritten from the output's start
+            fresh = TokenHistory.of(prompt, out[:1], n)
+            assert (again.tokens, again.seen, again.counts, again.index) == (fresh.tokens, fresh.seen, fresh.counts, fresh.index)
+    kept.drop([1])
+    assert len(kept) == 0

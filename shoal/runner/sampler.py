@@ -610,7 +610,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of `logits` [B, V] (the raw model output)."""
     raw = logits.float()
     processed = apply_processors(raw, batch)  # [B, V]; `raw` itself is never modified
-    if batch.all_greedy and not batch.num_top_logprobs and _native_rows(raw) and _native_rows(processed):
+    if batch.all_greedy and not batch.num_top_logprobs and _native_rows(raw) and (processed is raw or _native_rows(processed)):
         # the steps below for greedy rows in one native op: the same argmax, torch's log_softmax, the same codes
         return SamplerOutput(*kernels.greedy_rows(raw, processed), None, None)
 

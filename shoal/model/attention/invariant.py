@@ -147,6 +147,9 @@ class TableRows:
                 self.tensor[row, start : len(table)] = torch.tensor(table[start:], dtype=torch.int32)
             self.held[sid] = len(table)
             rows.append(row)
+        first = rows[0]
+        if rows[-1] - first == len(rows) - 1 and rows == list(range(first, first + len(rows))):
+            return self.tensor[first : first + len(rows)]  # the rows in order (one stream, a steady batch): a view
         return self.tensor.index_select(0, torch.tensor(rows, device=self.device))
 
     def _take_row(self, step: set[int]) -> int:
