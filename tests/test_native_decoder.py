@@ -1,6 +1,6 @@
 """The native forward (model/native.py, kernels/decoder.cpp): a decoder's layers in one C++ call give the Python
 forward's bits, for every step a server runs (prompts alone and batched, chunked prefill, speculation's drafts,
-seeded sampling, prefix-cache hits), for every low-bit format it covers, in float32 and bfloat16; a model it does
+seeded sampling, prefix-cache hits, beams), for every low-bit format it covers, in float32 and bfloat16; a model it does
 not cover says why and keeps the Python forward."""
 
 from __future__ import annotations
@@ -27,14 +27,18 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def _workload(llm: LLM, vocab: int) -> list[tuple]:
     """Greedy prompts batched (chunked by the small token budget), a seeded sampled one, then the greedy ones again
-    (prefix-cache hits): every token id and logprob, as the engine reports them."""
+    (prefix-cache hits), then beams beside a greedy prompt: every token id and logprob, and each beam's tokens and
+    score, as the engine reports them."""
     prompts = _prompts(vocab)
     greedy = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompts + [prompts[2]], [greedy] * len(prompts) + [seeded])
     outs += llm.generate(prompts[:2], greedy)
-    return [(o.outputs[0].token_ids, [(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in o.outputs[0].logprobs])
-            for o in outs]
+    got = [(o.outputs[0].token_ids, [(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in o.outputs[0].logprobs])
+           for o in outs]
+    beams = SamplingParams(num_beams=3, n=3, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([prompts[1], prompts[3]], [beams, greedy])
+    return got + [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
 
 
 def _native_of(llm: LLM):
@@ -127,3 +131,32 @@ def test_a_description_that_does_not_add_up_is_refused():
         torch.classes.shoal_kernels.DecoderPlan([], [1, 0], [1e-5])
     with pytest.raises(RuntimeError, match="longer than its layers"):
         torch.classes.shoal_kernels.DecoderPlan([], [0, 0, 0, 0, 7], [1e-5])
+
+
+def test_a_closed_engine_lets_its_kv_pool_go_though_the_plan_held_it(monkeypatch, default_gguf_path):
+    """The native plan holds every layer's KV cache (no copies). Once the engine is closed and dropped, nothing keeps
+    the pool: its anonymous mapping is gone, as it is with the Python forward (a server unloading a model gets its
+    memory back)."""
+    import gc
+    import mmap
+    import weakref
+
+    from shoal.runner import model_runner
+
+    pools = []
+    real = mmap.mmap
+
+    def recording(fileno, *args, **kwargs):
+        m = real(fileno, *args, **kwargs)
+        if fileno == -1:  # an anonymous mapping: the KV pool's (model_runner.kv_pool_tensor)
+            pools.append(weakref.ref(m))
+        return m
+
+    monkeypatch.setattr(model_runner.mmap, "mmap", recording)
+    with LLM(str(default_gguf_path), max_model_len=256) as llm:
+        assert isinstance(_native_of(llm), native.NativeForward)
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
+        assert pools and all(r() is not None for r in pools)
+    del llm
+    gc.collect()
+    assert all(r() is None for r in pools)
