@@ -480,3 +480,27 @@ def test_attention_bits_are_its_documented_arithmetic(isa, window):
         lo = max(0, p - window + 1) if window else 0
         want = _model_row(q[i, 0].numpy(), keys.numpy(), values.numpy(), lo, p, 0.25, fused)
         assert np.array_equal(out[i, 0].numpy().view(np.int32), want.view(np.int32)), f"row at {p} on {isa}"
+
+
+def test_step_rows_are_the_slots_sequences_and_positions_python_builds():
+    """kernels.step_rows, the native metadata's row indices, equal slot_mapping's slots and the spans' rows, for random
+    steps of decodes and chunks over tables padded with the null block; a position past its table is refused."""
+    rng = random.Random(5)
+    null = 999
+    for _ in range(200):
+        bs = rng.choice((1, 3, 4, 16))
+        spans = []
+        for sid in range(rng.randint(1, 6)):
+            start, length = rng.randint(0, 40), rng.choice((1, 1, rng.randint(1, 20)))
+            table = tuple(rng.sample(range(200), (start + length + bs - 1) // bs + rng.randint(0, 2)))
+            spans.append(SeqSpan(start, length, table, sid))
+        width = max(len(s.block_table) for s in spans) + rng.randint(0, 3)
+        tables = torch.tensor([list(s.block_table) + [null] * (width - len(s.block_table)) for s in spans], dtype=torch.int32)
+        starts_lengths = torch.tensor([s.start_pos for s in spans] + [s.length for s in spans])
+        slots, seq, pos = kernels.step_rows(starts_lengths, tables, bs, null)
+        assert slots.tolist() == slot_mapping(spans, bs, torch.device("cpu")).tolist()
+        assert seq.tolist() == [i for i, s in enumerate(spans) for _ in range(s.length)] and seq.dtype == torch.int32
+        assert pos.tolist() == [p for s in spans for p in range(s.start_pos, s.context_len)] and pos.dtype == torch.int32
+    short = torch.tensor([[7, null]], dtype=torch.int32)  # one block held, a position in the second
+    with pytest.raises(RuntimeError, match="past its sequence's block table"):
+        kernels.step_rows(torch.tensor([3, 3]), short, 2, null)

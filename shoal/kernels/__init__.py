@@ -217,6 +217,12 @@ def greedy_rows(raw: torch.Tensor, processed: torch.Tensor) -> tuple[torch.Tenso
     return torch.ops.shoal_kernels.greedy_rows(raw, processed)
 
 
+def step_rows(spans: torch.Tensor, tables: torch.Tensor, block_size: int, null: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's row indices for invariant_attention: spans [2S] int64 (each sequence's first position, then each one's
+    row count), tables [S, W] int32 -> (slots [T] int64, row_seq [T] int32, row_pos [T] int32)."""
+    return torch.ops.shoal_kernels.step_rows(spans, tables, block_size, null)
+
+
 def invariant_attention(q, k, v, kv, slots, tables, row_seq, row_pos, scale: float, window: int, group: int,
                         softcap: float = 0.0) -> torch.Tensor:
     """See cpu.cpp: writes k/v into kv at `slots`, returns attention [T, Hq, D] in q's dtype."""

@@ -1176,6 +1176,44 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::
   return {ids, logp};
 }
 
+// The native attention op's row indices for a step (model/attention/invariant.py): spans [2S] int64, the S sequences'
+// first positions and then their row counts, in the step's order; tables [S, W] int32, their block tables (padded with
+// the null block `null`) -> slots [T] int64 (each row's cache slot: table[p / block_size] * block_size + p % block_size),
+// row_seq [T] int32 (its sequence), row_pos [T] int32 (its position). One op where Python built three lists a token
+// long and a tensor of each.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> step_rows(const at::Tensor& spans, const at::Tensor& tables, int64_t block_size,
+                                                         int64_t null) {
+  TORCH_CHECK(spans.dim() == 1 && spans.scalar_type() == at::kLong && spans.is_contiguous() && spans.size(0) % 2 == 0,
+              "step_rows: spans [2S] int64");
+  const int64_t S = spans.size(0) / 2;
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S && tables.scalar_type() == at::kInt && tables.stride(1) == 1,
+              "step_rows: tables [S, W] int32");
+  TORCH_CHECK(block_size > 0, "step_rows: block_size > 0");
+  const int64_t* start = spans.data_ptr<int64_t>();
+  const int64_t* length = start + S;
+  int64_t T = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(start[s] >= 0 && length[s] >= 0, "step_rows: negative positions or row counts");
+    T += length[s];
+  }
+  at::Tensor slots = at::empty({T}, spans.options()), seq = at::empty({T}, tables.options()), pos = at::empty({T}, tables.options());
+  int64_t* sp = slots.data_ptr<int64_t>();
+  int32_t* qp = seq.data_ptr<int32_t>();
+  int32_t* pp = pos.data_ptr<int32_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t W = tables.size(1), ts = tables.stride(0);
+  for (int64_t s = 0, t = 0; s < S; ++s) {
+    for (int64_t p = start[s], end = start[s] + length[s]; p < end; ++p, ++t) {
+      const int64_t b = p / block_size;
+      TORCH_CHECK(b < W && tp[s * ts + b] != null, "step_rows: a position past its sequence's block table");
+      sp[t] = static_cast<int64_t>(tp[s * ts + b]) * block_size + p % block_size;
+      qp[t] = static_cast<int32_t>(s);
+      pp[t] = static_cast<int32_t>(p);
+    }
+  }
+  return {slots, seq, pos};
+}
+
 // gate_up [T, 2I] -> silu(gate) * up [T, I]
 at::Tensor silu_mul(const at::Tensor& x) {
   const int64_t T = x.size(0), I = x.size(1) / 2;
@@ -1238,6 +1276,7 @@ TORCH_LIBRARY(shoal_kernels, m) {
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("row_argmax(Tensor x) -> (Tensor, Tensor)");
   m.def("greedy_rows(Tensor raw, Tensor processed) -> (Tensor, Tensor)");
+  m.def("step_rows(Tensor spans, Tensor tables, int block_size, int null) -> (Tensor, Tensor, Tensor)");
   m.def("shm_gather(Tensor part, Tensor slots, Tensor posted, int rank, int n, int[] widths, int slot_bytes, int spin) -> Tensor?",
         &shm_gather);
 }
@@ -1250,6 +1289,7 @@ TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("row_argmax", &row_argmax);
   m.impl("greedy_rows", &greedy_rows);
+  m.impl("step_rows", &step_rows);
 }
 
 // the level the low-bit matmuls (lowbit.cpp) start from

@@ -229,13 +229,10 @@ class InvariantAttention:
             tables_t = rows.tables(spans, ids)
         else:
             tables_t = self.tables(spans, null)
-        seq: list[int] = []
-        pos: list[int] = []
-        for i, s in enumerate(spans):
-            seq.extend([i] * s.length)
-            pos.extend(range(s.start_pos, s.context_len))
-        seq_t, pos_t = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in (seq, pos))
-        return NativeMetadata(self, slot_mapping(spans, self.block_size, self.device), tables_t, seq_t, pos_t)
+        # each row's cache slot, sequence and position, in one op from the spans and their tables
+        starts_lengths = torch.tensor([s.start_pos for s in spans] + [s.length for s in spans], dtype=torch.long)
+        slots, seq_t, pos_t = kernels.step_rows(starts_lengths, tables_t, self.block_size, null)
+        return NativeMetadata(self, slots, tables_t, seq_t, pos_t)
 
     def tables(self, spans: list[SeqSpan], null: int) -> torch.Tensor:
         """The spans' block tables [S, widest] int32, padded with `null`, built from scratch (what TableRows keeps)."""
