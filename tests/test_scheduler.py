@@ -478,3 +478,24 @@ def test_random_traffic_under_windows_keeps_every_pool_and_the_cache_consistent(
     kv.check_integrity(*([] for _ in kv.groups))
     assert [p.num_free for p in pools] == [p.num_blocks for p in pools]
     assert s.num_preemptions > 0 and kv.cache.stats.hits > 0 and kv.cache.stats.evictions > 0
+
+
+def test_a_decodes_broadcast_does_not_grow_with_its_context():
+    """What rank 0 sends the other ranks each step (the pickled ForwardBatch, executor/group.py): with the plan of
+    diffs, a decode step at 4,000 tokens of context is as small as one at 40; whole tables made it grow with them."""
+    import pickle
+
+    from shoal.runner.model_runner import forward_batch
+
+    sizes = {}
+    for context in (40, 4000):
+        s, _ = make(num_blocks=1100, block_size=4, max_num_seqs=4, budget=8192, max_model_len=8192)
+        seqs = [seq(context, f"r{i}") for i in range(4)]
+        for x in seqs:
+            s.add(x)
+        out = run_step(s)  # the prompts: whole tables go out once
+        first = len(pickle.dumps(forward_batch(out.plan)[0]))
+        steady = [len(pickle.dumps(forward_batch(run_step(s).plan)[0])) for _ in range(8)]
+        sizes[context] = (first, max(steady))
+    assert sizes[4000][0] > sizes[40][0] + 4 * 900  # the first plan carries the tables (1,000 blocks each)
+    assert sizes[4000][1] <= sizes[40][1] + 16  # a decode's does not (a few more bytes for larger numbers)
