@@ -726,9 +726,14 @@ def test_greedy_rows_in_one_native_op_give_the_torch_paths_tokens_codes_and_logp
     logits[2] = -INF
     logits[3, 9] = INF
     logits[4, 100:110] = logits[4].max() + 1  # ties for the max: the first wins
-    for extra in (dict(), dict(logit_bias={5: 40.0}), dict(no_repeat_ngram_size=1, prompt=tuple(range(V)))):
+    bans = (dict(ignore_eos=True, eos=(int(logits[0].argmax()), 3, 3)), dict(min_tokens=2, eos=(int(logits[5].argmax()),)),
+            dict(no_repeat_ngram_size=1, prompt=tuple(range(V))))  # bans alone: the op bans in place and puts back
+    for extra in (dict(), dict(logit_bias={5: 40.0}), dict(logit_bias={5: 40.0}, ignore_eos=True, eos=(5,)), *bans):
         batch = build([row(temperature=0.0, **extra) for _ in range(6)], V)
+        before = logits.clone()
         native = sample(logits, batch)
+        assert torch.equal(logits.view(torch.int32), before.view(torch.int32))  # the logits are as they were, bit for bit
+        assert batch.only_bans == (extra in bans)
         with monkeypatch.context() as m:
             m.setattr(sampler_mod, "_native_rows", lambda x: False)
             ref = sample(logits, batch)

@@ -145,6 +145,12 @@ class SamplingBatch:
     num_top_logprobs: int = 0  # K = max num_logprobs in the batch
 
     @property
+    def only_bans(self) -> bool:
+        """Whether the bans are the only processor in the batch."""
+        return (self.ban_index is not None and self.rep_index is None and self.pf_index is None and self.bias_index is None
+                and self.mask_rows is None)
+
+    @property
     def any_processor(self) -> bool:
         return (
             self.rep_index is not None
@@ -609,8 +615,12 @@ class SamplerOutput(NamedTuple):
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of `logits` [B, V] (the raw model output)."""
     raw = logits.float()
+    greedy_op = batch.all_greedy and not batch.num_top_logprobs and _native_rows(raw)
+    if greedy_op and batch.only_bans and raw.is_contiguous():
+        # bans alone (ignore_eos, min_tokens, n-gram bans): the op bans them in raw for its argmax and puts them back
+        return SamplerOutput(*kernels.greedy_rows(raw, raw, batch.ban_index), None, None)
     processed = apply_processors(raw, batch)  # [B, V]; `raw` itself is never modified
-    if batch.all_greedy and not batch.num_top_logprobs and _native_rows(raw) and (processed is raw or _native_rows(processed)):
+    if greedy_op and (processed is raw or _native_rows(processed)):
         # the steps below for greedy rows in one native op: the same argmax, torch's log_softmax, the same codes
         return SamplerOutput(*kernels.greedy_rows(raw, processed), None, None)
 
