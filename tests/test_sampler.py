@@ -32,6 +32,7 @@ from shoal.runner.sampler import (
     apply_top_k_top_p,
     apply_top_p_candidates,
     argmax_rows,
+    log_softmax_rows,
     logits_to_probs,
     no_repeat_ngram_bans,
     process_logits,
@@ -716,9 +717,9 @@ def test_rows_without_a_token_get_error_codes_and_the_rest_are_untouched():
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the native greedy op")
-def test_greedy_rows_in_one_native_op_give_the_torch_paths_tokens_codes_and_logprob_bits(monkeypatch):
-    """An all-greedy batch without top logprobs takes kernels.greedy_rows: against the same batch through the torch
-    ops (the native row ops off), every token id, error code and logprob bit, with and without a processor."""
+def test_greedy_rows_in_one_native_op_give_the_general_paths_tokens_codes_and_logprob_bits(monkeypatch):
+    """An all-greedy batch without top logprobs takes kernels.greedy_rows: against the same batch through the general
+    path (the op off), every token id, error code and logprob bit, with and without a processor."""
     g = gen(31)
     V = 1000
     logits = torch.randn(6, V, generator=g) * 3
@@ -735,9 +736,35 @@ def test_greedy_rows_in_one_native_op_give_the_torch_paths_tokens_codes_and_logp
         assert torch.equal(logits.view(torch.int32), before.view(torch.int32))  # the logits are as they were, bit for bit
         assert batch.only_bans == (extra in bans)
         with monkeypatch.context() as m:
-            m.setattr(sampler_mod, "_native_rows", lambda x: False)
+            m.setattr(sampler_mod, "_greedy_op", lambda raw, batch: False)
             ref = sample(logits, batch)
         assert torch.equal(native.token_ids, ref.token_ids), extra
         assert torch.equal(native.logprobs.nan_to_num(0.5, 1.5, -1.5), ref.logprobs.nan_to_num(0.5, 1.5, -1.5)), extra
     assert native.token_ids.tolist() == [ROW_ALL_BANNED, ROW_NONFINITE_LOGITS, ROW_NONFINITE_LOGITS, ROW_NONFINITE_LOGITS,
                                          ROW_ALL_BANNED, ROW_ALL_BANNED]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native log-sum-exp")
+def test_every_logprob_is_the_logit_less_a_row_invariant_log_sum_exp():
+    """kernels.row_logsumexp, which every CPU logprob is taken from (log_softmax_rows): within float32's rounding of a
+    float64 log-sum-exp, the same bits for a row alone as in any batch, NaN where the row has a NaN or +inf or nothing
+    finite; and log_softmax_rows within float32 rounding of torch's log_softmax, the sampler's picks and top logprobs its values."""
+    g = gen(41)
+    for V in (1, 7, 16, 1000, 49152):
+        x = torch.randn(5, V, generator=g) * 8
+        lse = kernels.row_logsumexp(x)
+        ref = torch.logsumexp(x.double(), dim=-1)
+        assert torch.allclose(lse.double(), ref, rtol=2e-7, atol=2e-6), V
+        for r in range(5):  # a row alone, and in a batch of others
+            assert torch.equal(kernels.row_logsumexp(x[r : r + 1]), lse[r : r + 1])
+            assert torch.equal(kernels.row_logsumexp(torch.cat([x[r:], x[:r]]))[0], lse[r])
+        assert torch.allclose(log_softmax_rows(x), x.log_softmax(-1), atol=1e-5, rtol=1e-6)  # a few ulp at |x| ~ 50
+    bad = torch.zeros(4, 9)
+    bad[0, 3], bad[1, 5], bad[2] = float("nan"), INF, -INF
+    assert kernels.row_logsumexp(bad)[:3].isnan().all() and kernels.row_logsumexp(bad)[3].item() == pytest.approx(math.log(9))
+    logits = torch.randn(3, 50, generator=g) * 3
+    out = sample(logits, build([row(temperature=0.0, num_logprobs=4), row(temperature=0.7, gen=gen(2), num_logprobs=4),
+                                row(temperature=0.0, num_logprobs=4)], 50))
+    logp = log_softmax_rows(logits)
+    assert torch.equal(out.logprobs, logp.gather(1, out.token_ids[:, None])[:, 0])
+    assert torch.equal(out.top_logprobs, logp.gather(1, out.top_ids))

@@ -97,9 +97,9 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
-        self._gone: list[int] = []  # sequences finished since the last plan, whose runner state goes with the next
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self._by_id: dict[int, Sequence] = {}
+        self._gone: list[int] = []  # sequences finished since the last plan, whose runner state goes with the next
         self.num_preemptions = 0
 
     # ------------------------------------------------------------ queues

@@ -211,6 +211,12 @@ def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.shoal_kernels.row_argmax(x)
 
 
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] float32 -> each row's log-sum-exp [B], one thread and one order of operations a row (NaN where the
+    row's maximum is not finite)."""
+    return torch.ops.shoal_kernels.row_logsumexp(x)
+
+
 def greedy_rows(raw: torch.Tensor, processed: torch.Tensor, bans: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A greedy batch's tokens (the argmax of `processed`, or a negative error code: -1 raw not finite, -2 all
     banned) and their logprobs under `raw`'s log_softmax, in one op (runner/sampler.py's codes). bans: flat indices

@@ -824,6 +824,38 @@ INL void silu_rows(const SiluArgs& a, int64_t b, int64_t e) {
   }
 }
 
+struct LseArgs {
+  const float* x; float* lse;  // x [B, V] float32 rows, lse [B]
+  int64_t V, x_row;
+};
+
+void row_argmax_row(const float* row, int64_t V, int64_t* id, float* top);
+
+// Each row's log-sum-exp, max + log(sum(exp(x - max))): what every logprob on the CPU is taken from (runner/sampler.py
+// log_softmax_rows). A row is one thread's, in one order of operations, so its value is the same bits whatever else
+// is in the batch. A row whose maximum is not finite (a NaN, +inf, or nothing above -inf) has none: NaN.
+template <int W>
+INL void lse_rows(const LseArgs& a, int64_t b, int64_t e) {
+  typedef vf<W> F;
+  for (int64_t r = b; r < e; ++r) {
+    const float* row = a.x + r * a.x_row;
+    int64_t id;
+    float m;
+    row_argmax_row(row, a.V, &id, &m);  // a NaN where the row has one
+    if (!std::isfinite(m)) {
+      a.lse[r] = NAN;
+      continue;
+    }
+    const F mv = F::set(m);
+    F acc = F::zero();
+    int64_t i = 0;
+    for (; i + kLanes <= a.V; i += kLanes) acc = acc + vexp(F::load(row + i) - mv);
+    float sum = lane_sum(acc);
+    for (; i < a.V; ++i) sum += std::exp(row[i] - m);
+    a.lse[r] = m + std::log(sum);
+  }
+}
+
 // The same bodies compiled per instruction set, as the attention's.
 #define SHOAL_ISA_VARIANTS(NAME, ARGS)                                                                          \
   SHOAL_ENTRY_AVX512 void NAME##_avx512(const ARGS& a, int64_t b, int64_t e) { NAME<64>(a, b, e); } \
@@ -832,6 +864,7 @@ INL void silu_rows(const SiluArgs& a, int64_t b, int64_t e) {
 SHOAL_ISA_VARIANTS(norm_rows, NormArgs)
 SHOAL_ISA_VARIANTS(rope_rows, RopeArgs)
 SHOAL_ISA_VARIANTS(silu_rows, SiluArgs)
+SHOAL_ISA_VARIANTS(lse_rows, LseArgs)
 
 int64_t best_isa() {  // 3 AVX-512, 2 AVX2 with FMA, 1 baseline x86-64
   __builtin_cpu_init();
@@ -1156,22 +1189,30 @@ std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& x) {
   return {ids, top};
 }
 
+// x [B, V] float32 rows -> each row's log-sum-exp [B] (lse_rows)
+at::Tensor row_logsumexp(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0, "row_logsumexp: float32 rows [B, V]");
+  at::Tensor lse = at::empty({x.size(0)}, x.options());
+  LseArgs a{x.data_ptr<float>(), lse.data_ptr<float>(), x.size(1), x.stride(0)};
+  run_rows(lse_rows_avx512, lse_rows_avx2, lse_rows_baseline, a, x.size(0), 1);
+  return lse;
+}
+
 // The sampler's end for a batch of greedy rows (runner/sampler.py): raw [B, V] float32 logits, processed [B, V] the
 // same after the logits processors (or raw itself) -> (token ids [B] int64, each the processed row's argmax or a
-// negative code, their logprobs under raw [B] float32). The logprobs come from at::log_softmax, the kernel torch's
-// log_softmax runs, so they are its bits. The codes, as the sampler's: -1 where raw's maximum is not finite (its
-// log_softmax has none), else -2 where every processed logit is -inf (all banned).
+// negative code, their logprobs under raw [B] float32). A logprob is the raw logit less the row's log-sum-exp
+// (row_logsumexp), the bits of the sampler's every other logprob. The codes, as the sampler's: -1 where raw's maximum
+// is not finite (it has no log-sum-exp), else -2 where every processed logit is -inf (all banned).
 // bans: where the only processor is a ban (ignore_eos, min_tokens, no_repeat_ngram_size), its flat indices into raw,
 // with processed raw itself: the banned logits are set to -inf for the argmax and put back, bit for bit, so the
 // processed copy of all the logits (6 MB a step at 32 rows of 49,152) is never made.
 std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::Tensor& processed, const c10::optional<at::Tensor>& bans) {
   TORCH_CHECK(raw.sizes() == processed.sizes(), "greedy_rows: raw and processed logits of one shape");
-  at::Tensor ids, top, raw_top;
+  at::Tensor ids, top;
   if (bans.has_value()) {
     const at::Tensor& b = *bans;
     TORCH_CHECK(processed.is_same(raw) && raw.is_contiguous() && b.scalar_type() == at::kLong && b.dim() == 1 && b.is_contiguous(),
                 "greedy_rows: bans are flat int64 indices into raw, which is its own processed");
-    raw_top = std::get<1>(row_argmax(raw));
     float* rp = raw.data_ptr<float>();
     const int64_t* bp = b.data_ptr<int64_t>();
     const int64_t n = b.numel(), total = raw.numel();
@@ -1185,14 +1226,17 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::
     for (int64_t i = 0; i < n; ++i) rp[bp[i]] = saved[i];  // each saved before any was banned: duplicates put back alike
   } else {
     std::tie(ids, top) = row_argmax(processed);
-    raw_top = processed.is_same(raw) ? top : std::get<1>(row_argmax(raw));
   }
-  const at::Tensor logp = at::log_softmax(raw, -1).gather(1, ids.unsqueeze(1)).squeeze(1);
+  const at::Tensor lse = row_logsumexp(raw);  // NaN where raw's maximum is not finite
+  at::Tensor logp = at::empty({ids.size(0)}, raw.options());
   int64_t* ip = ids.data_ptr<int64_t>();
   const float* tp = top.data_ptr<float>();
-  const float* rp = raw_top.data_ptr<float>();
+  const float* lp = lse.data_ptr<float>();
+  const float* xp = raw.data_ptr<float>();
+  float* op = logp.data_ptr<float>();
   for (int64_t r = 0; r < ids.size(0); ++r) {
-    if (!std::isfinite(rp[r])) ip[r] = -1;
+    op[r] = xp[r * raw.stride(0) + ip[r]] - lp[r];  // log_softmax_rows' value at the pick, the same float op
+    if (std::isnan(lp[r])) ip[r] = -1;
     else if (!(tp[r] > -INFINITY)) ip[r] = -2;
   }
   return {ids, logp};
@@ -1298,6 +1342,7 @@ TORCH_LIBRARY(shoal_kernels, m) {
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("row_argmax(Tensor x) -> (Tensor, Tensor)");
   m.def("greedy_rows(Tensor raw, Tensor processed, Tensor? bans=None) -> (Tensor, Tensor)");
+  m.def("row_logsumexp(Tensor x) -> Tensor");
   m.def("step_rows(Tensor spans, Tensor tables, int block_size, int null) -> (Tensor, Tensor, Tensor)");
   m.def("shm_gather(Tensor part, Tensor slots, Tensor posted, int rank, int n, int[] widths, int slot_bytes, int spin) -> Tensor?",
         &shm_gather);
@@ -1311,6 +1356,7 @@ TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("row_argmax", &row_argmax);
   m.impl("greedy_rows", &greedy_rows);
+  m.impl("row_logsumexp", &row_logsumexp);
   m.impl("step_rows", &step_rows);
 }
 

@@ -17,13 +17,27 @@ class OutOfStep(RuntimeError):
     """A diff that starts past what the runner holds: the scheduler and the runner disagree."""
 
 
-class KeptLists:
-    """seq_id -> a few lists of ints (a table per KV group, or one history), changed by diffs. A sequence id below
-    0 (a probe's) keeps nothing: its diffs must be whole."""
+class _BySequence:
+    """What is kept, by sequence id; a plan's finished ids drop theirs."""
+
+    def __init__(self) -> None:
+        self.of: dict = {}
+
+    def drop(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.of.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self.of)
+
+
+class KeptLists(_BySequence):
+    """seq_id -> a few lists of ints (a table per KV group), changed by diffs. A sequence id below 0 (a probe's) keeps
+    nothing: its diffs must be whole."""
 
     def __init__(self, what: str) -> None:
+        super().__init__()
         self.what = what
-        self.of: dict[int, list[list[int]]] = {}
 
     def put(self, seq_id: int, starts, tails) -> list[list[int]]:
         """The sequence's lists after a diff: list i from `starts[i]` on is `tails[i]`. The lists returned are the
@@ -38,13 +52,6 @@ class KeptLists:
             del lst[start:]
             lst.extend(tail)
         return kept
-
-    def drop(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            self.of.pop(seq_id, None)
-
-    def __len__(self) -> int:
-        return len(self.of)
 
 
 class TokenHistory:
@@ -122,11 +129,8 @@ class TokenHistory:
         return bans
 
 
-class KeptHistories:
+class KeptHistories(_BySequence):
     """seq_id -> TokenHistory, changed by the plans' diffs (rank 0, for sampling)."""
-
-    def __init__(self) -> None:
-        self.of: dict[int, TokenHistory] = {}
 
     def put(self, seq_id: int, start: int, tail, prompt_len: int, ngram: int) -> TokenHistory:
         h = self.of.get(seq_id) if seq_id >= 0 else None
@@ -141,10 +145,3 @@ class KeptHistories:
         if seq_id >= 0:
             self.of[seq_id] = h
         return h
-
-    def drop(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            self.of.pop(seq_id, None)
-
-    def __len__(self) -> int:
-        return len(self.of)

@@ -34,7 +34,7 @@ from shoal.runner.encoder_cache import EncoderCache
 from shoal.runner.kept import KeptHistories, KeptLists, TokenHistory
 from shoal.runner.kv_sizing import WORKSPACE, KVShape, Machine, PoolSize, group_blocks, read_meminfo, size_pool
 from shoal.runner.pooling import pool
-from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, process_logits, sample
+from shoal.runner.sampler import ROW_ERRORS, SamplerRow, SamplingBatch, log_softmax_rows, process_logits, sample
 from shoal.types import KVGroup, Logprob, SampledToken, ScheduledSeq, StepOutput, StepPlan, TokenLogprobs, kv_groups
 
 log = logging.getLogger("shoal.runner")
@@ -329,7 +329,7 @@ class ModelRunner:
             for i in range(0, len(row_t), PROMPT_LOGPROBS_ROWS):
                 logits = head(hidden[row_t[i : i + PROMPT_LOGPROBS_ROWS]])
                 if seqs is not None:
-                    logp = logits.log_softmax(dim=-1)  # [n, V]
+                    logp = log_softmax_rows(logits)  # [n, V], as every logprob is taken
                     top = logp.topk(k, dim=-1) if k else None
                     chosen = logp.gather(1, targets[i : i + PROMPT_LOGPROBS_ROWS, None]).squeeze(1)
                     pieces.append((chosen, top.values if k else None, top.indices if k else None))
@@ -498,7 +498,7 @@ class ModelRunner:
             # bans) applied to the logprobs, not renormalized: transformers' beam search.
             idx = torch.tensor(beam_rows, device=self.device)
             k = max(num_logprobs[i] for i in beam_rows)
-            best = process_logits(torch.log_softmax(logits.float(), dim=-1), batch)[idx].topk(k)
+            best = process_logits(log_softmax_rows(logits.float()), batch)[idx].topk(k)
             for i, ids, lps in zip(beam_rows, best.indices.tolist(), best.values.tolist()):
                 top_ids[i], top_lps[i] = ids, lps
         result = []
