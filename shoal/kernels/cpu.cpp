@@ -1213,6 +1213,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::
     const at::Tensor& b = *bans;
     TORCH_CHECK(processed.is_same(raw) && raw.is_contiguous() && b.scalar_type() == at::kLong && b.dim() == 1 && b.is_contiguous(),
                 "greedy_rows: bans are flat int64 indices into raw, which is its own processed");
+    // everything row_argmax checks, before raw is touched: nothing may throw while its bans are in
+    TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kFloat && raw.size(1) > 0, "greedy_rows: float32 rows [B, V]");
     float* rp = raw.data_ptr<float>();
     const int64_t* bp = b.data_ptr<int64_t>();
     const int64_t n = b.numel(), total = raw.numel();

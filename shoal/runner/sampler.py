@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple
 
 import torch
@@ -265,12 +266,12 @@ def _i64(xs: list[int], dev: torch.device) -> torch.Tensor:
 def _pairs(ids: list[list[int]], V: int, counts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-row lists of distinct token ids (and each one's count) -> (row [N], token [N], count [N] or None) on the
     CPU; ids outside [0, V) are dropped."""
-    flat = torch.tensor([t for row in ids for t in row] if len(ids) > 1 else ids[0], dtype=torch.int64)
+    flat = torch.tensor(list(chain.from_iterable(ids)), dtype=torch.int64)  # joined in C, not a Python loop a token
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(r) for r in ids], dtype=torch.int64))
     keep = (flat >= 0) & (flat < V)
     n = None
     if counts is not None:
-        n = torch.tensor([c for row in counts for c in row] if len(counts) > 1 else counts[0], dtype=torch.int64)[keep]
+        n = torch.tensor(list(chain.from_iterable(counts)), dtype=torch.int64)[keep]
     return rows[keep], flat[keep], n
 
 
