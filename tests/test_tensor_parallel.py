@@ -171,8 +171,9 @@ def test_a_rank_reads_only_its_rows_and_columns_of_safetensors(tmp_path):
 # ---------------------------------------------------------------- tiny models over two processes
 
 
-# and two mixtures of experts: every expert's columns split (TensorShard.experts); Mixtral's checkpoint names renamed
-@pytest.fixture(scope="module", params=[*sorted(ARCHS), "qwen3moe", "mixtral"])
+# and two mixtures of experts: every expert's columns split (TensorShard.experts); Mixtral's checkpoint names renamed;
+# and Gemma 3: its local and global layers (two KV groups), its (1 + w) norms and scaled embedding, split by heads
+@pytest.fixture(scope="module", params=[*sorted(ARCHS), "qwen3moe", "mixtral", "gemma3"])
 def tiny(request, tmp_path_factory):
     path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -726,3 +727,17 @@ def test_a_k_quant_file_over_two_ranks_answers_as_one_process(mix):
         assert layer.self_attn.qkv_proj.formats == ("Q4_K", "Q6_K") and layer.mlp.down_proj.inner.formats == ("Q8_0",)
         assert layer.mlp.gate_up_proj.out_features == 640  # half of 2 x 640 columns
         assert _tokens(llm.generate(prompts, GREEDY)) == alone
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma3"])
+def test_a_mixture_of_experts_and_a_windowed_family_over_two_stages_give_one_process_bits(arch, tmp_path):
+    """Issue 54's families through a pipeline: Qwen3-MoE's routed experts and Gemma 3's local and global layers (two
+    KV groups, a window's blocks freed as it slides) split over two stages give one process's tokens, logprobs and
+    prompt logprobs bit for bit, with a micro-batch per stage in flight, and each stage holds its own layers."""
+    path = make_tiny_model(arch, tmp_path / "m")
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, prompt_logprobs=1)
+    alone, _ = _answers(path, params)
+    staged, cluster = _answers(path, params, pipeline_parallel_size=2)
+    assert staged == alone
+    (a0, a1), (b0, b1) = (r["layers"] for r in cluster["ranks"])
+    assert a0 == 0 and a1 == b0 and b1 > b0 and cluster["pipeline_parallel_size"] == 2
