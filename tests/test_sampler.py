@@ -736,7 +736,7 @@ def test_greedy_rows_in_one_native_op_give_the_general_paths_tokens_codes_and_lo
         assert torch.equal(logits.view(torch.int32), before.view(torch.int32))  # the logits are as they were, bit for bit
         assert batch.only_bans == (extra in bans)
         with monkeypatch.context() as m:
-            m.setattr(sampler_mod, "_greedy_op", lambda raw, batch: False)
+            m.setattr(sampler_mod, "_greedy_op", lambda batch: False)
             ref = sample(logits, batch)
         assert torch.equal(native.token_ids, ref.token_ids), extra
         assert torch.equal(native.logprobs.nan_to_num(0.5, 1.5, -1.5), ref.logprobs.nan_to_num(0.5, 1.5, -1.5)), extra

@@ -219,7 +219,7 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
 
 def greedy_rows(raw: torch.Tensor, processed: torch.Tensor, bans: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A greedy batch's tokens (the argmax of `processed`, or a negative error code: -1 raw not finite, -2 all
-    banned) and their logprobs under `raw`'s log_softmax, in one op (runner/sampler.py's codes). bans: flat indices
+    banned) and their logprobs (each raw logit less its row's row_logsumexp), in one op (runner/sampler.py's codes). bans: flat indices
     into raw (which is then `processed` too) banned for the argmax, without a processed copy; raw is left as it was."""
     return torch.ops.shoal_kernels.greedy_rows(raw, processed, bans)
 

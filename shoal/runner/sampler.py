@@ -623,20 +623,21 @@ def log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.log_softmax(dim=-1)
 
 
-def _greedy_op(raw: torch.Tensor, batch: SamplingBatch) -> bool:
-    """Whether the batch ends in kernels.greedy_rows: every row greedy, no top logprobs, rows the native ops take."""
-    return batch.all_greedy and not batch.num_top_logprobs and _native_rows(raw)
+def _greedy_op(batch: SamplingBatch) -> bool:
+    """Whether a batch whose rows the native ops take ends in kernels.greedy_rows: every row greedy, no top logprobs."""
+    return batch.all_greedy and not batch.num_top_logprobs
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of `logits` [B, V] (the raw model output)."""
     raw = logits.float()
-    greedy_op = _greedy_op(raw, batch)
+    native = _native_rows(raw)  # and so the processed copy's (a clone of raw, changed in place)
+    greedy_op = native and _greedy_op(batch)
     if greedy_op and batch.only_bans and raw.is_contiguous():
         # bans alone (ignore_eos, min_tokens, n-gram bans): the op bans them in raw for its argmax and puts them back
         return SamplerOutput(*kernels.greedy_rows(raw, raw, batch.ban_index), None, None)
     processed = apply_processors(raw, batch)  # [B, V]; `raw` itself is never modified
-    if greedy_op and (processed is raw or _native_rows(processed)):
+    if greedy_op:
         # the steps below for greedy rows in one native op: the same argmax, log-sum-exp and codes
         return SamplerOutput(*kernels.greedy_rows(raw, processed), None, None)
 
@@ -661,7 +662,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     top_ids = top_logprobs = None
     if batch.num_top_logprobs > 0:
         top_ids = topk_ids(raw, batch.num_top_logprobs)  # sorted descending, ties by token id
-    if _native_rows(raw):
+    if native:
         lse = kernels.row_logsumexp(raw).unsqueeze(1)  # [B, 1]; NaN where a row has a NaN, +inf or nothing finite
         chosen = (raw.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
         if top_ids is not None:
