@@ -78,6 +78,119 @@ def test_grouped_experts_give_each_experts_own_bits(t):
         grouped(torch.randn(16, cols), counts)
 
 
+def _on_each_path(f):
+    """f() on every instruction set this CPU has, best first."""
+    out = []
+    for isa in ISAS:
+        kernels.use_isa(isa)
+        try:
+            out.append(f())
+        finally:
+            kernels.use_isa(ISAS[0])
+    return out
+
+
+def _reference_routing(logits, k, normalize):
+    """What MoE.reference computes from router logits: each token's experts ascending, the step's pairs grouped by
+    expert by a stable sort, each grouped pair's weight, and where each token's pairs went."""
+    weights, chosen = route(logits, k, normalize)
+    chosen, slot = chosen.sort(dim=1)
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel())
+    return order // k, torch.bincount(flat, minlength=logits.shape[1]), weights.gather(1, slot).reshape(-1)[order], back
+
+
+def test_the_router_is_row_invariant_and_the_same_on_every_path():
+    """kernels.row_linear: one fixed order of operations per output, so a row's logits are the same bits alone, in
+    any batch, past any tile's or task's edge (70 rows: a task takes 64), and on AVX-512 and AVX2; within float32's
+    rounding of a float64 product."""
+    require_native_kernels()
+    g = torch.Generator().manual_seed(2)
+    for rows, inputs, outputs in ((70, 2048, 128), (9, 100, 7), (5, 16, 3)):  # inputs past a multiple of 16, odd outputs
+        x, w = torch.randn(rows, inputs, generator=g), torch.randn(outputs, inputs, generator=g)
+        paths = _on_each_path(lambda x=x, w=w: kernels.row_linear(x, w))
+        y = paths[0]
+        exact = (x.double() @ w.double().T).float()
+        torch.testing.assert_close(y, exact, rtol=0, atol=2e-5 * inputs ** 0.5)
+        for i in (0, 1, rows - 1):
+            assert torch.equal(kernels.row_linear(x[i : i + 1], w), y[i : i + 1])
+        assert torch.equal(kernels.row_linear(x[3:], w), y[3:])
+        assert torch.equal(kernels.row_linear(torch.cat([x, x])[rows - 2 :], w)[:2], y[rows - 2 :])
+        avx = [p for isa, p in zip(ISAS, paths) if isa >= 2]
+        assert all(torch.equal(p, avx[0]) for p in avx), "AVX2 and AVX-512 add in the same order"
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.row_linear(x.double(), w)
+
+
+@pytest.mark.parametrize("experts,k,normalize", [(128, 8, True), (8, 2, True), (64, 8, False), (6, 6, True)])
+def test_native_routing_is_the_references(experts, k, normalize):
+    """kernels.moe_route gives what the torch routing gives: the same experts (ties to the lower one: the logits are
+    rounded to one decimal, so many tie), the same grouping and positions, and weights within a few ulp of torch's
+    softmax; a token's routing alone is its routing in the batch."""
+    require_native_kernels()
+    logits = torch.randn(300, experts, generator=torch.Generator().manual_seed(experts)).round(decimals=1)
+    rows, counts, scales, back = kernels.moe_route(logits, k, normalize)
+    ref_rows, ref_counts, ref_scales, ref_back = _reference_routing(logits, k, normalize)
+    assert torch.equal(rows, ref_rows) and torch.equal(counts, ref_counts) and torch.equal(back, ref_back)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)  # a few ulp: exp and the sums differ from torch's
+    assert counts.sum().item() == 300 * k and torch.equal(rows[back].view(300, k), torch.arange(300).unsqueeze(1).expand(300, k))
+    expert_of = torch.repeat_interleave(torch.arange(experts), counts)  # each grouped pair's expert
+    for t in (0, 151, 299):
+        _, c1, s1, b1 = kernels.moe_route(logits[t : t + 1], k, normalize)
+        mine = back[t * k : t * k + k]
+        assert torch.equal(torch.repeat_interleave(torch.arange(experts), c1)[b1], expert_of[mine])
+        assert torch.equal(s1[b1], scales[mine])
+    with pytest.raises(RuntimeError, match="top_k"):
+        kernels.moe_route(logits, experts + 1, normalize)
+
+
+def test_native_combine_gives_the_references_bits():
+    """kernels.moe_combine: each token's outputs times their weights, added in ascending expert order, one rounding
+    per multiply and per add (never fused): torch's bits, on every path, for widths past a multiple of 16."""
+    require_native_kernels()
+    g = torch.Generator().manual_seed(3)
+    for tokens, k, width in ((37, 8, 2048), (5, 2, 70)):
+        logits = torch.randn(tokens, 16, generator=g)
+        _, _, scales, back = kernels.moe_route(logits, k, True)
+        y = torch.randn(tokens * k, width, generator=g)
+        weighted = (y * scales.unsqueeze(1)).index_select(0, back).view(tokens, k, width)
+        ref = weighted[:, 0]
+        for j in range(1, k):
+            ref = ref + weighted[:, j]
+        for out in _on_each_path(lambda y=y, scales=scales, back=back, k=k: kernels.moe_combine(y, scales, back, k)):
+            assert torch.equal(out, ref)
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.moe_combine(y, scales, torch.full_like(back, len(back)), k)
+
+
+def test_a_layers_native_path_is_its_reference():
+    """MoE.forward on float32 rows (the native router, routing and sum) against MoE.reference (torch's, from the
+    float64 router): the same experts, outputs within float32 rounding."""
+    require_native_kernels()
+    from shoal.model.config import ModelConfig
+    from shoal.model.spec import sparse_layers
+    from transformers import Qwen3MoeConfig
+
+    hf = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=100, norm_topk_prob=True)
+    config = ModelConfig.from_hf(hf)
+    spec = sparse_layers(config, 8, 2, 32, True).layers[0]
+    torch.manual_seed(4)
+    moe = MoE(config, spec=spec)
+    for p in moe.parameters():
+        p.data.normal_(0, 0.2)
+    moe.experts.finish_loading()
+    x = torch.randn(40, 64)
+    logits = moe.gate(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, (x.double() @ moe.gate.weight.double().T).float(), rtol=0, atol=1e-5)
+    assert torch.equal(kernels.moe_route(logits, 2, True)[0], _reference_routing(logits, 2, True)[0])
+    torch.testing.assert_close(moe(x), moe.reference(x, logits), rtol=1e-5, atol=1e-6)
+
+
 def test_experts_of_other_kinds_are_not_stacked():
     require_native_kernels()
     a, b = GGUFLinear(256, 16, False), GGUFLinear(256, 16, False)

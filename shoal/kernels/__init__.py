@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("shoal.kernels")
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu.cpp", "lowbit.cpp", "kquants.cpp", "decoder.cpp"))  # compiled
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu.cpp", "lowbit.cpp", "kquants.cpp", "decoder.cpp", "moe.cpp"))  # compiled
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("vec.h", "lowbit.h", "ops.h"))  # included: part of the library's hash
 ISA_NAMES = {1: "x86-64 baseline", 2: "AVX2", 3: "AVX-512"}
 ISA_LEVELS = {"baseline": 1, "avx2": 2, "avx512": 3}  # SHOAL_CPU_ISA's values
@@ -215,6 +215,25 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """x [B, V] float32 -> each row's log-sum-exp [B], one thread and one order of operations a row (NaN where the
     row's maximum is not finite)."""
     return torch.ops.shoal_kernels.row_logsumexp(x)
+
+
+def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] float32 @ w [N, K].T -> [T, N] float32, each output in one fixed order of operations: the same bits
+    whatever the batch (a sparse MLP's router: moe.cpp)."""
+    return torch.ops.shoal_kernels.row_linear(x, w)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sparse layer's routing from its router logits [T, E] float32 (moe.cpp): (rows [T k]: each pair's token, grouped
+    by expert; counts [E]; scales [T k]: each grouped pair's weight; back [T k]: token t's j-th expert, ascending, ->
+    its pair's grouped position)."""
+    return torch.ops.shoal_kernels.moe_route(logits, top_k, normalize)
+
+
+def moe_combine(y: torch.Tensor, scales: torch.Tensor, back: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The experts' outputs y [T k, H] float32, grouped as moe_route grouped them -> [T, H]: each token's outputs
+    times their weights, added in ascending expert order (one rounding per multiply and per add, as torch's)."""
+    return torch.ops.shoal_kernels.moe_combine(y, scales, back, top_k)
 
 
 def greedy_rows(raw: torch.Tensor, processed: torch.Tensor, bans: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

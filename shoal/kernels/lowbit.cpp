@@ -439,7 +439,8 @@ void panels_vnni(const Args& a, int64_t p, int64_t r0, int64_t nr) {
 // Fewer rows than this take the AVX2 kernels on an AVX-512 VNNI CPU (the same bits): reading a layer's weights
 // from memory for one row, they stream 40% faster there than the 512-bit kernels on a Zen 4 (29 against 21 GB/s
 // on both cores, every 32-weight type; 10-40% at two rows; at four the 512-bit ones are as fast or faster).
-// benchmarks/NOTES.md, thirty-first round. The K-quants' 512-bit kernels keep their pace at one row and stay.
+// benchmarks/NOTES.md, thirty-first round. The K-quants' 512-bit kernels take one panel at a time there instead
+// (kquants.cpp kpanels).
 constexpr int64_t kVnniMinRows = 3;
 
 // a panel for rows [r0, r0 + nr), nr <= kRows, on the chosen path

@@ -338,10 +338,10 @@ class GroupedGGUF(Layer):
         fmt, rows = layers[0].runs[0]
         return cls(fmt, rows, packed)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        return torch.ops.shoal_kernels.gguf_grouped_linear(x, self.packed, torch.tensor(counts, dtype=torch.int64), self.rows,
-                                                           int(self.fmt.type))
+        counts = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, dtype=torch.int64)
+        return torch.ops.shoal_kernels.gguf_grouped_linear(x, self.packed, counts, self.rows, int(self.fmt.type))
 
 
 def served_bytes(tensors) -> int:
