@@ -273,6 +273,8 @@ def test_a_k_quant_moe_file_runs_its_experts_grouped_and_invariant(moe_file):
     layers = moes(llm)
     assert len(layers) == LAYERS and all(isinstance(m, MoE) and m.top_k == USED and m.normalize for m in layers)
     assert [tuple(g.fmt.name for g in m.experts.grouped) for m in layers] == [("Q4_K", "Q6_K")] * LAYERS
+    assert llm.engine.runner.model.model.native_forward is not None  # the whole step in one native call
+    llm.engine.runner.model.model.native_forward = None  # the Python forward, which reads `grouped` at each call
     for m in layers:  # the experts one by one, each its own GGUFLinear: the same bits
         m.experts.grouped = None
     assert_same_as_alone(_first_choices(llm.generate(TINY_PROMPTS[:3], TINY_GREEDY)), alone[:3], "experts one by one")

@@ -84,6 +84,32 @@ def test_the_default_model_gives_the_python_forwards_bits(monkeypatch, default_g
     assert ours == ref
 
 
+def test_a_k_quant_mixture_of_experts_gives_the_python_forwards_bits(monkeypatch, tmp_path, caplog):
+    """A Qwen3-MoE GGUF (Q4_K gate/up experts, Q6_K down experts, a float32 router): the plan runs the router, the
+    routing, both grouped projections and the weighted sum as MoE.forward does, and counts the same tokens per
+    expert. In bfloat16 (MoE.forward's torch path) it says why not."""
+    from test_moe import EXPERTS, VOCAB, write_random_qwen3moe
+
+    path = tmp_path / "moe.gguf"
+    write_random_qwen3moe(path)
+    ours, ref, llm = _both(monkeypatch, str(path), VOCAB)
+    assert ours == ref
+    assert all(layer.mlp.experts.grouped is not None for layer in llm.engine.runner.model.model.layers)
+    monkeypatch.delenv("SHOAL_NATIVE_FORWARD")
+    counts = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("SHOAL_NATIVE_FORWARD", setting)
+        with LLM(str(path), num_blocks=64, block_size=4, max_model_len=64, speculative="off", enable_prefix_cache=False) as one:
+            one.generate(_prompts(VOCAB)[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            counts.append(one.engine.snapshot.experts["tokens"])
+    assert counts[0] == counts[1] and len(counts[0][0]) == EXPERTS and sum(counts[0][0]) > 0
+    monkeypatch.delenv("SHOAL_NATIVE_FORWARD")
+    with caplog.at_level("INFO", logger="shoal.model"), LLM(str(path), num_blocks=32, block_size=4, max_model_len=64,
+                                                             speculative="off", dtype="bfloat16") as bf16:
+        assert _native_of(bf16) is None
+    assert any("a mixture of experts on activations other than float32" in r.getMessage() for r in caplog.records)
+
+
 def _spans(runner, lengths: list[int]) -> list[SeqSpan]:
     """Prefill spans from position 0, each sequence on blocks of its own."""
     bs, spans, next_block = runner.block_size, [], 0

@@ -9,8 +9,9 @@
 // decodes, prefill chunks, drafts under verification; tests/test_native_decoder.py holds it to that.
 //
 // What a plan covers is what model/native.py builds one for: layers of two plain RMSNorms around attention and a
-// gated SiLU MLP, projections of shoal's low-bit kernels (a GGUF's types, int8 and int4), full rotary, the
-// invariant attention op, one process. Anything else keeps the Python forward.
+// gated SiLU MLP, dense or a mixture of experts (GGUF experts stacked, float32 activations), projections of shoal's
+// low-bit kernels (a GGUF's types, int8 and int4), full rotary, the invariant attention op, one process. Anything
+// else keeps the Python forward.
 //
 // The plan's description, from model/native.py (`ints`, `floats` and `tensors` read in this order):
 //   model:  ints [layers, last], floats [final norm eps], tensors [final norm weight (when last)]
@@ -19,8 +20,12 @@
 //   layer:  ints [heads, kv heads, head dim, window (-1: the backend's), rope table, has q/k norms]
 //           floats [input norm eps, post-attention norm eps, q/k norm eps, scale, softcap (0: none)]
 //           tensors [input norm, post-attention norm, (q norm, k norm), KV cache]
-//           then its projections qkv, o, gate_up, down, each: ints [runs, has bias, (rows, type) per run],
-//           tensors [packed weights per run, (bias)]
+//           then its projections qkv and o, each: ints [runs, has bias, (rows, type) per run],
+//           tensors [packed weights per run, (bias)];
+//           then ints [experts (0: a dense MLP)], and a dense MLP's projections gate_up and down as above, or a
+//           sparse one's ints [top k, normalize, gate_up rows, gate_up type, down rows, down type], tensors [router
+//           weight float32 [experts, hidden], gate_up stacked, down stacked (formats.GroupedGGUF), expert counts
+//           (layers.MoE.counts; an empty tensor where none)]
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -53,12 +58,28 @@ struct Projection {
   }
 };
 
+// A sparse MLP (layers.MoE.forward on the native ops): the router's logits, the routing, the rows gathered in expert
+// order, both grouped projections with SiLU between, the weighted sum
+struct Experts {
+  int64_t top_k = 0, gate_up_rows = 0, gate_up_type = 0, down_rows = 0, down_type = 0;
+  bool normalize = false;
+  at::Tensor router, gate_up, down, counts;  // counts: undefined where the layer counts nothing
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    auto [rows, cnt, scales, back] = shoal_moe_route(shoal_row_linear(x, router), top_k, normalize);
+    if (counts.defined()) counts.add_(cnt);
+    const at::Tensor h = shoal_silu_mul(shoal_gguf_grouped_linear(x.index_select(0, rows), gate_up, cnt, gate_up_rows, gate_up_type));
+    return shoal_moe_combine(shoal_gguf_grouped_linear(h, down, cnt, down_rows, down_type), scales, back, top_k);
+  }
+};
+
 struct Layer {
   int64_t heads, kv_heads, head_dim, window, rope;
   bool qk_norm;
   double in_eps, post_eps, qk_eps, scale, softcap;
   at::Tensor in_norm, post_norm, q_norm, k_norm, kv;
-  Projection qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
+  Experts experts;                   // a sparse one's (top_k 0: none)
 };
 
 // reads the description in order (see the top of the file)
@@ -128,7 +149,18 @@ struct DecoderPlan : torch::CustomClassHolder {
       y.in_norm = r.tensor(), y.post_norm = r.tensor();
       if (y.qk_norm) y.q_norm = r.tensor(), y.k_norm = r.tensor();
       y.kv = r.tensor();
-      y.qkv = r.projection(), y.o = r.projection(), y.gate_up = r.projection(), y.down = r.projection();
+      y.qkv = r.projection(), y.o = r.projection();
+      if (r.integer() == 0) {
+        y.gate_up = r.projection(), y.down = r.projection();
+      } else {
+        Experts& e = y.experts;
+        e.top_k = r.integer(), e.normalize = r.integer() != 0;
+        e.gate_up_rows = r.integer(), e.gate_up_type = r.integer(), e.down_rows = r.integer(), e.down_type = r.integer();
+        e.router = r.tensor(), e.gate_up = r.tensor(), e.down = r.tensor();
+        const at::Tensor counts = r.tensor();
+        if (counts.numel() > 0) e.counts = counts;
+        TORCH_CHECK(e.top_k >= 1 && e.router.scalar_type() == at::kFloat, "decoder plan: a sparse MLP needs top_k >= 1 and a float32 router");
+      }
       TORCH_CHECK(y.heads % y.kv_heads == 0, "decoder plan: query heads not a multiple of KV heads");
       layers.push_back(std::move(y));
     }
@@ -177,8 +209,8 @@ struct DecoderPlan : torch::CustomClassHolder {
                                                         tables, row_seq, row_pos, y.scale, y.window < 0 ? window : y.window,
                                                         y.heads / y.kv_heads, y.softcap);
       auto [sum, normed] = shoal_add_rms_norm(x, y.o(attn.reshape({T, q_size})), y.post_norm, y.post_eps);
-      // the MLP (layers.MLP, gated SiLU)
-      const at::Tensor delta = y.down(shoal_silu_mul(y.gate_up(normed)));
+      // the MLP (layers.MLP, gated SiLU; or layers.MoE)
+      const at::Tensor delta = y.experts.top_k > 0 ? y.experts(normed) : y.down(shoal_silu_mul(y.gate_up(normed)));
       const bool final_layer = l + 1 == layers.size();
       if (final_layer && !last) return sum + delta;
       const at::Tensor& w = final_layer ? final_norm : layers[l + 1].in_norm;

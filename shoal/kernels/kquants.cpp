@@ -862,6 +862,9 @@ int64_t gguf_packed_bytes(int64_t t) { return packed_bytes(t); }
 
 at::Tensor shoal_gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t) { return gguf_linear(x, w, n, t); }
 at::Tensor shoal_gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t t, int64_t cols) { return gguf_rows(w, ids, t, cols); }
+at::Tensor shoal_gguf_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t n, int64_t t) {
+  return gguf_grouped_linear(x, w, counts, n, t);
+}
 
 TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
   m.def("gguf_linear(Tensor x, Tensor w, int n, int type) -> Tensor");

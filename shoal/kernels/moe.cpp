@@ -232,6 +232,15 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& scales, const at::
 
 }  // namespace
 
+// ops.h: the ops above for decoder.cpp
+at::Tensor shoal_row_linear(const at::Tensor& x, const at::Tensor& w) { return row_linear(x, w); }
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> shoal_moe_route(const at::Tensor& logits, int64_t k, bool normalize) {
+  return moe_route(logits, k, normalize);
+}
+at::Tensor shoal_moe_combine(const at::Tensor& y, const at::Tensor& scales, const at::Tensor& back, int64_t k) {
+  return moe_combine(y, scales, back, k);
+}
+
 TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
   m.def("row_linear(Tensor x, Tensor w) -> Tensor");
   m.def("moe_route(Tensor logits, int k, bool normalize) -> (Tensor, Tensor, Tensor, Tensor)");

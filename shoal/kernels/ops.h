@@ -1,5 +1,5 @@
 // The native ops that decoder.cpp strings together without the dispatcher: each is the function the torch op of
-// the same name runs (cpu.cpp, kquants.cpp), so a call here gives the bits the op gives.
+// the same name runs (cpu.cpp, kquants.cpp, moe.cpp), so a call here gives the bits the op gives.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,3 +17,7 @@ at::Tensor shoal_rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& si
 at::Tensor shoal_silu_mul(const at::Tensor& x);
 at::Tensor shoal_gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t);
 at::Tensor shoal_gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t t, int64_t cols);
+at::Tensor shoal_gguf_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t n, int64_t t);
+at::Tensor shoal_row_linear(const at::Tensor& x, const at::Tensor& w);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> shoal_moe_route(const at::Tensor& logits, int64_t k, bool normalize);
+at::Tensor shoal_moe_combine(const at::Tensor& y, const at::Tensor& scales, const at::Tensor& back, int64_t k);

@@ -9,7 +9,9 @@ The Python forward stays the reference (tests/test_native_decoder.py compares th
 a plan does not cover.
 
 A plan covers (`unsupported` says why not, in the start-up log):
-- layers of two plain RMSNorms around attention and an MLP (spec.LayerSpec.fusable), the MLP dense with SiLU;
+- layers of two plain RMSNorms around attention and an MLP (spec.LayerSpec.fusable), the MLP with SiLU, dense or
+  a mixture of experts whose experts are stacked GGUF projections (formats.GroupedGGUF) on float32 activations:
+  the router, routing and weighted sum are the native ops MoE.forward calls there (kernels/moe.cpp);
 - projections on shoal's low-bit kernels: a GGUF's types, and `--quantization int8` / `int4` (their
   `native_runs`); float weights keep the Python forward (their matmuls are torch's);
 - q/k norms per head (Qwen3), rotary over the whole head, the invariant attention op with one KV group;
@@ -32,7 +34,7 @@ from shoal import kernels
 from shoal.model.attention.common import MODEL_WINDOW
 from shoal.model.attention.invariant import NativeMetadata
 from shoal.model.formats import GGUFEmbedding
-from shoal.model.layers import MLP, RMSNorm, Rotary
+from shoal.model.layers import MLP, MoE, RMSNorm, Rotary
 
 log = logging.getLogger("shoal.model")
 
@@ -91,13 +93,17 @@ def unsupported(model) -> str | None:
         return "a layer's norms are not two plain RMSNorms"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(mlp) is not MLP or mlp.activation != "silu":
-            return "an MLP that is not a dense gated SiLU"
+        if type(mlp) is MoE:
+            why = _experts_unsupported(layer)
+            if why is not None:
+                return why
+        elif type(mlp) is not MLP or mlp.activation != "silu":
+            return "an MLP that is not a gated SiLU"
         if attn.qk_norm_whole or attn.clip is not None:
             return "q/k norms over all heads or a clamp (OLMoE)"
         if attn.qk_norm and not all(type(n) is RMSNorm and not n.unit_offset for n in (attn.q_norm, attn.k_norm)):
             return "q/k norms that are not plain RMSNorms"
-        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for proj in (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj) if type(mlp) is MLP else ())):
             runs = getattr(proj, "native_runs", lambda: None)()
             if runs is None:
                 return f"{type(proj).__name__} projections (the native forward takes shoal's low-bit kernels)"
@@ -106,6 +112,20 @@ def unsupported(model) -> str | None:
     for rotary in model.rotaries:
         if rotary.cos.shape[-1] != model.config.head_dim:
             return "rotary over part of each head"
+    return None
+
+
+def _experts_unsupported(layer) -> str | None:
+    """Why a plan cannot compute this layer's sparse MLP as MoE.forward does (None: it can)."""
+    moe = layer.mlp
+    if moe.experts.grouped is None:
+        return "experts that are not stacked GGUF projections (one expert after another)"
+    if moe.experts.activation != "silu":
+        return "experts that are not a gated SiLU"
+    if moe.gather is not None or moe.experts.gather is not None:
+        return "experts split over ranks"
+    if layer.norms[0].weight.dtype != torch.float32 or moe.gate.weight.dtype != torch.float32:
+        return "a mixture of experts on activations other than float32"
     return None
 
 
@@ -146,12 +166,27 @@ def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
         if attn.qk_norm:
             tensors += [attn.q_norm.weight, attn.k_norm.weight]
         tensors.append(cache)
-        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            runs, bias = proj.native_runs()
-            ints += [len(runs), int(bias is not None)]
-            for _, rows, ggml_type in runs:
-                ints += [rows, ggml_type]
-            tensors += [packed for packed, _, _ in runs]
-            if bias is not None:
-                tensors.append(bias)
+        for proj in (attn.qkv_proj, attn.o_proj):
+            _describe_projection(proj, tensors, ints)
+        if type(mlp) is MoE:  # the experts' mark, then what layers.MoE.forward multiplies by
+            gate_up, down = mlp.experts.grouped
+            ints += [len(mlp.experts.mlps), mlp.top_k, int(mlp.normalize), gate_up.rows, int(gate_up.fmt.type), down.rows,
+                     int(down.fmt.type)]
+            tensors += [mlp.gate.weight, gate_up.packed, down.packed,
+                        mlp.counts if mlp.counts is not None else torch.empty(0, dtype=torch.int64)]
+        else:
+            ints.append(0)
+            for proj in (mlp.gate_up_proj, mlp.down_proj):
+                _describe_projection(proj, tensors, ints)
     return tensors, ints, floats
+
+
+def _describe_projection(proj, tensors: list[torch.Tensor], ints: list[int]) -> None:
+    """A projection's part of the description: ints [runs, has bias, (rows, type) per run], tensors [packed per run, (bias)]."""
+    runs, bias = proj.native_runs()
+    ints += [len(runs), int(bias is not None)]
+    for _, rows, ggml_type in runs:
+        ints += [rows, ggml_type]
+    tensors += [packed for packed, _, _ in runs]
+    if bias is not None:
+        tensors.append(bias)
