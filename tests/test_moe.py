@@ -191,6 +191,31 @@ def test_a_layers_native_path_is_its_reference():
     torch.testing.assert_close(moe(x), moe.reference(x, logits), rtol=1e-5, atol=1e-6)
 
 
+def test_experts_pack_straight_into_their_stack():
+    """GGUFLinear.pack_experts: each expert's parts (gate and up, two runs of one type) packed into its slice of one
+    stacked tensor give the bytes of packing each expert alone and stacking after; each layer holds its slice. Parts
+    of two types pack nothing and leave every part pending (then the experts pack one by one and stack)."""
+    require_native_kernels()
+
+    def experts(types):
+        layers = []
+        for e, t in enumerate(types):
+            layer = GGUFLinear(256, 32, False, parts=(16, 16))
+            layer.load_part(0, random_blocks(t, 16, 256, seed=2 * e))
+            layer.load_part(1, random_blocks(t, 16, 256, seed=2 * e + 1))
+            layers.append(layer)
+        return layers
+
+    straight, after = experts([T.Q4_K] * 3), experts([T.Q4_K] * 3)
+    grouped = GGUFLinear.pack_experts(straight)
+    for layer in after:
+        layer.finish_loading()
+    assert grouped is not None and torch.equal(grouped.packed, GroupedGGUF.stack(after).packed)
+    assert all(layer.packed0.data_ptr() == grouped.packed[e].data_ptr() and not layer.pending for e, layer in enumerate(straight))
+    mixed = experts([T.Q4_K, T.Q6_K])
+    assert GGUFLinear.pack_experts(mixed) is None and all(len(layer.pending) == 2 and not layer.runs for layer in mixed)
+
+
 def test_experts_of_other_kinds_are_not_stacked():
     require_native_kernels()
     a, b = GGUFLinear(256, 16, False), GGUFLinear(256, 16, False)

@@ -244,13 +244,17 @@ void pack_unit(int64_t t, const uint8_t* raw, int64_t row_bytes, int64_t rows, i
 }
 
 // raw [rows, row_bytes] uint8, a tensor's blocks as the file holds them -> [panels, units, packed bytes]
-at::Tensor gguf_pack(const at::Tensor& raw, int64_t t, int64_t cols) {
+// into: where to write the panels (gguf_pack_into: one expert's slice of a stacked tensor), else a new tensor
+at::Tensor pack_panels(const at::Tensor& raw, int64_t t, int64_t cols, const at::Tensor* into) {
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "gguf_pack: contiguous uint8 rows expected");
   TORCH_CHECK(cols % file_block(t) == 0, "gguf_pack: ", cols, " inputs are not whole blocks of ", file_block(t));
   const int64_t rows = raw.size(0), U = cols / file_block(t), row_bytes = U * file_bytes(t);
   TORCH_CHECK(raw.size(1) == row_bytes, "gguf_pack: rows of ", row_bytes, " bytes expected, not ", raw.size(1));
   const int64_t P = (rows + kPanel - 1) / kPanel, bytes = packed_bytes(t);
-  at::Tensor out = at::empty({P, U, bytes}, raw.options());
+  if (into != nullptr)
+    TORCH_CHECK(into->scalar_type() == at::kByte && into->is_contiguous() && into->dim() == 3 && into->size(0) == P &&
+                    into->size(1) == U && into->size(2) == bytes, "gguf_pack_into: contiguous uint8 panels [", P, ", ", U, ", ", bytes, "] expected");
+  at::Tensor out = into != nullptr ? *into : at::empty({P, U, bytes}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -259,6 +263,9 @@ at::Tensor gguf_pack(const at::Tensor& raw, int64_t t, int64_t cols) {
   });
   return out;
 }
+
+at::Tensor gguf_pack(const at::Tensor& raw, int64_t t, int64_t cols) { return pack_panels(raw, t, cols, nullptr); }
+void gguf_pack_into(const at::Tensor& raw, int64_t t, int64_t cols, const at::Tensor& out) { pack_panels(raw, t, cols, &out); }
 
 // Row r of the packed weights as float32, each weight computed as gguf-py's dequantize computes it (products
 // rounded before the sum, so no contraction into a fused multiply-add).
@@ -870,6 +877,7 @@ TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
   m.def("gguf_linear(Tensor x, Tensor w, int n, int type) -> Tensor");
   m.def("gguf_grouped_linear(Tensor x, Tensor w, Tensor counts, int n, int type) -> Tensor");
   m.def("gguf_pack(Tensor raw, int type, int cols) -> Tensor");
+  m.def("gguf_pack_into(Tensor raw, int type, int cols, Tensor(a!) out) -> ()");
   m.def("gguf_rows(Tensor w, Tensor ids, int type, int cols) -> Tensor");
   m.def("gguf_packed_bytes(int type) -> int", &gguf_packed_bytes);
 }
@@ -878,5 +886,6 @@ TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_grouped_linear", &gguf_grouped_linear);
   m.impl("gguf_pack", &gguf_pack);
+  m.impl("gguf_pack_into", &gguf_pack_into);
   m.impl("gguf_rows", &gguf_rows);
 }

@@ -67,9 +67,13 @@ class Format:
         """Packed, as held in memory and streamed per token."""
         return self.packed_bytes * 8 / (PANEL * self.block)
 
-    def pack(self, data: torch.Tensor, cols: int) -> torch.Tensor:
-        """The file's blocks [rows, row bytes] -> panels [ceil(rows / 16), cols / block, packed_bytes]."""
-        return torch.ops.shoal_kernels.gguf_pack(data.contiguous(), int(self.type), cols)
+    def pack(self, data: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The file's blocks [rows, row bytes] -> panels [ceil(rows / 16), cols / block, packed_bytes], written into
+        `out` where given (a contiguous slice of a stacked tensor)."""
+        if out is None:
+            return torch.ops.shoal_kernels.gguf_pack(data.contiguous(), int(self.type), cols)
+        torch.ops.shoal_kernels.gguf_pack_into(data.contiguous(), int(self.type), cols, out)
+        return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
         """x [T, cols] -> x @ W.T [T, rows], in x's dtype."""
@@ -260,6 +264,32 @@ class GGUFLinear(Layer):
             self.runs.append((fmt, data.shape[0]))
             for p in run:
                 release(p.data)
+
+    @classmethod
+    def pack_experts(cls, layers) -> GroupedGGUF | None:
+        """A sparse MLP's experts' projections, still unpacked, packed straight into one stacked tensor (each expert's
+        panels written into its slice, each layer left holding that slice): no tensor per expert and no copy of them
+        all (`stack_experts`: 0.7 of a 3.5 s start for six layers of 128 experts). None, packing nothing, where they
+        are not all bias-free layers of this class with every part pending, of one type and one shape."""
+        first = layers[0]
+        if not all(type(layer) is cls and layer.bias is None and not layer.runs and not layer.missing_parts()
+                   and (layer.in_features, layer.out_features) == (first.in_features, first.out_features) for layer in layers):
+            return None
+        types = {part.type for layer in layers for part in layer.pending.values()}
+        if len(types) != 1:
+            return None
+        fmt = NATIVE[types.pop()]
+        packed = torch.empty(len(layers), -(-first.out_features // PANEL), first.in_features // fmt.block, fmt.packed_bytes,
+                             dtype=torch.uint8)
+        for e, layer in enumerate(layers):
+            parts = [layer.pending[i] for i in range(len(layer.parts))]
+            data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
+            fmt.pack(data, layer.in_features, out=packed[e])
+            layer.pending, layer.runs = {}, [(fmt, layer.out_features)]
+            layer.register_buffer("packed0", packed[e])
+            for p in parts:
+                release(p.data)
+        return GroupedGGUF(fmt, first.out_features, packed)
 
     @classmethod
     def stack_experts(cls, layers) -> GroupedGGUF | None:

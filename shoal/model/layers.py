@@ -363,9 +363,10 @@ class Experts(Layer):
 
     `mlps`: one MLP per expert (registered as `0`, `1`, ..., the checkpoint's `experts.E`), built by the model's
     linear factory, so every weight format, the loader's parts and the invariant float path take experts as they
-    take any projection. Once loaded, experts whose projections are single panel tensors of one GGUF type
-    (formats.GGUFLinear) are stacked into one [E, ...] tensor per projection, and a layer's experts run in one
-    native call per projection (formats.GroupedGGUF, by GGUFLinear.stack_experts); others one expert after another.
+    take any projection. Experts whose projections are GGUF blocks of one type (formats.GGUFLinear) are packed
+    straight into one [E, ...] tensor per projection as they load (GGUFLinear.pack_experts; stacked after packing
+    where that cannot be: stack_experts), and a layer's experts run in one native call per projection
+    (formats.GroupedGGUF); others one expert after another.
     """
 
     def __init__(self, mlps, activation: str) -> None:
@@ -376,8 +377,22 @@ class Experts(Layer):
         self.grouped = None  # (gate_up, down) grouped projections, set by finish_loading
         self.gather = None  # tensor parallelism: every rank's columns of the activations, before the down projections
 
+    def pack_parts(self) -> None:
+        """Before the experts' own projections pack (weights.py): each projection of every expert packed straight into
+        one stacked tensor, where their layer class can (a `pack_experts` classmethod: None, packing nothing, where not)."""
+        grouped = []
+        for proj in ("gate_up_proj", "down_proj"):
+            layers = [getattr(m, proj) for m in self.mlps]
+            pack = getattr(type(layers[0]), "pack_experts", None)
+            grouped.append(pack(layers) if pack is not None else None)
+        if None not in grouped:
+            self.grouped = tuple(grouped)
+
     def finish_loading(self) -> None:
-        """Stack the experts' projections where their layer class can (a `stack_experts` classmethod: None where not)."""
+        """Stack the experts' projections where their layer class can (a `stack_experts` classmethod: None where not),
+        unless `pack_parts` packed them stacked already."""
+        if self.grouped is not None:
+            return
         grouped = []
         for proj in ("gate_up_proj", "down_proj"):
             layers = [getattr(m, proj) for m in self.mlps]

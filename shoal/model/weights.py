@@ -98,6 +98,9 @@ def load_weights(model, state_dict: dict) -> None:
     missing += [f"{n}.weight (parts {m.missing_parts()})" for n, m in modules.items() if hasattr(m, "load_part") and m.missing_parts()]
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    for m in modules.values():  # modules that pack their children's parts themselves (layers.Experts: stacked), first
+        if hasattr(m, "pack_parts"):
+            m.pack_parts()
     for m in reversed(modules.values()):  # children first: a module's finish sees its parts finished (layers.Experts)
         if hasattr(m, "finish_loading"):
             m.finish_loading()
