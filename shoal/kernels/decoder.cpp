@@ -150,7 +150,7 @@ struct DecoderPlan : torch::CustomClassHolder {
       if (y.qk_norm) y.q_norm = r.tensor(), y.k_norm = r.tensor();
       y.kv = r.tensor();
       y.qkv = r.projection(), y.o = r.projection();
-      if (r.integer() == 0) {
+      if (const int64_t experts = r.integer(); experts == 0) {
         y.gate_up = r.projection(), y.down = r.projection();
       } else {
         Experts& e = y.experts;
@@ -159,7 +159,9 @@ struct DecoderPlan : torch::CustomClassHolder {
         e.router = r.tensor(), e.gate_up = r.tensor(), e.down = r.tensor();
         const at::Tensor counts = r.tensor();
         if (counts.numel() > 0) e.counts = counts;
-        TORCH_CHECK(e.top_k >= 1 && e.router.scalar_type() == at::kFloat, "decoder plan: a sparse MLP needs top_k >= 1 and a float32 router");
+        TORCH_CHECK(e.top_k >= 1 && e.top_k <= experts && e.router.scalar_type() == at::kFloat && e.router.dim() == 2 &&
+                        e.router.size(0) == experts && e.gate_up.size(0) == experts && e.down.size(0) == experts,
+                    "decoder plan: a sparse MLP needs 1 <= top_k <= experts, a float32 router and stacked weights of its experts");
       }
       TORCH_CHECK(y.heads % y.kv_heads == 0, "decoder plan: query heads not a multiple of KV heads");
       layers.push_back(std::move(y));

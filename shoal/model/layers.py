@@ -266,7 +266,7 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 class Router(Linear):
     """A sparse MLP's router (checkpoint name `mlp.gate`): each token's logits over the experts, the same bits whatever
     else is in the batch. On the native kernels, float32 logits from one fixed-order accumulation per output
-    (kernels.row_linear: a tenth of the float64 GEMM's time at 8 rows); elsewhere on the CPU, a float64 GEMM rounded
+    (kernels.row_linear: an eighth of the float64 GEMM's time at 8 rows); elsewhere on the CPU, a float64 GEMM rounded
     once (as invariance.wide_matmul); on other devices, the linear as it is. invariance.make_row_invariant leaves it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,9 +288,9 @@ class MoE(Layer):
     else is in the step: with row-invariant expert matmuls, a token's answer does not depend on its batch.
     On float32 rows on the native kernels, the router, the routing and the weighted sum are three native ops
     (kernels/moe.cpp: 0.8 of 5 ms a layer at 8 decoding streams went to some twenty small torch ops);
-    `reference` is the same in torch ops. `counts` adds up the tokens each expert took (metrics), unless None.
-    Under tensor parallelism (tensor_parallel.py)
-    each rank holds every expert's slice of columns, and `gather` joins the ranks' ranges of the output.
+    `reference` is the same in torch ops. `counts` adds up the tokens each expert took (metrics), unless None. Under
+    tensor parallelism (tensor_parallel.py) each rank holds every expert's slice of columns, and `gather` joins the
+    ranks' ranges of the output.
     """
 
     def __init__(self, config: ModelConfig, linear=float_linear, spec: LayerSpec | None = None) -> None:
@@ -374,32 +374,29 @@ class Experts(Layer):
         for i, mlp in enumerate(mlps):
             self.add_module(str(i), mlp)
         self.mlps, self.activation = tuple(mlps), activation
-        self.grouped = None  # (gate_up, down) grouped projections, set by finish_loading
+        self.grouped = None  # (gate_up, down) grouped projections, set by pack_parts or finish_loading
         self.gather = None  # tensor parallelism: every rank's columns of the activations, before the down projections
 
     def pack_parts(self) -> None:
         """Before the experts' own projections pack (weights.py): each projection of every expert packed straight into
         one stacked tensor, where their layer class can (a `pack_experts` classmethod: None, packing nothing, where not)."""
-        grouped = []
-        for proj in ("gate_up_proj", "down_proj"):
-            layers = [getattr(m, proj) for m in self.mlps]
-            pack = getattr(type(layers[0]), "pack_experts", None)
-            grouped.append(pack(layers) if pack is not None else None)
-        if None not in grouped:
-            self.grouped = tuple(grouped)
+        self.grouped = self._grouped("pack_experts")
 
     def finish_loading(self) -> None:
-        """Stack the experts' projections where their layer class can (a `stack_experts` classmethod: None where not),
-        unless `pack_parts` packed them stacked already."""
-        if self.grouped is not None:
-            return
+        """Stack the experts' packed projections where their layer class can (a `stack_experts` classmethod: None where
+        not), unless `pack_parts` packed them stacked already."""
+        if self.grouped is None:
+            self.grouped = self._grouped("stack_experts")
+
+    def _grouped(self, method: str) -> tuple | None:
+        """(gate_up, down), each every expert's projection made one by their layer class's `method`; None where it
+        has none or declines either."""
         grouped = []
         for proj in ("gate_up_proj", "down_proj"):
             layers = [getattr(m, proj) for m in self.mlps]
-            stack = getattr(type(layers[0]), "stack_experts", None)
-            grouped.append(stack(layers) if stack is not None else None)
-        if None not in grouped:
-            self.grouped = tuple(grouped)
+            make = getattr(type(layers[0]), method, None)
+            grouped.append(make(layers) if make is not None else None)
+        return None if None in grouped else tuple(grouped)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         gate_up, down = self.grouped or (partial(self._each, "gate_up_proj"), partial(self._each, "down_proj"))
