@@ -157,6 +157,21 @@ def _linear(fmt, x, packed, rows, isa):
         kernels.use_isa(ISAS[0])
 
 
+@pytest.mark.parametrize("t", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_0], ids=["Q4_K", "Q5_0"])
+def test_parts_pack_straight_into_their_panels(t):
+    """formats.pack_run: parts that end on a panel pack each into its own panels, with the bytes of packing them
+    joined; a part that does not (20 rows) joins them first; the last part may end inside a panel (7 rows)."""
+    from shoal.model.formats import pack_run
+
+    fmt = NATIVE[t]
+    for rows in ((32, 16, 48), (32, 16, 7), (20, 16, 32)):
+        blocks = [random_blocks(t, n, 256, seed=i + 10 * n).data for i, n in enumerate(rows)]
+        joined = fmt.pack(torch.cat(blocks), 256)
+        assert torch.equal(pack_run(fmt, blocks, 256), joined), rows
+        out = torch.full_like(joined, 7)
+        assert pack_run(fmt, blocks, 256, out=out) is out and torch.equal(out, joined), rows
+
+
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_each_type_multiplies_like_a_float_sum_over_its_rounded_activations(t):
     fmt = NATIVE[t]

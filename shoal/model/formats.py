@@ -207,6 +207,26 @@ def quantize(weight: torch.Tensor, fmt: Format) -> QuantTensor:
     return QuantTensor(fmt.type, torch.from_numpy(blocks), weight.shape[1])
 
 
+def pack_run(fmt: Format, blocks: list[torch.Tensor], cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Parts of one type that sit side by side in a projection (each its file's blocks [rows, row bytes]: q and k,
+    gate and up) packed as one tensor of panels, into `out` where given. Where every part but the last ends on a
+    panel (16 rows: every family's q, k, gate and up), each packs straight into its own panels; else they are joined
+    first. The bytes are the same either way; joining copied each part once more (an 8B Q4_K_M packed in 8.3 s with
+    the copies, 7.3 without: benchmarks/NOTES.md, thirty-third round)."""
+    if out is None and len(blocks) == 1:
+        return fmt.pack(blocks[0], cols)
+    rows = sum(b.shape[0] for b in blocks)
+    if out is None:
+        out = torch.empty(-(-rows // PANEL), cols // fmt.block, fmt.packed_bytes, dtype=torch.uint8)
+    if any(b.shape[0] % PANEL for b in blocks[:-1]):
+        return fmt.pack(torch.cat(blocks), cols, out=out)
+    start = 0
+    for b in blocks:
+        fmt.pack(b, cols, out=out[start // PANEL : -(-(start + b.shape[0]) // PANEL)])
+        start += b.shape[0]
+    return out
+
+
 def as_quant(value) -> QuantTensor:
     """A part as the layers take it: a QuantTensor, served; a float tensor rounded to Q8_0."""
     return value.served() if isinstance(value, QuantTensor) else quantize(value, FALLBACK)
@@ -259,9 +279,8 @@ class GGUFLinear(Layer):
             n = next((i for i, p in enumerate(parts) if p.type != parts[0].type), len(parts))
             run, parts = parts[:n], parts[n:]
             fmt = NATIVE[run[0].type]
-            data = run[0].data if n == 1 else torch.cat([p.data for p in run])
-            self.register_buffer(f"packed{len(self.runs)}", fmt.pack(data, self.in_features))
-            self.runs.append((fmt, data.shape[0]))
+            self.register_buffer(f"packed{len(self.runs)}", pack_run(fmt, [p.data for p in run], self.in_features))
+            self.runs.append((fmt, sum(p.data.shape[0] for p in run)))
             for p in run:
                 release(p.data)
 
@@ -284,8 +303,7 @@ class GGUFLinear(Layer):
                              dtype=torch.uint8)
         for e, layer in enumerate(layers):
             parts = [layer.pending[i] for i in range(len(layer.parts))]
-            data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
-            fmt.pack(data, layer.in_features, out=packed[e])
+            pack_run(fmt, [p.data for p in parts], layer.in_features, out=packed[e])
             layer.pending, layer.runs = {}, [(fmt, layer.out_features)]
             layer.register_buffer("packed0", packed[e])
             for p in parts:
