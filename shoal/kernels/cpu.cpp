@@ -60,7 +60,6 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kTile = 64;          // keys per softmax tile: a multiple of kLanes
 constexpr int64_t kTileVecs = kTile / kLanes;
 // A chunk's positions per task (times the group's query heads): the longest of these that still gives every thread
@@ -856,11 +855,7 @@ INL void lse_rows(const LseArgs& a, int64_t b, int64_t e) {
   }
 }
 
-// The same bodies compiled per instruction set, as the attention's.
-#define SHOAL_ISA_VARIANTS(NAME, ARGS)                                                                          \
-  SHOAL_ENTRY_AVX512 void NAME##_avx512(const ARGS& a, int64_t b, int64_t e) { NAME<64>(a, b, e); } \
-  SHOAL_ENTRY_AVX2 void NAME##_avx2(const ARGS& a, int64_t b, int64_t e) { NAME<32>(a, b, e); } \
-  SHOAL_ENTRY_BASELINE void NAME##_baseline(const ARGS& a, int64_t b, int64_t e) { NAME<16>(a, b, e); }
+// The same bodies compiled per instruction set, as the attention's (vec.h SHOAL_ISA_VARIANTS).
 SHOAL_ISA_VARIANTS(norm_rows, NormArgs)
 SHOAL_ISA_VARIANTS(rope_rows, RopeArgs)
 SHOAL_ISA_VARIANTS(silu_rows, SiluArgs)
@@ -1075,14 +1070,6 @@ at::Tensor invariant_attention(const at::Tensor& q, const at::Tensor& k, const a
     run_task(c, task);
   });
   return out;
-}
-
-template <typename Args>
-void run_rows(void (*avx512)(const Args&, int64_t, int64_t), void (*avx2)(const Args&, int64_t, int64_t),
-              void (*baseline)(const Args&, int64_t, int64_t), const Args& a, int64_t rows, int64_t grain) {
-  const int64_t level = isa();
-  auto f = level == 3 ? avx512 : level == 2 ? avx2 : baseline;
-  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { f(a, b, e); });
 }
 
 int64_t row_stride(const at::Tensor& x) {

@@ -20,13 +20,10 @@
 #include <tuple>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
-int64_t shoal_isa_level();  // cpu.cpp: 3 AVX-512, 2 AVX2, 1 the x86-64 baseline (SHOAL_CPU_ISA may force it lower)
-
 namespace {
-
-constexpr int64_t kL = 16;  // lanes of a vf
 
 // ---- row_linear ----
 
@@ -44,7 +41,7 @@ INL void linear_tile(const LinArgs& a, int64_t r0, int64_t n0) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = F::zero();
   int64_t k = 0;
-  for (; k + kL <= a.K; k += kL) {
+  for (; k + kLanes <= a.K; k += kLanes) {
     F xv[R], wv[C];
     for (int r = 0; r < R; ++r) xv[r] = F::load(a.x + (r0 + r) * a.x_row + k);
     for (int c = 0; c < C; ++c) wv[c] = F::load(a.w + (n0 + c) * a.K + k);
@@ -52,7 +49,7 @@ INL void linear_tile(const LinArgs& a, int64_t r0, int64_t n0) {
       for (int c = 0; c < C; ++c) acc[r][c] = fmadd(xv[r], wv[c], acc[r][c]);
   }
   if (k < a.K) {
-    float xt[R][kL] = {}, wt[C][kL] = {};
+    float xt[R][kLanes] = {}, wt[C][kLanes] = {};
     for (int r = 0; r < R; ++r) std::copy(a.x + (r0 + r) * a.x_row + k, a.x + (r0 + r) * a.x_row + a.K, xt[r]);
     for (int c = 0; c < C; ++c) std::copy(a.w + (n0 + c) * a.K + k, a.w + (n0 + c) * a.K + a.K, wt[c]);
     for (int r = 0; r < R; ++r)
@@ -67,25 +64,30 @@ INL void linear_tile(const LinArgs& a, int64_t r0, int64_t n0) {
 template <int W> constexpr int kTileRows = W == 64 ? 4 : W == 32 ? 2 : 1;
 template <int W> constexpr int kTileCols = W == 16 ? 2 : kTileRows<W>;
 constexpr int64_t kChunkRows = 64;  // rows a task takes over its outputs: 512 KB of a 2,048-wide x, in L2
+constexpr int64_t kBlockCols = 4;   // outputs a task takes: whole tiles of every instruction set
 
-// task i: rows [64 (i / blocks), ...) of x over the outputs of column block i % blocks
+// task i: rows [64 (i / blocks), ...) of x over the outputs of column block i % blocks, in tiles; the rows and
+// outputs past the whole tiles one at a time
 template <int W>
 INL void linear_tasks(const LinArgs& a, int64_t i0, int64_t i1) {
   constexpr int R = kTileRows<W>, C = kTileCols<W>;
-  const int64_t blocks = (a.N + C - 1) / C;
+  const int64_t blocks = (a.N + kBlockCols - 1) / kBlockCols;
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t n0 = (i % blocks) * C, r_begin = (i / blocks) * kChunkRows, r_end = std::min(a.T, r_begin + kChunkRows);
-    const bool full = n0 + C <= a.N;
-    int64_t r = r_begin;
-    for (; full && r + R <= r_end; r += R) linear_tile<W, R, C>(a, r, n0);
-    for (; r < r_end; ++r)  // the rows past the whole tiles, and every row of a last, narrower block of outputs
-      for (int64_t n = n0; n < std::min(a.N, n0 + C); ++n) linear_tile<W, 1, 1>(a, r, n);
+    const int64_t n_begin = (i % blocks) * kBlockCols, n_end = std::min(a.N, n_begin + kBlockCols);
+    const int64_t r_begin = (i / blocks) * kChunkRows, r_end = std::min(a.T, r_begin + kChunkRows);
+    int64_t n = n_begin;
+    for (; n + C <= n_end; n += C) {
+      int64_t r = r_begin;
+      for (; r + R <= r_end; r += R) linear_tile<W, R, C>(a, r, n);
+      for (; r < r_end; ++r)
+        for (int c = 0; c < C; ++c) linear_tile<W, 1, 1>(a, r, n + c);
+    }
+    for (; n < n_end; ++n)
+      for (int64_t r = r_begin; r < r_end; ++r) linear_tile<W, 1, 1>(a, r, n);
   }
 }
 
-SHOAL_ENTRY_AVX512 void linear_avx512(const LinArgs& a, int64_t b, int64_t e) { linear_tasks<64>(a, b, e); }
-SHOAL_ENTRY_AVX2 void linear_avx2(const LinArgs& a, int64_t b, int64_t e) { linear_tasks<32>(a, b, e); }
-SHOAL_ENTRY_BASELINE void linear_baseline(const LinArgs& a, int64_t b, int64_t e) { linear_tasks<16>(a, b, e); }
+SHOAL_ISA_VARIANTS(linear_tasks, LinArgs)
 
 // x [T, K] float32 (contiguous rows), w [N, K] float32 -> x @ w.T [T, N] float32, row-invariant
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w) {
@@ -96,11 +98,8 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   const LinArgs a{x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), T, N, K, x.stride(0)};
-  const int64_t level = shoal_isa_level();
-  const int64_t C = level == 3 ? kTileCols<64> : level == 2 ? kTileCols<32> : kTileCols<16>;
-  const int64_t tasks = (T + kChunkRows - 1) / kChunkRows * ((N + C - 1) / C);
-  auto f = level == 3 ? linear_avx512 : level == 2 ? linear_avx2 : linear_baseline;
-  at::parallel_for(0, tasks, 1, [&](int64_t b, int64_t e) { f(a, b, e); });
+  const int64_t tasks = (T + kChunkRows - 1) / kChunkRows * ((N + kBlockCols - 1) / kBlockCols);
+  run_rows(linear_tasks_avx512, linear_tasks_avx2, linear_tasks_baseline, a, tasks, 1);
   return y;
 }
 
@@ -187,7 +186,7 @@ INL void combine_rows(const CombineArgs& a, int64_t t0, int64_t t1) {
     const int64_t* pos = a.back + t * a.k;
     float* out = a.out + t * a.H;
     int64_t h = 0;
-    for (; h + kL <= a.H; h += kL) {
+    for (; h + kLanes <= a.H; h += kLanes) {
       F acc;
       for (int64_t j = 0; j < a.k; ++j) {
         F prod = F::load(a.y + pos[j] * a.y_row + h) * F::set(a.scales[pos[j]]);
@@ -208,9 +207,7 @@ INL void combine_rows(const CombineArgs& a, int64_t t0, int64_t t1) {
   }
 }
 
-SHOAL_ENTRY_AVX512 void combine_avx512(const CombineArgs& a, int64_t b, int64_t e) { combine_rows<64>(a, b, e); }
-SHOAL_ENTRY_AVX2 void combine_avx2(const CombineArgs& a, int64_t b, int64_t e) { combine_rows<32>(a, b, e); }
-SHOAL_ENTRY_BASELINE void combine_baseline(const CombineArgs& a, int64_t b, int64_t e) { combine_rows<16>(a, b, e); }
+SHOAL_ISA_VARIANTS(combine_rows, CombineArgs)
 
 // y [T k, H] float32 grouped by expert (the experts' outputs), scales and back from moe_route -> [T, H]: token t's
 // sum over j of y[back[t k + j]] * scales[back[t k + j]], j in ascending expert order
@@ -224,9 +221,7 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& scales, const at::
   for (int64_t i = 0; i < P; ++i) TORCH_CHECK(bp[i] >= 0 && bp[i] < P, "moe_combine: a position outside y's rows");
   at::Tensor out = at::empty({P / k, H}, y.options());
   const CombineArgs a{y.data_ptr<float>(), scales.data_ptr<float>(), bp, out.data_ptr<float>(), k, H, y.stride(0)};
-  const int64_t level = shoal_isa_level();
-  auto f = level == 3 ? combine_avx512 : level == 2 ? combine_avx2 : combine_baseline;
-  at::parallel_for(0, P / k, 4, [&](int64_t b, int64_t e) { f(a, b, e); });
+  run_rows(combine_rows_avx512, combine_rows_avx2, combine_rows_baseline, a, P / k, 4);
   return out;
 }
 

@@ -1,11 +1,25 @@
 // The native ops that decoder.cpp strings together without the dispatcher: each is the function the torch op of
-// the same name runs (cpu.cpp, kquants.cpp, moe.cpp), so a call here gives the bits the op gives.
+// the same name runs (cpu.cpp, kquants.cpp, moe.cpp), so a call here gives the bits the op gives. And run_rows, how
+// the row ops of cpu.cpp and moe.cpp run their instruction set's entry point over their rows.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <tuple>
+
+int64_t shoal_isa_level();  // cpu.cpp: 3 AVX-512, 2 AVX2, 1 the x86-64 baseline (SHOAL_CPU_ISA may force it lower)
+
+// rows [0, rows) in parallel, `grain` at least a task, each task through this process's instruction set's entry point
+// (vec.h SHOAL_ISA_VARIANTS)
+template <typename Args>
+void run_rows(void (*avx512)(const Args&, int64_t, int64_t), void (*avx2)(const Args&, int64_t, int64_t),
+              void (*baseline)(const Args&, int64_t, int64_t), const Args& a, int64_t rows, int64_t grain) {
+  const int64_t level = shoal_isa_level();
+  auto f = level == 3 ? avx512 : level == 2 ? avx2 : baseline;
+  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { f(a, b, e); });
+}
 
 at::Tensor shoal_invariant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv,
                                      const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& row_seq,

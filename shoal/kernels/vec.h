@@ -28,6 +28,15 @@ namespace {
 #define SHOAL_ENTRY_AVX2 __attribute__((target("avx2,fma,f16c"), flatten))
 #define SHOAL_ENTRY_BASELINE __attribute__((flatten))
 
+constexpr int64_t kLanes = 16;  // a vf's lanes, on every instruction set
+
+// A kernel body NAME<W>(args, first row, end row) compiled per instruction set, as NAME_avx512, NAME_avx2 and
+// NAME_baseline (ops.h run_rows picks one)
+#define SHOAL_ISA_VARIANTS(NAME, ARGS)                                                                          \
+  SHOAL_ENTRY_AVX512 void NAME##_avx512(const ARGS& a, int64_t b, int64_t e) { NAME<64>(a, b, e); } \
+  SHOAL_ENTRY_AVX2 void NAME##_avx2(const ARGS& a, int64_t b, int64_t e) { NAME<32>(a, b, e); } \
+  SHOAL_ENTRY_BASELINE void NAME##_baseline(const ARGS& a, int64_t b, int64_t e) { NAME<16>(a, b, e); }
+
 // One register's types per width, spelled out: GCC drops a vector attribute that depends on a template
 // parameter where the type is passed on as a template argument. Broadcasts use the ISA's own set1: with
 // a shuffle of {x, 0, ...}, GCC widened the scalar load of x into a whole vector's load (a misaligned
