@@ -67,6 +67,10 @@ class Format:
         """Packed, as held in memory and streamed per token."""
         return self.packed_bytes * 8 / (PANEL * self.block)
 
+    def panels(self, rows: int, cols: int) -> tuple[int, int, int]:
+        """The packed shape of a [rows, cols] weight: (panels of 16 outputs, blocks a row, packed bytes a block)."""
+        return -(-rows // PANEL), cols // self.block, self.packed_bytes
+
     def pack(self, data: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The file's blocks [rows, row bytes] -> panels [ceil(rows / 16), cols / block, packed_bytes], written into
         `out` where given (a contiguous slice of a stacked tensor)."""
@@ -217,7 +221,7 @@ def pack_run(fmt: Format, blocks: list[torch.Tensor], cols: int, out: torch.Tens
         return fmt.pack(blocks[0], cols)
     rows = sum(b.shape[0] for b in blocks)
     if out is None:
-        out = torch.empty(-(-rows // PANEL), cols // fmt.block, fmt.packed_bytes, dtype=torch.uint8)
+        out = torch.empty(fmt.panels(rows, cols), dtype=torch.uint8)
     if any(b.shape[0] % PANEL for b in blocks[:-1]):
         return fmt.pack(torch.cat(blocks), cols, out=out)
     start = 0
@@ -299,8 +303,7 @@ class GGUFLinear(Layer):
         if len(types) != 1:
             return None
         fmt = NATIVE[types.pop()]
-        packed = torch.empty(len(layers), -(-first.out_features // PANEL), first.in_features // fmt.block, fmt.packed_bytes,
-                             dtype=torch.uint8)
+        packed = torch.empty(len(layers), *fmt.panels(first.out_features, first.in_features), dtype=torch.uint8)
         for e, layer in enumerate(layers):
             parts = [layer.pending[i] for i in range(len(layer.parts))]
             pack_run(fmt, [p.data for p in parts], layer.in_features, out=packed[e])
@@ -403,7 +406,7 @@ def served_bytes(tensors) -> int:
             continue
         fmt = served_as(t.tensor_type)
         rows, cols = int(np.prod(t.shape[1:])), int(t.shape[0])
-        total += -(-rows // PANEL) * (cols // fmt.block) * fmt.packed_bytes
+        total += int(np.prod(fmt.panels(rows, cols)))
     return total
 
 
