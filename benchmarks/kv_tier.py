@@ -1,6 +1,7 @@
 """The prefix cache's second tier on agent traffic that outgrows the KV pool, on the default model.
 
     .venv/bin/python benchmarks/kv_tier.py [--conversations 16] [--turns 3] [--pool-tokens 4200]
+    .venv/bin/python benchmarks/kv_tier.py --threshold-only --model .peers/models/random-gemma3-1b-Q4_K_M.gguf
 
 Agent loop: every conversation shares agentic_prefix.py's system prompt with tool definitions, reads its own
 tool result (a ~900-token slice of shoal's source), and goes on for --turns turns, the conversations taking
@@ -16,8 +17,10 @@ its own blocks have been evicted. Four configurations, same run:
 Then: time to first token right after a restart (the tier's server closed and started again on the same
 directory) against a cold start, and the restore-or-recompute threshold on this host: one prompt's blocks
 restored from the tier against computed, at several lengths, and the read rate below which computing wins.
+--threshold-only measures only that last part, on --model (a Gemma 3 file: its local layers' KV group restores only
+a window's blocks).
 
-Writes benchmarks/results/kv_tier-<CPU kind>.{md,json}.
+Writes benchmarks/results/kv_tier-<CPU kind>.{md,json} (kv_tier-threshold-<model>-<CPU kind> with --threshold-only).
 """
 
 from __future__ import annotations
@@ -55,9 +58,15 @@ def tool_results(n: int) -> list[str]:
     return [text[i * 3500 : (i + 1) * 3500] for i in range(n)]
 
 
-def open_llm(pool_bytes: int, tier_dir: str | None, **kw) -> LLM:
+MODEL = "smollm2"  # --model
+
+
+def open_llm(pool: int, tier_dir: str | None, **kw) -> LLM:
+    """pool: the KV pool's bytes, or with --threshold-only its blocks of 16 tokens (the full-attention layers' blocks,
+    with KV groups, whose windowed groups' blocks are sized from their windows)."""
     extra = {"prefix_cache_dir": tier_dir} if tier_dir else {}
-    return LLM("smollm2", max_model_len=MAX_MODEL_LEN, kv_cache_memory=pool_bytes, **extra, **kw)
+    size = {"num_blocks": pool} if pool < 2**20 else {"kv_cache_memory": pool}
+    return LLM(MODEL, max_model_len=MAX_MODEL_LEN, **size, **extra, **kw)
 
 
 def ttft(llm: LLM, ids: list[int], rid: str):
@@ -135,15 +144,16 @@ def threshold(args, tier_dir: str) -> dict:
             ttft(llm, prompt, f"fill-{length}-{mode}")
             for k in range(0, len(filler) - 1000, 1000):  # other prompts take the pool: the blocks go to the tier
                 ttft(llm, filler[k : k + 1000] + [length, len(rows)], f"evict-{length}-{mode}-{k}")
-            llm.engine.tier.store.drain(30)
+            llm.engine.tier.drain(30)
             seconds, final = ttft(llm, prompt + ids[length : length + 8], f"again-{length}-{mode}")
             times[mode] = {"ttft": seconds, "cached": final.num_cached_tokens}
         rows.append({"tokens": length, "restore": times["always"], "recompute": times["never"]})
         print(f"threshold {length:5d} tokens: restored {times['always']['ttft'] * 1e3:7.0f} ms (cached {times['always']['cached']}), "
               f"computed {times['never']['ttft'] * 1e3:7.0f} ms (cached {times['never']['cached']})", flush=True)
-    p = llm.engine.tier.policy
+    p, t = llm.engine.tier.policy, llm.engine.tier.stats
     result = {"rows": rows, "read_rate": p.read_rate, "prefill_rate": p.prefill_rate, "threshold_read_rate": p.threshold_read_rate(),
-              "block_bytes": p.block_bytes}
+              "block_bytes": p.block_bytes, "restored_blocks": t.restored_blocks, "restored_bytes": t.restored_bytes,
+              "kv_groups": [[g.window, len(g.layers)] for g in llm.engine.runner.kv_groups]}
     llm.close()
     return result
 
@@ -184,6 +194,13 @@ def markdown(doc: dict, args) -> list[str]:
         f"Each conversation's next turn on a server started again on the tier's directory: median TTFT **{r_tier * 1e3:.0f} ms**, "
         f"against **{r_cold * 1e3:.0f} ms** on a cold server without a tier ({r_cold / r_tier:.1f}x).",
         "",
+        *threshold_lines(th),
+    ]
+    return lines
+
+
+def threshold_lines(th: dict) -> list[str]:
+    return [
         "## Restore or recompute on this host",
         "",
         *table(["prompt tokens", "TTFT, restored (ms)", "TTFT, computed (ms)", "restored tokens"],
@@ -195,8 +212,10 @@ def markdown(doc: dict, args) -> list[str]:
         f"worth restoring as long as the store reads faster than **{th['threshold_read_rate'] / 2**20:.1f} MiB/s** "
         "(less the later in a prompt it sits, where computing costs more); `--prefix-cache-restore auto` decides this per "
         "request from the running rates and logs each change of mind.",
+        f"- KV groups (window, layers): {th['kv_groups']}. The restores read {th['restored_bytes'] / 2**20:,.1f} MiB for "
+        f"{th['restored_blocks']:,} blocks, {th['restored_bytes'] / max(1, th['restored_blocks'] * th['block_bytes']):.0%} of "
+        "every layer's bytes for them (a windowed group reads only its last window).",
     ]
-    return lines
 
 
 def main() -> None:
@@ -206,14 +225,28 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=4200, help="the pool's size in tokens of the default dtype's cache")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 3072])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--model", default="smollm2", help="the model (the traffic's chat needs its template)")
+    ap.add_argument("--threshold-only", action="store_true", help="only restore against compute, at --lengths")
     args = ap.parse_args()
-    probe = LLM("smollm2", max_model_len=MAX_MODEL_LEN)
+    global MODEL
+    MODEL = args.model
+    probe = LLM(MODEL, max_model_len=MAX_MODEL_LEN)
     args.pool_bytes = args.pool_tokens * probe.engine.snapshot.kv_bytes_per_token
-    system_tokens = len(probe.apply_chat_template([{"role": "system", "content": system_prompt()}]))
+    system_tokens = 0 if args.threshold_only else len(probe.apply_chat_template([{"role": "system", "content": system_prompt()}]))
     probe.close()
     del probe
     gc.collect()
     doc = {"machine": machine(), "cpu_kind": cpu_kind(), "system_tokens": system_tokens, "args": vars(args), "runs": {}}
+    if args.threshold_only:
+        args.pool_bytes = args.pool_tokens // 16  # blocks (open_llm)
+        with tempfile.TemporaryDirectory(prefix="shoal-tier-") as tmp:
+            doc["threshold"] = threshold(args, f"{tmp}/threshold")
+        name = Path(MODEL).stem
+        publish(f"kv_tier-threshold-{name}-{doc['cpu_kind']}", doc, [
+            f"# Restore or recompute, {name} ({time.strftime('%Y-%m-%d')}, {doc['cpu_kind']})", "",
+            f"A KV pool of {args.pool_tokens:,} tokens (of the full-attention layers); on {machine_line(doc['machine'])}.", "",
+            *threshold_lines(doc["threshold"])])
+        return
     with tempfile.TemporaryDirectory(prefix="shoal-tier-") as tmp:
         for name in args.configs:
             doc["runs"][name] = run_config(name, CONFIGS[name], args, f"{tmp}/{name.replace(' ', '-')}")

@@ -52,38 +52,44 @@ def build_engine(config: EngineConfig) -> Engine:
 
 
 def build_tier(config: EngineConfig, runner, facts: EngineFacts) -> KVTier | None:
-    """The prefix cache's second tier (engine/kv_tier.py), if one is configured. It holds one KV group's blocks
-    (types.KVGroup): a model with several (Gemma's local and global layers) runs without it."""
+    """The prefix cache's second tier (engine/kv_tier.py), if one is configured: a store per KV group
+    (types.KVGroup), the budget split so that each holds as many blocks (the full-attention group as many as it would
+    with every layer in it)."""
     cache = config.cache
-    groups = len(getattr(runner, "kv_groups", ()) or ())
-    if groups > 1 and (cache.prefix_cache_host_bytes or cache.prefix_cache_dir):
-        log.warning("the prefix cache's second tier holds one KV group's blocks, and this model has %d (layers with "
-                    "and without a sliding window): it runs without the tier", groups)
+    budget = cache.prefix_cache_host_bytes or cache.prefix_cache_disk_bytes
+    if not (cache.prefix_cache_host_bytes or cache.prefix_cache_dir):
         return None
-    if cache.prefix_cache_host_bytes:
-        store = HostStore(cache.prefix_cache_host_bytes, runner.bytes_per_block)
-    elif cache.prefix_cache_dir:
-        c = runner.config
-        root = Path(cache.prefix_cache_dir).expanduser()
-        root.mkdir(parents=True, exist_ok=True)
-        fingerprint = {
-            "model_sha256": model_digest(facts.path, root), "dtype": facts.dtype, "kv_cache_dtype": facts.kv_cache_dtype,
-            "weight_format": facts.weight_format, "attention": runner.attention.name, "block_size": runner.block_size,
-            "layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-            "layout_version": LAYOUT_VERSION, "shoal_version": shoal.__version__,
-        }
-        store = DirectoryStore(root, cache.prefix_cache_disk_bytes, runner.bytes_per_block, fingerprint)
-    else:
-        return None
+    sizes = runner.group_block_bytes
+    shares = [budget * b // sum(sizes) for b in sizes]
+    several = len(sizes) > 1
+    stores = []
     try:
-        tier = KVTier(store, runner.bytes_per_block, runner.block_size, chunk_cost, cache.prefix_cache_restore)
+        if cache.prefix_cache_host_bytes:
+            stores = [HostStore(share, size) for share, size in zip(shares, sizes)]
+        else:
+            c = runner.config
+            root = Path(cache.prefix_cache_dir).expanduser()
+            root.mkdir(parents=True, exist_ok=True)
+            fingerprint = {
+                "model_sha256": model_digest(facts.path, root), "dtype": facts.dtype, "kv_cache_dtype": facts.kv_cache_dtype,
+                "weight_format": facts.weight_format, "attention": runner.attention.name, "block_size": runner.block_size,
+                "layers": c.num_layers, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                "layout_version": LAYOUT_VERSION, "shoal_version": shoal.__version__,
+            }
+            if several:
+                fingerprint["kv_groups"] = [[g.window, list(g.layers)] for g in runner.kv_groups]
+            for g, (share, size) in enumerate(zip(shares, sizes)):
+                stores.append(DirectoryStore(root, share, size, fingerprint, group=g if several else None))
+        tier = KVTier(stores, runner.block_size, chunk_cost, cache.prefix_cache_restore)
     except BaseException:
-        store.close()  # the directory's lock with it
+        for store in reversed(stores):
+            store.close()  # the directory's lock with the first
         raise
-    s = tier.stats
-    log.info("prefix-cache tier: %s, %d of %d blocks (%.1f of %.0f MiB) held from earlier runs; first read rate %s; "
-             "restores: %s", f"directory {store.dir}" if s.kind == "disk" else "host RAM", s.entries, tier.index.capacity,
-             s.bytes / 2**20, s.capacity_bytes / 2**20,
+    s, store = tier.stats, stores[0]
+    log.info("prefix-cache tier: %s, %d of %d blocks (%.1f of %.0f MiB) held from earlier runs%s; first read rate %s; "
+             "restores: %s", f"directory {store.dir}" if s.kind == "disk" else "host RAM", s.entries,
+             sum(i.capacity for i in tier.indexes), s.bytes / 2**20, s.capacity_bytes / 2**20,
+             f", a store for each of {len(stores)} KV groups" if several else "",
              f"{store.read_rate / 2**20:.0f} MiB/s" if store.read_rate else "not measured yet",
              {"auto": "when cheaper than computing (measured)", "always": "always", "never": "never"}[cache.prefix_cache_restore])
     return tier

@@ -204,11 +204,11 @@ class Engine:
             try:
                 if spills:
                     log.info("prefix-cache tier: keeping %d cached blocks (%.0f MiB) for the next start",
-                             len(spills), len(spills) * self.runner.bytes_per_block / 2**20)
+                             len(spills), sum(tier.block_bytes[s.group] for s in spills) / 2**20)
                 for i in range(0, len(spills), CLOSE_SPILL_BLOCKS):  # a piece at a time: the write queue is bounded
                     piece = spills[i : i + CLOSE_SPILL_BLOCKS]
-                    tier.spill(piece, self.runner.read_blocks([s.block_id for s in piece]))
-                    tier.store.drain(60)
+                    tier.spill(piece, self._read_spills(piece))
+                    tier.drain(60)
             finally:
                 tier.close()
         self.executor.close()
@@ -307,14 +307,24 @@ class Engine:
         copies taken out when they ran here."""
         spills = self.kv.take_spills()
         if spills:
-            self.tier.spill(spills, self.runner.read_blocks([s.block_id for s in spills]))
+            self.tier.spill(spills, self._read_spills(spills))
         restores = self.kv.take_restores()
         if restores:
             if plan.block_copies:
                 self.runner.copy_blocks(plan.block_copies)
                 plan = dataclasses.replace(plan, block_copies=())
-            self.runner.write_blocks([b for b, _ in restores], [p for _, p in restores])
+            for g in sorted({g for g, _, _ in restores}):
+                self.runner.write_blocks([b for gg, b, _ in restores if gg == g], [p for gg, _, p in restores if gg == g], g)
         return plan
+
+    def _read_spills(self, spills) -> list:
+        """The spilled blocks' bytes, read group by group, in the spills' order."""
+        payloads = [None] * len(spills)
+        for g in sorted({s.group for s in spills}):
+            rows = [i for i, s in enumerate(spills) if s.group == g]
+            for i, p in zip(rows, self.runner.read_blocks([spills[i].block_id for i in rows], g)):
+                payloads[i] = p
+        return payloads
 
     def _observe_prefill(self, sched, started: float) -> None:
         """A step with a prefill's worth of tokens tells the tier's policy how fast this host computes them."""

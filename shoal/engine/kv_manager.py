@@ -46,8 +46,17 @@ cache if it indexes it) and the table holds the pool's null block there:
 so a windowed group holds about w + a step's tokens per sequence, however long it
 is. A hit, a fork and a trim keep to the same rule; a fork whose parent has slid
 past what the child needs is refused (`can_share`), and the child computes its
-prompt. The second tier holds one group's blocks; a model with several groups
-runs without it.
+prompt.
+
+The second tier keeps each group's evicted blocks apart (a store per group), and a
+restore reads from each group what a step computing from the restore's end reads:
+the full group every block after the pool's match, a windowed group only the
+blocks of its last window. So the restore ends where every group has its part
+(`_restorable`), and a windowed group's table holds the null block before it:
+
+    positions:     0        pool match        end-w+1      end
+    full group:    [ b | b | b | restored | restored | restored ]
+    window w:      [ null ...      | null | restored | restored ]
 """
 
 from __future__ import annotations
@@ -65,12 +74,14 @@ from shoal.engine.sequence import Sequence
 @dataclass(frozen=True)
 class Admission:
     """What a fresh sequence starts from: `num_tokens` of its tokens already have KV somewhere.
-    restore: (digest, payload) of the blocks after the match's full ones, from the tier, which then cover its
-    first `restored_to` tokens (the match's partial copy goes unused).
+    restore: (group, block index, digest, payload) of the blocks after the match's full ones, from the tier, which
+    with `shared` then cover its first `restored_to` tokens (the match's partial copy goes unused); a windowed
+    group's only where its window at `restored_to` reaches.
     pending: the tier is reading blocks for it; it waits, holding no blocks, until they are in."""
 
     match: PrefixMatch | None = None
     restore: tuple = ()
+    shared: tuple = ()  # (group, block index, block): blocks after the match that the restore takes from the pool
     restored_to: int = 0
     pending: bool = False
 
@@ -98,11 +109,11 @@ class KVCacheManager:
         self.groups = range(len(self.pools))
         self.windowed = any(w is not None for w in self.windows)
         self.cache = cache
-        self.tier = tier if cache is not None and len(self.pools) == 1 else None
+        self.tier = tier if cache is not None else None
         self.block_size = self.pool.block_size
         self._copies: list[tuple[int, ...]] = []  # (source, destination[, group > 0]) promised, not yet in a plan
         self._spills: list[Spill] = []  # evicted blocks whose bytes go to the tier before anything overwrites them
-        self._restores: list[tuple[int, object]] = []  # (block, payload) to write before the next forward
+        self._restores: list[tuple[int, int, object]] = []  # (group, block, payload) to write before the next forward
         # waiting sequences matched already: a sequence the pool cannot take yet is matched every step, and counts
         # in the cache's statistics, and asks the tier, once while it waits (it would count and weigh its blocks
         # every step)
@@ -146,20 +157,62 @@ class KVCacheManager:
             return Admission(m)
         if fetch is not None:  # kept until an admission takes its blocks: a pool too short for it now may not be later
             if fetch.done:
-                return self._with_restore(m, fetch)
+                return self._with_restore(m, keys, fetch)
             if not self.tier.overdue(fetch):
                 return PENDING
             seq.kv_fetch = None  # the store hangs (a stalled disk): compute instead of waiting on it
             return Admission(m)
         if not first:
             return Admission(m)
-        start = len(m.blocks)
-        found = self.tier.find(self._digests_after(m, keys))
-        if not found or not self.tier.policy.worth(len(found), start * self.block_size):
-            self.tier.stats.recomputed_blocks += len(found)
+        n = len(m.blocks)
+        digests = list(self._digests_after(m, keys))
+        top = n + len(digests)
+        pooled = self._pooled_after(m, keys, top)
+        end = self._restorable(n, top, lambda g, i: pooled(g, i) is not None or self.tier.held(digests[i - n], g))
+        reads = {}
+        for g in self.groups:  # what each group would read: its frequencies count toward the tier's admission
+            stop = end if end > n else top
+            wanted = [(i, digests[i - n]) for i in range(max(n, self.first_needed(g, stop * self.block_size)), stop)
+                      if pooled(g, i) is None]
+            self.tier.wanted([d for _, d in wanted], g)
+            if end > n and wanted:
+                reads[g] = wanted
+        nbytes = sum(len(r) * self.tier.block_bytes[g] for g, r in reads.items())
+        if not reads or not self.tier.policy.worth(end - n, n * self.block_size, nbytes):
+            self.tier.stats.recomputed_blocks += end - n
             return Admission(m)
-        seq.kv_fetch = self.tier.fetch(start, found)
+        seq.kv_fetch = self.tier.fetch(n, end, reads)
         return PENDING
+
+    def _pooled_after(self, m: PrefixMatch, keys: list, top: int):
+        """(group, block index) -> the pool's cached block there, or None: past the match, the trie may still hold
+        some groups' blocks of the prompt (a windowed group's last ones, where the full group lost them)."""
+        bs = self.block_size
+        node, nodes = (m.nodes[-1] if m.nodes else self.cache.root), []
+        for i in range(len(m.blocks), top):
+            node = node.children.get(tuple(keys[i * bs : (i + 1) * bs]))
+            if node is None:
+                break
+            nodes.append(node)
+        n = len(m.blocks)
+        return lambda g, i: nodes[i - n].blocks[g] if i - n < len(nodes) else None
+
+    def _restorable(self, n: int, top: int, has) -> int:
+        """Where the longest restore after the pool's `n` matched blocks can end, at most at block `top`, such that
+        every group has what a step computing from there reads: group g its blocks max(n, first_needed) .. end - 1
+        (all of them with full attention, a window's with a window). `has(g, i)`: group g's block i is at hand.
+        n: no restore."""
+        missing = []  # per group: how many of blocks n .. n + j - 1 are not at hand
+        for g in self.groups:
+            run = [0]
+            for i in range(n, top):
+                run.append(run[-1] + (not has(g, i)))
+            missing.append(run)
+        for end in range(top, n, -1):
+            if all(run[end - n] == run[max(n, self.first_needed(g, end * self.block_size)) - n]
+                   for g, run in zip(self.groups, missing)):
+                return end
+        return n
 
     def _digests_after(self, m: PrefixMatch, keys: list):
         """The chain digests of the prompt's full blocks after the match's (the last prompt token excluded)."""
@@ -169,14 +222,25 @@ class KVCacheManager:
             digest = chain_digest(digest, tuple(keys[i * bs : (i + 1) * bs]))
             yield digest
 
-    def _with_restore(self, m: PrefixMatch, fetch) -> Admission:
-        """The match after a fetch came back: the fetched blocks that follow the pool's match go in."""
-        payloads = self.tier.received(fetch)  # the first time: checks and counts; again (a retry): the same
-        skip = len(m.blocks) - fetch.first_block  # blocks the pool got back meanwhile (another sequence computed them)
-        if skip < 0 or skip >= len(payloads):
-            return Admission(m)  # nothing to add: the pool has them all, or lost the blocks before them
-        restore = tuple(zip(fetch.digests[skip : len(payloads)], payloads[skip:]))
-        return Admission(m, restore=restore, restored_to=(len(m.blocks) + len(restore)) * self.block_size)
+    def _with_restore(self, m: PrefixMatch, keys: list, fetch) -> Admission:
+        """The match after a fetch came back: the blocks after the pool's match go in, read or still cached, as far
+        as every group has what it reads."""
+        got = self.tier.received(fetch)  # the first time: checks and counts; again (a retry): the same
+        n = len(m.blocks)  # the pool may have got blocks back meanwhile (another sequence computed them)
+        if n < fetch.first_block:
+            return Admission(m)  # the pool lost blocks before them
+        pooled = self._pooled_after(m, keys, fetch.end)
+        end = self._restorable(n, fetch.end, lambda g, i: pooled(g, i) is not None or i in got.get(g, ()))
+        if end == n:
+            return Admission(m)
+        restore, shared = [], []
+        for g in self.groups:
+            for i in range(max(n, self.first_needed(g, end * self.block_size)), end):
+                if pooled(g, i) is not None:
+                    shared.append((g, i, pooled(g, i)))
+                else:
+                    restore.append((g, i, *got[g][i]))
+        return Admission(m, restore=tuple(restore), shared=tuple(shared), restored_to=end * self.block_size)
 
     def admit(self, seq: Sequence, admission: Admission, num_new: int) -> bool:
         """Give a waiting sequence its matched blocks and room for `num_new` tokens after them.
@@ -185,6 +249,8 @@ class KVCacheManager:
         restore = admission.restore
         copies = m.copies if m is not None and not restore else (None,) * len(self.pools)
         self._fresh_tables(seq)
+        for g, _, b in admission.shared:
+            self.pools[g].incref([b])  # pinned: nothing below may evict them
         if m is not None:
             for g, (pool, table, copy) in enumerate(zip(self.pools, m.tables, copies)):
                 held = [b for b in table if b is not None]
@@ -196,10 +262,7 @@ class KVCacheManager:
         fits = self.can_grow(seq, num_new)  # the restored blocks among what it needs
         if fits:
             if restore:
-                fresh = self.pool.allocate(len(restore))
-                seq.block_table.extend(fresh)
-                self._restores.extend((b, payload) for b, (_, payload) in zip(fresh, restore))
-                self.tier.restored([d for d, _ in restore])
+                self._restore_into(seq, admission)
             self.grow(seq, num_new)
         if m is None:
             return fits
@@ -214,6 +277,8 @@ class KVCacheManager:
         if not fits:  # undo: the shared blocks go back to the cache
             for g, pool in enumerate(self.pools):
                 pool.free(self._held(g, seq.block_tables[g]))
+            for g, _, b in admission.shared:
+                self.pools[g].free([b])
             seq.block_tables, seq.num_computed_tokens = [[] for _ in self.groups], 0
             return False
         seq.cache_nodes = list(m.nodes)
@@ -224,6 +289,32 @@ class KVCacheManager:
             seq.num_cached_tokens = min(admission.num_tokens, seq.prompt_len)
             self.cache.record(seq.prompt_len, seq.num_cached_tokens)
         return True
+
+    def _restore_into(self, seq: Sequence, admission: Admission) -> None:
+        """The blocks after the match, each group's: a cached one shared (pinned already), or a fresh one the tier's
+        bytes go into; a windowed group holds the null block where the restore's last window does not reach, and
+        lets go of the matched blocks there."""
+        end, n = admission.restored_to // self.block_size, len(seq.block_table)
+        read = {}
+        for g in self.groups:
+            table, pool = seq.block_tables[g], self.pools[g]
+            reads = {i: (d, p) for gg, i, d, p in admission.restore if gg == g}
+            at = {i: b for gg, i, b in admission.shared if gg == g}
+            fresh = iter(pool.allocate(len(reads)))
+            for i in range(len(table), end):
+                if i in at:
+                    table.append(at[i])
+                elif i in reads:
+                    table.append(next(fresh))
+                    self._restores.append((g, table[-1], reads[i][1]))
+                else:
+                    table.append(pool.null_block)  # before a windowed group's last window
+            read[g] = [d for d, _ in reads.values()]
+            if self.windows[g] is not None:
+                first = self.first_needed(g, admission.restored_to)
+                pool.free([b for b in table[:first] if b != pool.null_block])
+                table[:first] = [pool.null_block] * first
+        self.tier.restored(end - n, read)
 
     # ------------------------------------------------------------ growth
     def can_grow(self, seq: Sequence, num_new: int) -> bool:
@@ -319,12 +410,12 @@ class KVCacheManager:
         return copies
 
     # ------------------------------------------------------------ the second tier
-    def _evicted(self, node) -> None:
-        """The prefix cache dropped a full node: its block goes to the tier, unless the tier has it."""
-        if node.num_tokens != self.block_size or self.tier.held(node.digest):
+    def _evicted(self, node, group: int) -> None:
+        """The prefix cache dropped a full node's block of `group`: it goes to the tier, unless the tier has it."""
+        if node.num_tokens != self.block_size or self.tier.held(node.digest, group):
             return
         if self.tier.enabled:
-            self._spills.append(Spill(node.block_id, node.digest, node.parent.digest, node.num_tokens))
+            self._spills.append(Spill(node.blocks[group], node.digest, node.parent.digest, node.num_tokens, group))
         else:
             self.tier.stats.spills_dropped += 1
 
@@ -333,19 +424,19 @@ class KVCacheManager:
         spills, self._spills = self._spills, []
         return spills
 
-    def take_restores(self) -> list[tuple[int, object]]:
-        """(block, payload) pairs to write into the KV cache before the next forward: after the spills' copies."""
+    def take_restores(self) -> list[tuple[int, int, object]]:
+        """(group, block, payload) to write into the KV cache before the next forward: after the spills' copies."""
         restores, self._restores = self._restores, []
         return restores
 
     def spill_all(self) -> list[Spill]:
         """Every cached full block the tier lacks, most recently used first, at most what the tier holds: for
         keeping the pool's content across a restart (none for a store that ends with the process)."""
-        if self.tier is None or not self.tier.enabled or not self.tier.store.persistent:
+        if self.tier is None or not self.tier.enabled or not self.tier.persistent:
             return []
-        room = self.tier.index.capacity
-        return [Spill(n.block_id, n.digest, n.parent.digest, n.num_tokens)
-                for n in self.cache.full_nodes() if not self.tier.held(n.digest)][:room]
+        room = self.tier.capacity
+        return [Spill(n.blocks[g], n.digest, n.parent.digest, n.num_tokens, g) for g in self.groups
+                for n in [n for n in self.cache.full_nodes(g) if not self.tier.held(n.digest, g)][:room]]
 
     # ------------------------------------------------------------ the prefix cache
     def expire(self) -> None:

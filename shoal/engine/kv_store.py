@@ -6,6 +6,9 @@ A directory holds one subdirectory per configuration, named by the fingerprint's
     DIR/model-hashes.json         the model files' SHA-256, by path, size and mtime (hashed once)
     DIR/<fingerprint>/ab/abcd….kv one block: a header, then the block's bytes as the KV tensor holds them
 
+A model with several KV groups (types.KVGroup: Gemma's local and global layers) has one subdirectory per group,
+DIR/<fingerprint>-group<g>, each entry a block of that group's layers.
+
 An entry's header (ENTRY_HEADER) holds a magic, the layout version, the fingerprint's digest, the block's
 chain digest and its parent's, its token count, the payload's length and its CRC-32 (the chain digest already names
 the content; the checksum only has to catch a torn or flipped file, and CRC-32 reads at 7 GB/s where BLAKE2b reads at 1.5). The
@@ -66,7 +69,6 @@ class Fetch:
     nbytes: int = 0  # bytes read from the store (not from the write queue)
     seconds: float = 0.0
     event: threading.Event = field(default_factory=threading.Event)
-    accounted: bool = False  # the tier took in its errors and rate (KVTier.received)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -94,7 +96,7 @@ class HostStore:
 
     def __init__(self, capacity_bytes: int, payload_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self.entry_bytes = payload_bytes
+        self.payload_bytes = self.entry_bytes = payload_bytes
         self._blocks: dict[bytes, bytearray] = {}
 
     def existing(self) -> list[bytes]:
@@ -131,12 +133,18 @@ class DirectoryStore:
     kind = "disk"
     persistent = True  # survives restarts: the engine keeps the pool's blocks here as it closes
 
-    def __init__(self, root: str | Path, capacity_bytes: int, payload_bytes: int, fingerprint: dict) -> None:
+    def __init__(self, root: str | Path, capacity_bytes: int, payload_bytes: int, fingerprint: dict,
+                 group: int | None = None) -> None:
+        """group: which KV group's blocks (types.KVGroup) this store holds, for a model with several: each group
+        has a store, in DIR/<fingerprint>-group<g>; the first one's holds DIR's lock, so open it first."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_file = _lock(self.root)
+        self._lock_file = _lock(self.root) if not group else None
+        self.configuration = fingerprint_digest(fingerprint).hex()[:16]
+        if group is not None:
+            fingerprint = {**fingerprint, "kv_group": group}
         self.fingerprint = fingerprint_digest(fingerprint)
-        self.dir = self.root / self.fingerprint.hex()[:16]
+        self.dir = self.root / (self.configuration if group is None else f"{self.configuration}-group{group}")
         self.dir.mkdir(exist_ok=True)
         (self.dir / "fingerprint.json").write_text(json.dumps(fingerprint, sort_keys=True, indent=1) + "\n")
         self.capacity_bytes = capacity_bytes
@@ -148,7 +156,7 @@ class DirectoryStore:
         self._pending_bytes = 0
         self._mutex = threading.Lock()
         self._found = self._scan()
-        self.read_rate = self._probe()
+        self.read_rate = self._probe() if not group else None  # the first group's measures the directory
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
         self._threads = [threading.Thread(target=self._writer, name="shoal-tier-writer", daemon=True),
@@ -183,8 +191,8 @@ class DirectoryStore:
         if bad:
             log.warning("prefix-cache tier: ignored and deleted %d entries in %s (%s)", self.rejected, self.dir,
                         ", ".join(f"{n} {why}" for why, n in sorted(bad.items())))
-        others = [d for d in self.root.iterdir() if d.is_dir() and d != self.dir]
-        if others:
+        others = [d for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(self.configuration)]
+        if others and self._lock_file is not None:  # said once, by the first group's store
             size = sum(f.stat().st_size for d in others for f in d.glob("*/*.kv"))
             log.info("prefix-cache tier: %s also holds %d other configurations' entries (%.1f MiB), not counted in "
                      "this server's budget; delete those folders to reclaim them", self.root, len(others), size / 2**20)
@@ -366,7 +374,8 @@ class DirectoryStore:
         self._reads.put(None)
         for t in self._threads:
             t.join(timeout=5)
-        self._lock_file.close()  # releases the lock
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the lock
 
 
 def _lock(root: Path):

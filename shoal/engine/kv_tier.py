@@ -23,6 +23,10 @@ Three pieces, each plain bookkeeping:
   running means of what this host did; the decision is logged when it changes.
 - `KVTier`: the two over a store; what the KV manager calls.
 
+A model with several KV groups (types.KVGroup: Gemma's local and global layers) has a store and an index per group,
+each holding that group's blocks under the same chain digests; the KV manager says which of each group's blocks a
+restore reads (a windowed group's last window only).
+
 The engine never waits on the store while it holds a step: spills are handed to the store's writer thread,
 and a restore is a fetch the request waits for in the waiting queue while other work runs.
 """
@@ -176,7 +180,8 @@ class TinyLFU:
 class RestorePolicy:
     """Restore blocks from the tier or compute them again, from rates measured on this host.
 
-    restore(k blocks)  = k * block_bytes / read rate + one step's wait
+    restore(k blocks)  = the bytes they read / read rate + one step's wait
+                         (k * block_bytes with one KV group; with several, a windowed group reads only a window's)
     recompute(k blocks) = cost(k * block_tokens tokens at their context) / prefill rate
 
     `cost` is the scheduler's chunk_cost (tokens weighted by the context they attend to), so late blocks of a
@@ -210,19 +215,22 @@ class RestorePolicy:
         if cost > 0 and seconds > 0:
             self.prefill_rate = self._mean(self.prefill_rate, cost / seconds, self.SMOOTHING)
 
-    def restore_seconds(self, blocks: int) -> float:
-        return self.step_seconds + blocks * self.block_bytes / self.read_rate if self.read_rate else self.step_seconds
+    def restore_seconds(self, blocks: int, nbytes: int | None = None) -> float:
+        nbytes = blocks * self.block_bytes if nbytes is None else nbytes
+        return self.step_seconds + nbytes / self.read_rate if self.read_rate else self.step_seconds
 
     def recompute_seconds(self, blocks: int, start: int) -> float | None:
         if not self.prefill_rate:
             return None
         return self.cost(blocks * self.block_tokens, start) / self.prefill_rate
 
-    def worth(self, blocks: int, start: int) -> bool:
-        """Whether restoring `blocks` blocks from position `start` beats computing them; logged when it changes."""
+    def worth(self, blocks: int, start: int, nbytes: int | None = None) -> bool:
+        """Whether restoring `blocks` blocks from position `start`, reading `nbytes` (by default `blocks` blocks of
+        every KV group's), beats computing them; logged when it changes."""
         if self.mode != "auto":
             return self.mode == "always"
-        restore, recompute = self.restore_seconds(blocks), self.recompute_seconds(blocks, start)
+        nbytes = blocks * self.block_bytes if nbytes is None else nbytes
+        restore, recompute = self.restore_seconds(blocks, nbytes), self.recompute_seconds(blocks, start)
         decision = recompute is None or restore < recompute
         if decision != self.decision:
             self.decision = decision
@@ -233,7 +241,7 @@ class RestorePolicy:
                 log.info(
                     "prefix-cache tier: %s %d blocks (%.1f MiB at %.0f MiB/s read: %.1f ms) %s computing their %d tokens "
                     "from position %d (at %.0f tokens/s measured: %.1f ms)",
-                    "restoring" if decision else "computing, not restoring,", blocks, blocks * self.block_bytes / 2**20,
+                    "restoring" if decision else "computing, not restoring,", blocks, nbytes / 2**20,
                     (self.read_rate or 0) / 2**20, restore * 1e3, "beats" if decision else "would lose to",
                     tokens, start, self.prefill_rate, recompute * 1e3,
                 )
@@ -251,12 +259,13 @@ class RestorePolicy:
 
 @dataclass(frozen=True)
 class Spill:
-    """A block leaving the pool for the tier: which block, and its name in the chain."""
+    """A block leaving the pool for the tier: which block of which KV group, and its name in the chain."""
 
     block_id: int
     digest: bytes
     parent: bytes
     num_tokens: int
+    group: int = 0
 
 
 @dataclass
@@ -264,13 +273,14 @@ class TierStats:
     kind: str = ""  # "disk" | "host"
     enabled: bool = True  # False once the store failed (the disk filled up): no tier from then on
     capacity_bytes: int = 0
-    entry_bytes: int = 0  # one entry: a block's bytes and its header
-    entries: int = 0
-    spilled_blocks: int = 0  # blocks written to the tier
+    entry_bytes: int = 0  # one entry: a block's bytes and its header (of every KV group's, summed)
+    entries: int = 0  # of every KV group
+    bytes: int = 0  # the entries' bytes
+    spilled_blocks: int = 0  # blocks written to the tier (of any KV group)
     spills_dropped: int = 0  # evicted blocks not written (the writer was behind, or the tier is off)
     lookups: int = 0  # admissions that looked past the pool
     hits: int = 0  # admissions that restored at least one block
-    restored_blocks: int = 0
+    restored_blocks: int = 0  # prompt blocks restored (each one every KV group's bytes that its restore needed)
     restored_bytes: int = 0
     recomputed_blocks: int = 0  # found in the tier but computed: the policy said it was cheaper
     evictions: int = 0  # entries the tier dropped for room
@@ -279,138 +289,190 @@ class TierStats:
     prefill_rate: float = 0.0  # weighted tokens a second, measured
     restore_threshold_rate: float = 0.0  # the read rate below which computing wins (0: not known yet)
 
+
+@dataclass
+class TierFetch:
+    """A prompt's blocks being read for a restore of its blocks `first_block` .. `end` - 1: `parts[g]` is
+    (the block indices, their kv_store.Fetch) of KV group g's that come from its store; a group that reads none
+    has no part."""
+
+    first_block: int  # the first block past the pool's match when the read started
+    end: int
+    parts: dict
+    accounted: bool = False  # the tier took in its errors and rate (KVTier.received)
+
     @property
-    def bytes(self) -> int:
-        return self.entries * self.entry_bytes
+    def done(self) -> bool:
+        return all(f.done for _, f in self.parts.values())
+
+    @property
+    def started(self) -> float:
+        return min(f.started for _, f in self.parts.values())
+
+    @property
+    def num_blocks(self) -> int:
+        """The prompt blocks the restore would cover."""
+        return self.end - self.first_block
 
 
 class KVTier:
-    """The second tier over a store (kv_store.DirectoryStore or HostStore). Driven by the engine's thread."""
+    """The second tier over one store per KV group (types.KVGroup; kv_store.DirectoryStore or HostStore), each
+    with its own W-TinyLFU index, under one restore policy. A model with one group has one store. Driven by the
+    engine's thread; which blocks of which group a restore needs is the KV manager's to say."""
 
-    def __init__(self, store, block_bytes: int, block_tokens: int, cost: Callable[[int, int], float], restore: str = "auto") -> None:
-        self.store = store
+    def __init__(self, store, block_tokens: int, cost: Callable[[int, int], float], restore: str = "auto") -> None:
+        self.stores = list(store) if isinstance(store, (list, tuple)) else [store]
+        self.store = self.stores[0]
         self.block_tokens = block_tokens
-        capacity = store.capacity_bytes // store.entry_bytes
-        if capacity < 2:
+        capacities = [s.capacity_bytes // s.entry_bytes for s in self.stores]
+        if min(capacities) < 2:
             raise ValueError(
-                f"the prefix-cache tier's budget ({store.capacity_bytes} bytes) holds fewer than 2 blocks of "
-                f"{store.entry_bytes} bytes: raise --prefix-cache-disk-bytes"
+                f"the prefix-cache tier's budget ({sum(s.capacity_bytes for s in self.stores)} bytes) holds fewer than 2 "
+                f"blocks of {max(s.entry_bytes for s in self.stores)} bytes: raise --prefix-cache-disk-bytes"
             )
-        self.index = TinyLFU(capacity)
-        self.policy = RestorePolicy(block_bytes, block_tokens, cost, store.read_rate, mode=restore)
-        self.stats = TierStats(kind=store.kind, capacity_bytes=capacity * store.entry_bytes, entry_bytes=store.entry_bytes)
-        for digest in store.existing():
-            for old in self.index.load(digest):
-                store.delete(old)
-                self.stats.evictions += 1
-        self.stats.entries = len(self.index)
-        self.stats.rejected_entries = store.rejected
+        self.indexes = [TinyLFU(c) for c in capacities]
+        self.index = self.indexes[0]
+        self.block_bytes = [s.payload_bytes for s in self.stores]
+        self.policy = RestorePolicy(sum(self.block_bytes), block_tokens, cost, self.store.read_rate, mode=restore)
+        self.stats = TierStats(kind=self.store.kind, capacity_bytes=sum(c * s.entry_bytes for c, s in zip(capacities, self.stores)),
+                               entry_bytes=sum(s.entry_bytes for s in self.stores))
+        for store, index in zip(self.stores, self.indexes):
+            for digest in store.existing():
+                for old in index.load(digest):
+                    store.delete(old)
+                    self.stats.evictions += 1
+            self.stats.rejected_entries += store.rejected
+        self._count()
         self._fetches: list = []
 
     @property
     def enabled(self) -> bool:
         return self.stats.enabled
 
+    @property
+    def persistent(self) -> bool:
+        return self.store.persistent
+
+    @property
+    def capacity(self) -> int:
+        """Entries the first group's store holds (each group's holds as many)."""
+        return self.index.capacity
+
+    def _count(self) -> None:
+        self.stats.entries = sum(len(i) for i in self.indexes)
+        self.stats.bytes = sum(len(i) * s.entry_bytes for i, s in zip(self.indexes, self.stores))
+
     # ------------------------------------------------------------ lookup and restore
-    def find(self, digests: Iterable[bytes]) -> list[bytes]:
-        """The leading digests the tier holds (each one looked for counts toward its frequency)."""
-        found = []
+    def held(self, digest: bytes, group: int = 0) -> bool:
+        return digest in self.indexes[group]
+
+    def wanted(self, digests: Iterable[bytes], group: int = 0) -> None:
+        """These blocks of a group were looked for (found or not): their frequencies count toward admission."""
         for d in digests:
-            self.index.record(d)
-            if d not in self.index:
-                break
-            found.append(d)
-        return found
+            self.indexes[group].record(d)
 
-    def fetch(self, first_block: int, digests: Sequence[bytes]):
-        """Start reading `digests` (blocks first_block, first_block + 1, ... of a prompt): a Fetch to poll."""
+    def fetch(self, first_block: int, end: int, reads: dict) -> TierFetch:
+        """Start reading, for each group g in `reads`, its blocks reads[g] = [(block index, digest), ...] of a prompt
+        whose restore would cover blocks `first_block` .. `end` - 1: a TierFetch to poll."""
         self.stats.lookups += 1
-        f = self.store.fetch(first_block, list(digests))
-        self._fetches.append(f)
-        return f
+        parts = {g: ([i for i, _ in r], self.stores[g].fetch(r[0][0], [d for _, d in r])) for g, r in reads.items()}
+        self._fetches.extend(f for _, f in parts.values())
+        return TierFetch(first_block, end, parts)
 
-    def overdue(self, fetch) -> bool:
+    def overdue(self, fetch: TierFetch) -> bool:
         """Whether a read still in progress has taken longer than FETCH_TIMEOUT: then its prompt is computed
         (counted as found but computed, with a log line) and whatever the read brings later is dropped."""
         if time.monotonic() - fetch.started <= FETCH_TIMEOUT:
             return False
         log.warning("prefix-cache tier: a read of %d blocks has taken over %.0f s; computing its prompt instead",
-                    len(fetch.digests), FETCH_TIMEOUT)
-        self.stats.recomputed_blocks += len(fetch.digests)
+                    fetch.num_blocks, FETCH_TIMEOUT)
+        self.stats.recomputed_blocks += fetch.num_blocks
         return True
 
-    def received(self, fetch) -> list:
-        """A fetch came back: its payloads up to the first missing one. Entries that failed their checks are
-        ignored with a log line and leave the tier; the read's speed goes into the policy (once a fetch)."""
-        if fetch.accounted:
-            return fetch.usable()
-        fetch.accounted = True
-        for digest, reason in fetch.errors:
-            log.warning("prefix-cache tier: ignored and deleted block %s: %s", digest.hex()[:16], reason)
-            self._drop(digest)
-            self.stats.rejected_entries += 1
-        if fetch.nbytes:
-            self.policy.observe_read(fetch.nbytes, fetch.seconds)
-        return fetch.usable()
+    def received(self, fetch: TierFetch) -> dict:
+        """A fetch came back: per group, {block index: (digest, payload)} up to its first missing block. Entries
+        that failed their checks are ignored with a log line and leave the tier; the read's speed goes into the
+        policy (once a fetch)."""
+        first, fetch.accounted = not fetch.accounted, True
+        out = {}
+        for g, (indices, f) in fetch.parts.items():
+            for digest, reason in f.errors if first else ():
+                log.warning("prefix-cache tier: ignored and deleted block %s: %s", digest.hex()[:16], reason)
+                self._drop(digest, g)
+                self.stats.rejected_entries += 1
+            out[g] = {i: (d, p) for i, d, p in zip(indices, f.digests, f.usable())}
+        nbytes = sum(f.nbytes for _, f in fetch.parts.values())
+        if first and nbytes:  # the stores read side by side
+            self.policy.observe_read(nbytes, max(f.seconds for _, f in fetch.parts.values()))
+        return out
 
-    def restored(self, digests: Sequence[bytes]) -> None:
-        """These blocks went into the pool: count them, and move them up in the eviction order."""
+    def restored(self, blocks: int, digests: dict) -> None:
+        """A restore of `blocks` prompt blocks went into the pool, reading `digests[g]` of each group: count them,
+        and move them up in the eviction order."""
         self.stats.hits += 1
-        self.stats.restored_blocks += len(digests)
-        self.stats.restored_bytes += len(digests) * self.policy.block_bytes
-        for d in digests:
-            self.index.hit(d)
+        self.stats.restored_blocks += blocks
+        for g, ds in digests.items():
+            self.stats.restored_bytes += len(ds) * self.block_bytes[g]
+            for d in ds:
+                self.indexes[g].hit(d)
 
     def wait(self, timeout: float) -> None:
-        """Wait (the engine has nothing else to do) until a fetch in progress is done, at most `timeout` s."""
+        """Wait (the engine has nothing else to do) until a read in progress is done, at most `timeout` s."""
         self._fetches = [f for f in self._fetches if not f.done]
         if self._fetches:
             self._fetches[0].event.wait(timeout)
 
     # ------------------------------------------------------------ spill
     def spill(self, spills: Sequence[Spill], payloads: Sequence) -> None:
-        """Blocks the pool evicted, with their bytes: into the tier (the store writes them in the background)."""
+        """Blocks the pool evicted, with their bytes: into their group's store (which writes them in the
+        background)."""
         for s, payload in zip(spills, payloads):
             if not self.enabled:
                 self.stats.spills_dropped += 1
                 continue
-            self.index.record(s.digest)
-            if s.digest in self.index:
-                self.index.hit(s.digest)
+            index, store = self.indexes[s.group], self.stores[s.group]
+            index.record(s.digest)
+            if s.digest in index:
+                index.hit(s.digest)
                 continue
-            if not self.store.put(s.digest, s.parent, s.num_tokens, payload):
+            if not store.put(s.digest, s.parent, s.num_tokens, payload):
                 self.stats.spills_dropped += 1
                 continue
-            left = self.index.add(s.digest)
+            left = index.add(s.digest)
             for old in left:
-                self.store.delete(old)
+                store.delete(old)
             self.stats.evictions += sum(1 for old in left if old != s.digest)
             self.stats.spilled_blocks += s.digest not in left
-        self.stats.entries = len(self.index)
-
-    def held(self, digest: bytes) -> bool:
-        return digest in self.index
+        self._count()
 
     # ------------------------------------------------------------ health
     def poll(self) -> None:
-        """Take in what the store's threads found: a failed write turns the tier off, with one log line."""
-        failure = self.store.failure
+        """Take in what the stores' threads found: a failed write turns the tier off, with one log line."""
+        failure = next((s.failure for s in self.stores if s.failure is not None), None)
         if failure is not None and self.enabled:
             self.stats.enabled = False
             log.warning("prefix-cache tier off: %s; requests go on without it (evicted prefixes are dropped)", failure)
-            for d in self.index.keys():
-                self.index.remove(d)
-            self.stats.entries = 0
+            for index in self.indexes:
+                for d in index.keys():
+                    index.remove(d)
+            self._count()
         self.stats.read_rate = self.policy.read_rate or 0.0
         self.stats.prefill_rate = self.policy.prefill_rate or 0.0
         self.stats.restore_threshold_rate = self.policy.threshold_read_rate() or 0.0
 
-    def _drop(self, digest: bytes) -> None:
-        if digest in self.index:
-            self.index.remove(digest)
-            self.store.delete(digest)
-            self.stats.entries = len(self.index)
+    def _drop(self, digest: bytes, group: int = 0) -> None:
+        index = self.indexes[group]
+        if digest in index:
+            index.remove(digest)
+            self.stores[group].delete(digest)
+            self._count()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every store's queued writes are done (at most `timeout` s in all)."""
+        deadline = time.monotonic() + timeout
+        return all(s.drain(max(0.0, deadline - time.monotonic())) for s in self.stores)
 
     def close(self) -> None:
-        """Finish the writes in progress and release the store (its directory lock)."""
-        self.store.close()
+        """Finish the writes in progress and release the stores (the directory's lock with the first)."""
+        for s in reversed(self.stores):
+            s.close()

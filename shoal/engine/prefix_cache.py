@@ -29,8 +29,8 @@ when the pool needs a block (or they idle past the TTL). The three shapes of
 the seed document fall out of the one walk; `stats` keeps them apart.
 
 With a second tier (kv_tier.py) each full node also carries its chain digest,
-the name the tier knows the block by, and `on_evict` is told of every full
-node dropped for room or by the TTL, before its block is reused.
+the name the tier knows the block by, and `on_evict` is told of every block of
+every group dropped for room or by the TTL, before it is reused.
 
 KV groups (types.KVGroup: the layers of one sliding window, or the full-attention
 layers) each have their own pool, and a node holds one block per group, or None
@@ -167,7 +167,7 @@ class PrefixCache:
         self._lru: list[list[tuple[int, int]]] = [[] for _ in groups]
         self.stats = PrefixCacheStats(block_bytes=block_bytes, pool_blocks=self.pool.num_blocks)
         # With a second tier: full nodes get their chain digests, and dropped ones are handed over.
-        self.on_evict: Callable[[_Node], None] | None = None
+        self.on_evict: Callable[[_Node, int], None] | None = None  # (the node, the KV group whose block goes)
         for g, p in enumerate(self.pools):
             p.evict_one = partial(self._evict_one, g)
             p.on_unreferenced = partial(self._unreferenced, g)
@@ -401,8 +401,8 @@ class PrefixCache:
         if node is None:
             raise RuntimeError("the pool asked for an eviction but no cached block is unreferenced")
         block_id = node.blocks[group]
-        if self.on_evict is not None and group == 0:
-            self.on_evict(node)
+        if self.on_evict is not None:
+            self.on_evict(node, group)
         self._drop(node, group)
         self.stats.evictions += 1
         return block_id
@@ -436,8 +436,8 @@ class PrefixCache:
         for g, pool in enumerate(self.pools):
             while (node := self._oldest_evictable(g)) is not None and node.touched_at < cutoff:
                 block_id = node.blocks[g]
-                if self.on_evict is not None and g == 0:
-                    self.on_evict(node)
+                if self.on_evict is not None:
+                    self.on_evict(node, g)
                 self._drop(node, g)
                 pool.uncache(block_id)
                 freed += 1
@@ -473,9 +473,9 @@ class PrefixCache:
     def node_of(self, block_id: int, group: int = 0) -> _Node | None:
         return self._nodes[group].get(block_id)
 
-    def full_nodes(self) -> list[_Node]:
-        """Every full node holding a first-group block, most recently used first, a parent before its children among equals."""
-        nodes = [n for n in self._nodes[0].values() if n.num_tokens == self.block_size]
+    def full_nodes(self, group: int = 0) -> list[_Node]:
+        """Every full node holding a block of `group`, most recently used first, a parent before its children among equals."""
+        nodes = [n for n in self._nodes[group].values() if n.num_tokens == self.block_size]
         nodes.sort(key=lambda n: -n.last_access)
         return nodes
 

@@ -72,7 +72,7 @@ class EncoderRunner:
         return StepOutput([], {}, dict(zip((seqs[i].seq_id for i in rows), scores[rows].tolist())))
 
     # the prefix cache's second tier and copy-on-write never run without a prefix cache
-    def read_blocks(self, block_ids):
+    def read_blocks(self, block_ids, group=0):
         return []
 
     def copy_blocks(self, copies) -> None:

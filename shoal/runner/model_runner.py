@@ -264,13 +264,19 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------ whole blocks (the prefix cache's second tier)
+    @property
+    def group_block_bytes(self) -> tuple[int, ...]:
+        """A block's bytes in each KV group's tensor (its layers' keys and values)."""
+        return tuple(t[:, :, :, 0].numel() * t.element_size() for t in self.kv_tensors)
+
     @inference
-    def read_blocks(self, block_ids: list[int]) -> list:
-        """Copies of these blocks' bytes as the cache holds them (every layer's keys and values, with an int8
-        cache's scales): one flat uint8 host array per block, in the layout write_blocks takes back."""
+    def read_blocks(self, block_ids: list[int], group: int = 0) -> list:
+        """Copies of these blocks' bytes as KV group `group`'s tensor holds them (its layers' keys and values, with
+        an int8 cache's scales): one flat uint8 host array per block, in the layout write_blocks takes back."""
         if not block_ids:
             return []
-        data = torch.stack([self.kv[:, :, :, b] for b in block_ids]).cpu()  # [n, layers, 2, Hkv, block_size, row]
+        kv = self.kv_tensors[group]
+        data = torch.stack([kv[:, :, :, b] for b in block_ids]).cpu()  # [n, layers, 2, Hkv, block_size, row]
         flat = data.view(torch.uint8).reshape(len(block_ids), -1).numpy()
         return list(flat)
 
@@ -287,11 +293,12 @@ class ModelRunner:
                 kv[:, :, :, dst] = kv[:, :, :, src]
 
     @inference
-    def write_blocks(self, block_ids: list[int], payloads: list) -> None:
-        """Write read_blocks' bytes into these blocks."""
-        shape = self.kv[:, :, :, 0].shape
+    def write_blocks(self, block_ids: list[int], payloads: list, group: int = 0) -> None:
+        """Write read_blocks' bytes into these blocks of KV group `group`."""
+        kv = self.kv_tensors[group]
+        shape = kv[:, :, :, 0].shape
         for b, payload in zip(block_ids, payloads):  # a copy per block: 5x faster than one indexed put of them all
-            self.kv[:, :, :, b].copy_(torch.frombuffer(payload, dtype=torch.uint8).view(self.kv.dtype).view(shape))
+            kv[:, :, :, b].copy_(torch.frombuffer(payload, dtype=torch.uint8).view(kv.dtype).view(shape))
 
     # ------------------------------------------------------------ step
     @inference
