@@ -166,3 +166,33 @@ def test_a_windowed_group_holds_its_windows_and_the_full_group_takes_the_rest():
     assert group_blocks(1000, gemma, fixed=False, **sized) == (1000, 1000)  # a window as large as the pool saves nothing
     assert group_blocks(4096, kv_groups([None] * 4), fixed=False, **sized) == (4096,)
     assert group_blocks(4096, kv_groups([4096, 512]), fixed=False, **sized) == (4096, 4096)  # every layer windowed
+
+
+def test_a_pipeline_stage_keeps_every_group_with_its_layers_of_it():
+    """Gemma 3 1B's layers over two stages: each stage's groups are the model's, in the same order, with that stage's
+    layers renumbered from its first (so the ranks' block tables line up); each stage's 13 layers hold 2 global ones,
+    which take what the local ones' windows leave of the stage's pool. A stage with no full-attention layer puts no bound on that group's blocks (the ranks agree on the least)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from shoal.config import CacheConfig  # noqa: PLC0415
+    from shoal.runner.kv_sizing import UNBOUNDED  # noqa: PLC0415
+    from shoal.runner.model_runner import plan_kv_cache  # noqa: PLC0415
+    from shoal.types import KVGroup  # noqa: PLC0415
+
+    windows = ([512] * 5 + [None]) * 4 + [512, 512]
+    cache = CacheConfig(num_blocks=None, kv_cache_memory=2**30)
+
+    def stage(first, end):
+        config = SimpleNamespace(num_layers=end - first, num_kv_heads=1, head_dim=256)  # what the plan reads
+        spec, pool = plan_kv_cache(config, cache, torch.device("cpu"), torch.int8, context=32768, max_num_seqs=64,
+                                   windows=windows, layers=(first, end), step_tokens=512)
+        return spec, pool.num_blocks  # the pool's blocks of every layer of the stage
+
+    (a, n), (b, _) = stage(0, 13), stage(13, 26)
+    assert a.groups == (KVGroup(None, (5, 11)), KVGroup(512, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12)))
+    assert b.groups == (KVGroup(None, (4, 10)), KVGroup(512, (0, 1, 2, 3, 5, 6, 7, 8, 9, 11, 12)))
+    assert a.group_blocks == b.group_blocks == ((13 * n - 11 * 2208) // 2, 2208)
+    sized = dict(layer_bytes=1, block_size=16, max_num_seqs=64, step_tokens=512, fixed=False)
+    assert group_blocks(4096, (KVGroup(None, ()), KVGroup(512, (0, 1, 2))), **sized) == (UNBOUNDED, 2208)

@@ -580,12 +580,15 @@ def test_int8_wire_rounds_each_row_to_its_own_scale():
 
 
 def _answers(path, params: SamplingParams, **parallel) -> tuple[list, dict]:
-    """PROMPTS' tokens, logprobs and prompt logprobs, and the cluster view, in float32 with the batch-invariant
-    attention (micro-batches make a pipeline's steps differ from one process's) and 16-token chunks."""
+    """PROMPTS' tokens, logprobs and prompt logprobs, and the cluster view (with rank 0's KV groups: (window, its
+    layers of the group, the group's blocks)), in float32 with the batch-invariant attention (micro-batches make a
+    pipeline's steps differ from one process's) and 16-token chunks."""
     kw = dict(dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=16, attention="invariant")
     with LLM(str(path), **kw, **parallel) as llm:
         outs = llm.generate(PROMPTS, params)
         cluster = llm.engine.executor.cluster()
+        runner = llm.engine.runner
+        cluster["kv_groups"] = [(g.window, len(g.layers), n) for g, n in zip(runner.kv_groups, runner.group_blocks)]
     return [(o.outputs[0].token_ids, [(e.logprob, e.top) for e in o.outputs[0].logprobs],
              [e.logprob for e in o.prompt_logprobs[1:]]) for o in outs], cluster
 
@@ -733,11 +736,16 @@ def test_a_k_quant_file_over_two_ranks_answers_as_one_process(mix):
 def test_a_mixture_of_experts_and_a_windowed_family_over_two_stages_give_one_process_bits(arch, tmp_path):
     """Issue 54's families through a pipeline: Qwen3-MoE's routed experts and Gemma 3's local and global layers (two
     KV groups, a window's blocks freed as it slides) split over two stages give one process's tokens, logprobs and
-    prompt logprobs bit for bit, with a micro-batch per stage in flight, and each stage holds its own layers."""
+    prompt logprobs bit for bit, with a micro-batch per stage in flight, and each stage holds its own layers. Each
+    stage keeps the model's KV groups, with its layers of each: stage 0 holds local layers only, so its global
+    group has none, and every rank's local group holds what 4 sequences' windows need (20 blocks, not 256)."""
     path = make_tiny_model(arch, tmp_path / "m")
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, prompt_logprobs=1)
-    alone, _ = _answers(path, params)
-    staged, cluster = _answers(path, params, pipeline_parallel_size=2)
+    alone, whole = _answers(path, params, max_num_seqs=4)
+    staged, cluster = _answers(path, params, pipeline_parallel_size=2, max_num_seqs=4)
     assert staged == alone
+    if arch == "gemma3":  # layers 0-4 local (a window of 8, blocks of 4 tokens), layer 5 global
+        assert whole["kv_groups"] == [(None, 1, 256), (8, 5, 4 * (2 + 2) + 4)]
+        assert cluster["kv_groups"] == [(None, 0, 256), (8, 3, 4 * (2 + 2) + 4)]
     (a0, a1), (b0, b1) = (r["layers"] for r in cluster["ranks"])
     assert a0 == 0 and a1 == b0 and b1 > b0 and cluster["pipeline_parallel_size"] == 2

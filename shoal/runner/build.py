@@ -132,14 +132,15 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     bind_attributes(model)  # last: the model is final now
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device, low_bit=weights.name != "none",
                                 chosen=config.dtype != "auto")
-    # KV groups (types.KVGroup) where one process holds the whole model; ranks keep one table for every layer
-    grouped = config.cache.kv_groups and config.parallel.world_size == 1 and hasattr(model.model, "spec")
-    windows = [layer.attention.window for layer in model.model.spec.layers] if grouped else None
+    # KV groups (types.KVGroup): the whole model's, each with this part's layers of it (a pipeline stage may hold none)
+    grouped = config.cache.kv_groups and hasattr(model.model, "spec")
+    windows = [layer.attention.window for layer in getattr(model, "spec", model.model.spec).layers] if grouped else None
     spec, pool = plan_kv_cache(model.config, config.cache, device, kv_dtype, context=longest,
                                max_num_seqs=config.scheduler.max_num_seqs, ranks_here=_ranks_here(config), windows=windows,
-                               step_tokens=config.scheduler.max_num_batched_tokens)
-    if group is not None:
-        spec = replace(spec, num_blocks=group.agree_min(spec.num_blocks))
+                               layers=getattr(model, "layer_range", None), step_tokens=config.scheduler.max_num_batched_tokens)
+    if group is not None:  # every rank's pools alike: the smallest of each
+        agreed = tuple(group.agree_min(n) for n in spec.group_blocks)
+        spec = replace(spec, num_blocks=agreed[0] if agreed else group.agree_min(spec.num_blocks), group_blocks=agreed)
     shape = KVShape(spec.bytes_per_block // spec.block_size, spec.block_size)
     max_model_len, why = served_context(shape, spec.num_blocks, trained=trained, requested=config.max_model_len, pool=pool,
                                         cache=str(kv_dtype).removeprefix("torch."))
@@ -149,9 +150,9 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
                  max_model_len, why, size_words(spec.num_blocks * spec.bytes_per_block), spec.num_blocks * spec.block_size,
                  str(kv_dtype).removeprefix("torch."), shape.bytes_per_token, pool.why, attention)
         if len(spec.groups) > 1:  # the line above is the first group's (types.KVGroup)
-            layer_block = spec.bytes_per_block // len(spec.groups[0].layers)
+            layer_block = kv_bytes_per_token(1, model.config.num_kv_heads, model.config.head_dim, kv_dtype) * spec.block_size
             log.info("KV groups: %s", "; ".join(
-                f"{'full attention' if g.window is None else f'a window of {g.window}'}: {len(g.layers)} layer{'s' if len(g.layers) > 1 else ''}, {n} blocks "
+                f"{'full attention' if g.window is None else f'a window of {g.window}'}: {len(g.layers)} layer{'s' if len(g.layers) != 1 else ''}, {n} blocks "
                 f"({size_words(n * layer_block * len(g.layers))})" for g, n in zip(spec.groups, spec.group_blocks)))
     tower = None
     if ckpt.vision_state_dict is not None:

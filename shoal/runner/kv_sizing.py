@@ -120,6 +120,9 @@ def size_pool(shape: KVShape, machine: Machine, *, pool_bytes: int | None, conte
     return PoolSize(blocks, why)
 
 
+UNBOUNDED = 1 << 40  # blocks: more than any pool holds
+
+
 def group_blocks(num_blocks: int, groups, *, layer_bytes: int, block_size: int, max_num_seqs: int, step_tokens: int,
                  fixed: bool) -> tuple[int, ...]:
     """Each KV group's blocks (types.KVGroup), from a pool of `num_blocks` blocks of every layer (layer_bytes: one
@@ -127,13 +130,16 @@ def group_blocks(num_blocks: int, groups, *, layer_bytes: int, block_size: int, 
     need of each sequence: max_num_seqs times the window's blocks and two more (the block a window starts in, the
     one a step ends in), and the step's tokens; the memory that frees goes to the full-attention group, unless the
     pool was given in blocks (`fixed`), which the full-attention group then keeps. A model whose layers are all
-    windowed gives each group the pool's blocks (its served context is the pool's, as with full attention)."""
+    windowed gives each group the pool's blocks (its served context is the pool's, as with full attention). A pipeline
+    stage's groups hold its layers only, and one may hold none."""
     if len(groups) == 1 or groups[0].window is not None:
         return (num_blocks,) * len(groups)
     blocks_for = lambda tokens: -(-tokens // block_size)  # noqa: E731
     windowed = [min(num_blocks, max_num_seqs * (blocks_for(g.window) + 2) + blocks_for(step_tokens)) for g in groups[1:]]
     if fixed:
         return (num_blocks, *windowed)
+    if not groups[0].layers:  # a pipeline stage without full-attention layers: no bound from here (the ranks agree
+        return (UNBOUNDED, *windowed)  # on the smallest)
     total = num_blocks * sum(len(g.layers) for g in groups)  # layer-blocks the budget holds
     full = (total - sum(n * len(g.layers) for n, g in zip(windowed, groups[1:]))) // len(groups[0].layers)
     return (max(num_blocks, full), *windowed)

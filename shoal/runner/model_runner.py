@@ -169,13 +169,15 @@ def machine_memory(device: torch.device) -> Machine:
 
 def plan_kv_cache(config, cache: CacheConfig, device: torch.device, kv_dtype: torch.dtype, *, context: int,
                   max_num_seqs: int, ranks_here: int = 1, machine: Machine | None = None, windows=None,
-                  step_tokens: int = 512) -> tuple[KVCacheSpec, PoolSize]:
+                  layers: tuple[int, int] | None = None, step_tokens: int = 512) -> tuple[KVCacheSpec, PoolSize]:
     """The pool's blocks of `kv_dtype` (config: the model's ModelConfig, or this rank's part of it): as many as
     --kv-cache-memory, or sized from the machine (kv_sizing.size_pool); `cache.num_blocks` overrides both.
     context: the longest a sequence may be, for the auto size's cap. machine: what the pool has room in (by
     default read now; a server's estimate before a load passes the room less the weights to come).
-    windows: each layer's sliding window (None: all full attention, one KV group): layers of a window share a
-    group, whose blocks are bounded by the window and a step's `step_tokens` (kv_sizing.group_blocks)."""
+    windows: each layer's sliding window, the whole model's (None: all full attention, one KV group): layers of a
+    window share a group, whose blocks are bounded by the window and a step's `step_tokens` (kv_sizing.group_blocks).
+    layers: the range of them this part holds (a pipeline stage's), numbered from its first; every group is kept,
+    so that all ranks' groups line up, a group without layers here with none."""
     shape = KVShape(kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype), cache.block_size)
     if cache.num_blocks is not None:
         pool = PoolSize(cache.num_blocks, f"{cache.num_blocks} blocks, as configured")
@@ -187,6 +189,8 @@ def plan_kv_cache(config, cache: CacheConfig, device: torch.device, kv_dtype: to
     groups = kv_groups(windows) if windows is not None else ()
     if len(groups) <= 1 and not any(g.window is not None for g in groups):
         return KVCacheSpec(pool.num_blocks, cache.block_size, shape.bytes_per_block, kv_dtype), pool
+    first, end = layers or (0, len(windows))
+    groups = tuple(KVGroup(g.window, tuple(i - first for i in g.layers if first <= i < end)) for g in groups)
     layer_bytes = shape.bytes_per_block // config.num_layers
     blocks = group_blocks(pool.num_blocks, groups, layer_bytes=layer_bytes, block_size=cache.block_size,
                           max_num_seqs=max_num_seqs, step_tokens=step_tokens, fixed=cache.num_blocks is not None)
@@ -196,9 +200,9 @@ def plan_kv_cache(config, cache: CacheConfig, device: torch.device, kv_dtype: to
 def kv_pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The pool, zero. On the CPU it is an anonymous mapping: its pages are the kernel's zero page until a block
     is written, so a pool sized to the machine costs no start-up time and no memory until it fills."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
+    if device.type != "cpu" or count == 0:  # (no layers of a KV group on this pipeline stage)
+        return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)  # the tensors keep the mapping
 
