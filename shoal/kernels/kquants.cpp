@@ -125,20 +125,8 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {
   }
 }
 
-// the 256 codes of a K-quant super-block (0..15, 0..31, 0..63), in input order
+// the 256 codes of a Q4_K or Q5_K super-block (0..15, 0..31), in input order (Q6_K's: pack_q6_k_codes)
 void k_codes(int64_t t, const uint8_t* b, uint8_t* c) {
-  if (t == Q6_K) {
-    const uint8_t *ql = b, *qh = b + 128;
-    for (int h = 0; h < 2; ++h)
-      for (int l = 0; l < 32; ++l) {
-        const uint8_t *lo = ql + 64 * h, hi = qh[32 * h + l];
-        c[128 * h + l] = (lo[l] & 0xF) | ((hi & 3) << 4);
-        c[128 * h + 32 + l] = (lo[l + 32] & 0xF) | (((hi >> 2) & 3) << 4);
-        c[128 * h + 64 + l] = (lo[l] >> 4) | (((hi >> 4) & 3) << 4);
-        c[128 * h + 96 + l] = (lo[l + 32] >> 4) | (((hi >> 6) & 3) << 4);
-      }
-    return;
-  }
   const uint8_t* qs = b + (t == Q4_K ? 16 : 48);
   for (int chunk = 0; chunk < 4; ++chunk)  // 64 codes: 32 bytes' low nibbles, then their high nibbles
     for (int l = 0; l < 32; ++l) {
@@ -150,28 +138,9 @@ void k_codes(int64_t t, const uint8_t* b, uint8_t* c) {
       for (int l = 0; l < 32; ++l) c[32 * j + l] |= ((b[16 + l] >> j) & 1) << 4;
 }
 
-// the 32 codes of a block of 32 (Q8_0: the signed codes plus 128), and its d and m (m: 0 where none)
-void b_codes(int64_t t, const uint8_t* b, uint8_t* c, float& d, float& m) {
-  d = half_to_float(b);
-  m = 0.0f;
-  if (t == Q8_0) {
-    for (int e = 0; e < 32; ++e) c[e] = b[2 + e] ^ 0x80;
-    return;
-  }
-  const bool has_m = t == Q4_1 || t == Q5_1, five = t == Q5_0 || t == Q5_1;
-  if (has_m) m = half_to_float(b + 2);
-  if (t == Q4_0) m = -8.0f * d;
-  uint32_t qh = 0;
-  if (five) std::memcpy(&qh, b + (has_m ? 4 : 2), 4);
-  const uint8_t* qs = b + (has_m ? 4 : 2) + (five ? 4 : 0);
-  for (int e = 0; e < 32; ++e) {
-    c[e] = e < 16 ? qs[e] & 0xF : qs[e - 16] >> 4;
-    if (five) c[e] |= ((qh >> e) & 1) << 4;
-  }
-}
-
-// 32 codes of output o into a block's nibble lines (and its high line(s): 5 = one bit, 6 = two bits). Line L's
-// byte 4o + i takes codes 8L + i (low nibble) and 8L + 4 + i (high); the high lines' bits as the kernels read them.
+// 32 codes of output o into a block's nibble lines (and with 5 bits its high line). Line L's byte 4o + i takes
+// codes 8L + i (low nibble) and 8L + 4 + i (high); the high line's bits as the kernels read them. (Q6_K's two high
+// lines, bits 4-5 of line L's codes at 4 (L % 2) in line L / 2: pack_q6_k_codes.)
 template <int Bits>
 void put_codes(uint8_t* blk, int o, const uint8_t* c) {
   for (int L = 0; L < 4; ++L)
@@ -179,15 +148,7 @@ void put_codes(uint8_t* blk, int o, const uint8_t* c) {
       const uint8_t a = c[8 * L + i], b = c[8 * L + 4 + i];
       blk[64 * L + 4 * o + i] = static_cast<uint8_t>((a & 0xF) | (b << 4));
       if (Bits == 5) blk[256 + 4 * o + i] |= static_cast<uint8_t>((((a >> 4) & 1) | (((b >> 4) & 1) << 1)) << (2 * L));
-      if (Bits == 6)
-        blk[256 + 64 * (L / 2) + 4 * o + i] |= static_cast<uint8_t>((((a >> 4) & 3) | (((b >> 4) & 3) << 2)) << (4 * (L % 2)));
     }
-}
-
-void put_codes(uint8_t* blk, int o, const uint8_t* c, int bits) {
-  if (bits == 4) return put_codes<4>(blk, o, c);
-  if (bits == 5) return put_codes<5>(blk, o, c);
-  put_codes<6>(blk, o, c);
 }
 
 // a block's code for output o, input e (the inverse of put_codes)
@@ -199,38 +160,94 @@ inline int get_code(const uint8_t* blk, int o, int e, int bits) {
   return c;
 }
 
+// a block of 32 weights of output o (the file's block b) into its unit `out`, a word of 4 codes at a time: the bytes
+// put_codes would write (line L's byte 4o + i: codes 8L + i and 8L + 4 + i), each written whole, and d and m
+void pack_b_block(int64_t t, const uint8_t* b, int o, uint8_t* out) {
+  const BLayout lay = b_layout(t);
+  std::memcpy(out + lay.d + 2 * o, b, 2);  // d as stored
+  if (t == Q8_0) {  // the signed codes plus 128, four to a line's word
+    for (int g = 0; g < 8; ++g) {
+      uint32_t w;
+      std::memcpy(&w, b + 2 + 4 * g, 4);
+      w ^= 0x80808080u;
+      std::memcpy(out + 64 * g + 4 * o, &w, 4);
+    }
+    return;
+  }
+  const bool has_m = t == Q4_1 || t == Q5_1, five = t == Q5_0 || t == Q5_1;
+  const uint8_t* qs = b + (has_m ? 4 : 2) + (five ? 4 : 0);  // code e < 16: qs[e]'s low nibble, else qs[e - 16]'s high
+  for (int L = 0; L < 4; ++L) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, qs + 8 * (L & 1), 4);
+    std::memcpy(&hi, qs + 8 * (L & 1) + 4, 4);
+    const int s = L < 2 ? 0 : 4;
+    const uint32_t w = ((lo >> s) & 0x0F0F0F0Fu) | (((hi >> s) & 0x0F0F0F0Fu) << 4);
+    std::memcpy(out + 64 * L + 4 * o, &w, 4);
+  }
+  if (five) {  // the fifth bits: byte i of the high line holds codes 8L + i and 8L + 4 + i's at bits 2L and 2L + 1
+    uint32_t qh;
+    std::memcpy(&qh, b + (has_m ? 4 : 2), 4);
+    for (int i = 0; i < 4; ++i) {  // qh's bits i, i + 4, ..., i + 28, gathered in order
+      uint32_t x = (qh >> i) & 0x11111111u;
+      x = (x | (x >> 3)) & 0x03030303u;
+      x = (x | (x >> 6)) & 0x000F000Fu;
+      out[256 + 4 * o + i] = static_cast<uint8_t>(x | (x >> 12));
+    }
+  }
+  if (t == Q4_0) put_half(out + lay.m + 2 * o, -8.0f * half_to_float(b));  // -8 d, exact in float16
+  else if (has_m) std::memcpy(out + lay.m + 2 * o, b + 2, 2);
+}
+
+// a Q6_K super-block of output o into its unit, a word of 4 codes at a time: what k_codes and put_codes<6> give
+void pack_q6_k_codes(const uint8_t* b, int o, uint8_t* out) {
+  constexpr KLayout lay = k_layout(6);
+  const uint8_t *ql = b, *qh = b + 128;
+  for (int j = 0; j < 8; ++j) {  // code 32 j + l: ql's nibble and qh's two bits, as k_codes reads them
+    const int h = j / 4, q = j % 4, s = 4 * (q >> 1);
+    const uint8_t *lo = ql + 64 * h + 32 * (q & 1), *hs = qh + 32 * h;
+    uint8_t* blk = out + j * lay.codes;
+    uint32_t high[2] = {0, 0};
+    for (int L = 0; L < 4; ++L) {
+      uint32_t a, c, ha, hb;
+      std::memcpy(&a, lo + 8 * L, 4);
+      std::memcpy(&c, lo + 8 * L + 4, 4);
+      const uint32_t w = ((a >> s) & 0x0F0F0F0Fu) | (((c >> s) & 0x0F0F0F0Fu) << 4);
+      std::memcpy(blk + 64 * L + 4 * o, &w, 4);
+      std::memcpy(&ha, hs + 8 * L, 4);
+      std::memcpy(&hb, hs + 8 * L + 4, 4);
+      high[L / 2] |= (((ha >> (2 * q)) & 0x03030303u) | (((hb >> (2 * q)) & 0x03030303u) << 2)) << (4 * (L % 2));
+    }
+    std::memcpy(blk + 256 + 4 * o, &high[0], 4);
+    std::memcpy(blk + 256 + 64 + 4 * o, &high[1], 4);
+  }
+}
+
 void pack_unit(int64_t t, const uint8_t* raw, int64_t row_bytes, int64_t rows, int64_t p, int64_t u, uint8_t* out) {
   const int64_t bytes = packed_bytes(t);
-  std::memset(out, 0, bytes);
-  if (t == Q8_0) std::memset(out, 0x80, 512);  // code 0 (stored plus 128) in the padded outputs too
+  const bool full = (p + 1) * kPanel <= rows;
+  if (!full || is_k(t)) {  // a block of 32 writes every byte of a full panel's unit; padded outputs read code 0
+    std::memset(out, 0, bytes);
+    if (t == Q8_0) std::memset(out, 0x80, 512);  // code 0 (stored plus 128)
+  }
   for (int o = 0; o < kPanel && p * kPanel + o < rows; ++o) {
     const uint8_t* b = raw + (p * kPanel + o) * row_bytes + u * file_bytes(t);
     if (!is_k(t)) {
-      uint8_t c[32];
-      float d, m;
-      b_codes(t, b, c, d, m);
-      const BLayout lay = b_layout(t);
-      if (t == Q8_0) {
-        for (int e = 0; e < 32; ++e) out[64 * (e / 4) + 4 * o + e % 4] = c[e];
-      } else {
-        put_codes(out, o, c, t == Q5_0 || t == Q5_1 ? 5 : 4);
-      }
-      std::memcpy(out + lay.d + 2 * o, b, 2);  // d as stored
-      if (lay.m >= 0) {
-        if (t == Q4_0) put_half(out + lay.m + 2 * o, m);  // -8 d, exact in float16
-        else std::memcpy(out + lay.m + 2 * o, b + 2, 2);
-      }
+      pack_b_block(t, b, o, out);
       continue;
     }
     const int bits = bits_of(t);
     const KLayout lay = k_layout(bits);
-    uint8_t c[kSuper];
-    k_codes(t, b, c);
-    for (int j = 0; j < 8; ++j) put_codes(out + j * lay.codes, o, c + 32 * j, bits);
     if (t == Q6_K) {
+      pack_q6_k_codes(b, o, out);
       for (int s = 0; s < 16; ++s) out[lay.scales + 16 * s + o] = b[192 + s];
       std::memcpy(out + lay.d + 2 * o, b + 208, 2);
     } else {
+      uint8_t c[kSuper];
+      k_codes(t, b, c);
+      for (int j = 0; j < 8; ++j) {
+        if (bits == 5) put_codes<5>(out + j * lay.codes, o, c + 32 * j);
+        else put_codes<4>(out + j * lay.codes, o, c + 32 * j);
+      }
       for (int j = 0; j < 8; ++j) {
         uint8_t sc, mn;
         scale_min_k4(j, b + 4, sc, mn);
