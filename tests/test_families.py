@@ -219,9 +219,10 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_family_gguf(folder, out, family: str) -> None:
+def write_family_gguf(folder, out, family: str, quantize: gguf.GGMLQuantizationType | None = None) -> None:
     """The tiny HF model in `folder` as convert_hf_to_gguf.py writes it (Phi3MiniModel, Gemma2Model, Gemma3Model),
-    every tensor F32: the metadata each writes, its tensor names, Gemma's norms plus 1, Phi-3's rope factor tensors."""
+    every tensor F32: the metadata each writes, its tensor names, Gemma's norms plus 1, Phi-3's rope factor tensors.
+    quantize: a type gguf-py quantizes to (Q8_0), for the matrices whose rows are whole blocks of it."""
     config = transformers.AutoConfig.from_pretrained(folder)
     arch = GGUF_ARCH[family]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
@@ -280,6 +281,9 @@ def write_family_gguf(folder, out, family: str) -> None:
         values = tensor.float().numpy()
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             values = values + 1  # Gemma2Model / Gemma3Model.modify_tensors
+        if quantize is not None and values.ndim == 2 and values.shape[1] % gguf.GGML_QUANT_SIZES[quantize][0] == 0:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(values, quantize), raw_dtype=quantize)
+            continue
         w.add_tensor(f"{names.get_name(base)}.{suffix}", values)
     for name, values in extra.items():
         w.add_tensor(name, values)

@@ -48,9 +48,14 @@ def _native_of(llm: LLM):
 def _both(monkeypatch, model: str, vocab: int, **kwargs) -> tuple[list, list, LLM]:
     """The workload with the native forward and with SHOAL_NATIVE_FORWARD=0, each in an engine of its own."""
     kwargs = dict(num_blocks=128, block_size=4, max_model_len=160, max_num_batched_tokens=32, speculative="ngram", **kwargs)
+    calls = []  # the plan's steps: from the token ids, or from the embeddings
+    for name in ("from_ids", "__call__"):
+        run = getattr(native.NativeForward, name)
+        monkeypatch.setattr(native.NativeForward, name, lambda self, *a, run=run, name=name: calls.append(name) or run(self, *a))
     with LLM(model, **kwargs) as llm:
         ours = _workload(llm, vocab)
         assert isinstance(_native_of(llm), native.NativeForward)
+        assert len(calls) >= 20  # every step of the workload ran in the plan
         # a GGUF's embedding table: the plan looks up the step's embeddings and rope tables too (forward_ids)
         assert _native_of(llm).ids == (kwargs.get("quantization") is None)
     monkeypatch.setenv("SHOAL_NATIVE_FORWARD", "0")
@@ -77,6 +82,33 @@ def test_int8_and_int4_with_biases_and_qk_norms_give_the_python_forwards_bits(mo
     path = make_tiny_model(arch, tmp_path / arch)
     ours, ref, _ = _both(monkeypatch, str(path), 400, quantization=quantization, dtype=dtype)
     assert ours == ref
+
+
+@pytest.mark.parametrize("arch,quantization,dtype", [("gemma3", "int8", "float32"), ("gemma2", "int4", "bfloat16")])
+def test_gemmas_layers_give_the_python_forwards_bits(monkeypatch, tmp_path, arch, quantization, dtype):
+    """Gemma's four (1 + w) norms, GELU, q/k norms of that kind (Gemma 3), the attention's softcap (Gemma 2), and local
+    and global layers over two KV groups, each layer reading its group's tables, run inside the plan too."""
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(arch, tmp_path / arch)
+    ours, ref, llm = _both(monkeypatch, str(path), 400, quantization=quantization, dtype=dtype)
+    assert ours == ref
+    assert len(llm.engine.runner.kv_groups) == 2 and len(_native_of(llm).windows) == 2
+
+
+def test_a_gemma_gguf_looks_up_its_scaled_embeddings_in_the_plan(monkeypatch, tmp_path):
+    """A Gemma 3 GGUF in Q8_0 (its embedding table too): the plan multiplies the looked-up rows by the embedding
+    scale, as DecoderModel.forward does, and runs the step from its token ids."""
+    from test_families import write_family_gguf
+    from tiny_models import make_tiny_model
+
+    import gguf
+
+    folder = make_tiny_model("gemma3", tmp_path / "hf")
+    write_family_gguf(folder, tmp_path / "gemma3.gguf", "gemma3", quantize=gguf.GGMLQuantizationType.Q8_0)
+    ours, ref, llm = _both(monkeypatch, str(tmp_path / "gemma3.gguf"), 400)
+    assert ours == ref
+    assert llm.engine.runner.model.model.spec.embed_scale is not None
 
 
 def test_the_default_model_gives_the_python_forwards_bits(monkeypatch, default_gguf_path):
@@ -156,7 +188,7 @@ def test_a_description_that_does_not_add_up_is_refused():
     with pytest.raises(RuntimeError, match="decoder plan: too few"):
         torch.classes.shoal_kernels.DecoderPlan([], [1, 0], [1e-5])
     with pytest.raises(RuntimeError, match="longer than its layers"):
-        torch.classes.shoal_kernels.DecoderPlan([], [0, 0, 0, 0, 7], [1e-5])
+        torch.classes.shoal_kernels.DecoderPlan([], [0, 0, 0, 0, 0, 7], [1e-5])
 
 
 def test_a_closed_engine_lets_its_kv_pool_go_though_the_plan_held_it(monkeypatch, default_gguf_path):

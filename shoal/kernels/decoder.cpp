@@ -9,17 +9,26 @@
 // decodes, prefill chunks, drafts under verification; tests/test_native_decoder.py holds it to that.
 //
 // What a plan covers is what model/native.py builds one for: layers of two plain RMSNorms around attention and a
-// gated SiLU MLP, dense or a mixture of experts (GGUF experts stacked, float32 activations), projections of shoal's
-// low-bit kernels (a GGUF's types, int8 and int4), full rotary, the invariant attention op, one process. Anything
-// else keeps the Python forward.
+// gated SiLU MLP, dense or a mixture of experts (GGUF experts stacked, float32 activations), or Gemma 2's and 3's
+// layers (four (1 + w) norms, a gated GELU MLP, an embedding scale, local and global layers over their own KV
+// groups); projections of shoal's low-bit kernels (a GGUF's types, int8 and int4), full rotary, the invariant
+// attention op. Anything else keeps the Python forward.
+//
+// Gemma's layers (`sandwich`) run torch's own ops where the Python forward does (RMSNorm(x) * (1 + w) in float32,
+// rounded once; GELU's tanh form; the residual adds), called here as at:: functions: the same kernels, so the same
+// bits. The (1 + w) weights come in float32, computed once as the Python forward computes them each step.
 //
 // The plan's description, from model/native.py (`ints`, `floats` and `tensors` read in this order):
-//   model:  ints [layers, last], floats [final norm eps], tensors [final norm weight (when last)]
-//   input:  ints [has embedding, (its GGUF type, columns), rope tables], tensors [(its packed rows, an empty tensor
-//           of the model's dtype), (cos, signed sin) per rope table]: what `forward_ids` looks up
-//   layer:  ints [heads, kv heads, head dim, window (-1: the backend's), rope table, has q/k norms]
-//           floats [input norm eps, post-attention norm eps, q/k norm eps, scale, softcap (0: none)]
-//           tensors [input norm, post-attention norm, (q norm, k norm), KV cache]
+//   model:  ints [layers, last, final norm (1 + w)], floats [final norm eps], tensors [final norm weight (when last)]
+//   input:  ints [has embedding, (its GGUF type, columns, has a scale), rope tables], tensors [(its packed rows, an
+//           empty tensor of the model's dtype, (the scale, a 0-dim tensor of that dtype)), (cos, signed sin) per rope
+//           table]: what `forward_ids` looks up
+//   layer:  ints [heads, kv heads, head dim, window (-1: the backend's), rope table, has q/k norms, KV group (which
+//           of the step's metadata), sandwich, gelu]
+//           floats [input norm eps, pre-MLP norm eps, q/k norm eps, scale, softcap (0: none), (sandwich: the
+//           attention's and the MLP's output norm eps)]
+//           tensors [input norm, pre-MLP norm, (q norm, k norm), (sandwich: attention output norm, MLP output norm),
+//           KV cache]
 //           then its projections qkv and o, each: ints [runs, has bias, (rows, type) per run],
 //           tensors [packed weights per run, (bias)];
 //           then ints [experts (0: a dense MLP)], and a dense MLP's projections gate_up and down as above, or a
@@ -73,11 +82,16 @@ struct Experts {
   }
 };
 
+// Gemma's RMSNorm (layers.RMSNorm with unit_offset): torch's rms_norm in float32, times (1 + w), rounded once
+at::Tensor unit_norm(const at::Tensor& x, const at::Tensor& one_plus_w, double eps) {
+  return (at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps) * one_plus_w).to(x.scalar_type());
+}
+
 struct Layer {
-  int64_t heads, kv_heads, head_dim, window, rope;
-  bool qk_norm;
-  double in_eps, post_eps, qk_eps, scale, softcap;
-  at::Tensor in_norm, post_norm, q_norm, k_norm, kv;
+  int64_t heads, kv_heads, head_dim, window, rope, group;
+  bool qk_norm, sandwich, gelu;
+  double in_eps, post_eps, qk_eps, scale, softcap, attn_out_eps = 0, mlp_out_eps = 0;
+  at::Tensor in_norm, post_norm, q_norm, k_norm, attn_out_norm, mlp_out_norm, kv;  // sandwich: (1 + w), float32
   Projection qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
   Experts experts;                   // a sparse one's (top_k 0: none)
 };
@@ -120,10 +134,11 @@ struct Reader {
 
 struct DecoderPlan : torch::CustomClassHolder {
   std::vector<Layer> layers;
-  bool last = true;
+  bool last = true, final_unit = false;
   double final_eps = 0;
   at::Tensor final_norm;
   at::Tensor embedding;  // packed rows of a GGUF embedding table (undefined: the caller embeds)
+  at::Tensor embed_scale;  // Gemma's: a 0-dim tensor of the model's dtype the embeddings are multiplied by (undefined: none)
   int64_t embedding_type = 0, embedding_cols = 0;
   at::ScalarType dtype = at::kFloat;  // the model's activations
   std::vector<at::Tensor> cos_tables, sin_tables;  // per rope: [positions, rotated dims] float32, the sin signed
@@ -132,12 +147,15 @@ struct DecoderPlan : torch::CustomClassHolder {
     Reader r{tensors, ints, floats};
     const int64_t n = r.integer();
     last = r.integer() != 0;
+    final_unit = r.integer() != 0;
     final_eps = r.real();
     if (last) final_norm = r.tensor();
     if (r.integer() != 0) {
       embedding_type = r.integer(), embedding_cols = r.integer();
+      const bool scaled = r.integer() != 0;
       embedding = r.tensor();
       dtype = r.tensor().scalar_type();
+      if (scaled) embed_scale = r.tensor();
     }
     const int64_t ropes = r.integer();
     for (int64_t k = 0; k < ropes; ++k) cos_tables.push_back(r.tensor()), sin_tables.push_back(r.tensor());
@@ -145,9 +163,12 @@ struct DecoderPlan : torch::CustomClassHolder {
       Layer y;
       y.heads = r.integer(), y.kv_heads = r.integer(), y.head_dim = r.integer(), y.window = r.integer(), y.rope = r.integer();
       y.qk_norm = r.integer() != 0;
+      y.group = r.integer(), y.sandwich = r.integer() != 0, y.gelu = r.integer() != 0;
       y.in_eps = r.real(), y.post_eps = r.real(), y.qk_eps = r.real(), y.scale = r.real(), y.softcap = r.real();
+      if (y.sandwich) y.attn_out_eps = r.real(), y.mlp_out_eps = r.real();
       y.in_norm = r.tensor(), y.post_norm = r.tensor();
       if (y.qk_norm) y.q_norm = r.tensor(), y.k_norm = r.tensor();
+      if (y.sandwich) y.attn_out_norm = r.tensor(), y.mlp_out_norm = r.tensor();
       y.kv = r.tensor();
       y.qkv = r.projection(), y.o = r.projection();
       if (const int64_t experts = r.integer(); experts == 0) {
@@ -164,18 +185,23 @@ struct DecoderPlan : torch::CustomClassHolder {
                     "decoder plan: a sparse MLP needs 1 <= top_k <= experts, a float32 router and stacked weights of its experts");
       }
       TORCH_CHECK(y.heads % y.kv_heads == 0, "decoder plan: query heads not a multiple of KV heads");
+      TORCH_CHECK(y.group >= 0, "decoder plan: a layer's KV group");
+      TORCH_CHECK(!y.sandwich || y.experts.top_k == 0, "decoder plan: a sandwich layer with experts");
+      TORCH_CHECK(layers.empty() || layers[0].sandwich == y.sandwich, "decoder plan: sandwich and plain layers mixed");
       layers.push_back(std::move(y));
     }
     TORCH_CHECK(r.t == tensors.size() && r.i == ints.size() && r.f == floats.size(), "decoder plan: a description longer than its layers");
   }
 
-  // ids, positions [T] int64 -> forward's output: the tokens' rows of the embedding table in the model's dtype, and
-  // each rope's rows of cos and signed sin, looked up as the Python forward looks them up (GGUFEmbedding, Rotary)
-  at::Tensor forward_ids(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor tables, at::Tensor row_seq,
-                         at::Tensor row_pos, int64_t window) {
+  // ids, positions [T] int64 -> forward's output: the tokens' rows of the embedding table in the model's dtype (times
+  // Gemma's scale), and each rope's rows of cos and signed sin, looked up as the Python forward looks them up
+  // (GGUFEmbedding, DecoderModel.forward, Rotary)
+  at::Tensor forward_ids(at::Tensor ids, at::Tensor positions, std::vector<at::Tensor> slots, std::vector<at::Tensor> tables,
+                         std::vector<at::Tensor> row_seq, std::vector<at::Tensor> row_pos, int64_t window) {
     TORCH_CHECK(embedding.defined(), "decoder plan: no embedding table: call forward with the embeddings");
     TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0), "decoder plan: ids and positions [T]");
-    const at::Tensor x = shoal_gguf_rows(embedding, ids, embedding_type, embedding_cols).to(dtype);
+    at::Tensor x = shoal_gguf_rows(embedding, ids, embedding_type, embedding_cols).to(dtype);
+    if (embed_scale.defined()) x = x * embed_scale;
     std::vector<at::Tensor> cos, sin;
     for (size_t k = 0; k < cos_tables.size(); ++k) {
       cos.push_back(cos_tables[k].index_select(0, positions));
@@ -186,31 +212,26 @@ struct DecoderPlan : torch::CustomClassHolder {
 
   // x [T, hidden] (the embeddings, or a previous stage's output) -> the last layer's normed output [T, hidden]
   // (a stage before the last: its residual stream). cos, sin: the step's tables per rope (layers.RopeTables,
-  // native); slots .. row_pos: attention.invariant.NativeMetadata's; window: the backend's (0: none).
-  at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor slots, at::Tensor tables,
-                     at::Tensor row_seq, at::Tensor row_pos, int64_t window) {
+  // native); slots .. row_pos: attention.invariant.NativeMetadata's, one per KV group (a layer reads its group's);
+  // window: the backend's (0: none).
+  at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, std::vector<at::Tensor> slots,
+                     std::vector<at::Tensor> tables, std::vector<at::Tensor> row_seq, std::vector<at::Tensor> row_pos,
+                     int64_t window) {
     TORCH_CHECK(x.dim() == 2 && !layers.empty(), "decoder plan: x [tokens, hidden]");
     TORCH_CHECK(cos.size() == sin.size(), "decoder plan: a cos and a sin table per rope");
-    for (const Layer& y : layers) TORCH_CHECK(y.rope >= 0 && y.rope < static_cast<int64_t>(cos.size()), "decoder plan: a layer's rope table missing");
+    TORCH_CHECK(tables.size() == slots.size() && row_seq.size() == slots.size() && row_pos.size() == slots.size(),
+                "decoder plan: the same KV groups' slots, tables and rows");
+    for (const Layer& y : layers) {
+      TORCH_CHECK(y.rope >= 0 && y.rope < static_cast<int64_t>(cos.size()), "decoder plan: a layer's rope table missing");
+      TORCH_CHECK(y.group < static_cast<int64_t>(slots.size()), "decoder plan: a layer's KV group's metadata missing");
+    }
+    if (layers[0].sandwich) return sandwiches(x, cos, sin, slots, tables, row_seq, row_pos, window);
     const int64_t T = x.size(0);
     at::Tensor h = shoal_rms_norm(x, layers[0].in_norm, layers[0].in_eps);
     for (size_t l = 0; l < layers.size(); ++l) {
       const Layer& y = layers[l];
-      const int64_t D = y.head_dim, q_size = y.heads * D, kv_size = y.kv_heads * D;
-      // attention (layers.Attention.forward)
-      const at::Tensor qkv = y.qkv(h);
-      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, y.heads + y.kv_heads, D});
-      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, y.kv_heads, D});
-      if (y.qk_norm) {
-        const at::Tensor q = qk.narrow(1, 0, y.heads), k = qk.narrow(1, y.heads, y.kv_heads);
-        qk = at::cat({shoal_rms_norm(q.reshape({-1, D}), y.q_norm, y.qk_eps).view(q.sizes()),
-                      shoal_rms_norm(k.reshape({-1, D}), y.k_norm, y.qk_eps).view(k.sizes())}, 1);
-      }
-      shoal_rope_(qk, cos[y.rope], sin[y.rope]);
-      const at::Tensor attn = shoal_invariant_attention(qk.narrow(1, 0, y.heads), qk.narrow(1, y.heads, y.kv_heads), v, y.kv, slots,
-                                                        tables, row_seq, row_pos, y.scale, y.window < 0 ? window : y.window,
-                                                        y.heads / y.kv_heads, y.softcap);
-      auto [sum, normed] = shoal_add_rms_norm(x, y.o(attn.reshape({T, q_size})), y.post_norm, y.post_eps);
+      const at::Tensor attn = attention(y, h, cos, sin, slots, tables, row_seq, row_pos, window);
+      auto [sum, normed] = shoal_add_rms_norm(x, y.o(attn.reshape({T, y.heads * y.head_dim})), y.post_norm, y.post_eps);
       // the MLP (layers.MLP, gated SiLU; or layers.MoE)
       const at::Tensor delta = y.experts.top_k > 0 ? y.experts(normed) : y.down(shoal_silu_mul(y.gate_up(normed)));
       const bool final_layer = l + 1 == layers.size();
@@ -219,6 +240,48 @@ struct DecoderPlan : torch::CustomClassHolder {
       std::tie(x, h) = shoal_add_rms_norm(sum, delta, w, final_layer ? final_eps : layers[l + 1].in_eps);
     }
     return h;
+  }
+
+ private:
+  // a layer's attention from its normed input h (layers.Attention.forward): [T, heads, head dim]
+  at::Tensor attention(const Layer& y, const at::Tensor& h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                       const std::vector<at::Tensor>& slots, const std::vector<at::Tensor>& tables,
+                       const std::vector<at::Tensor>& row_seq, const std::vector<at::Tensor>& row_pos, int64_t window) const {
+    const int64_t T = h.size(0), D = y.head_dim, q_size = y.heads * D, kv_size = y.kv_heads * D;
+    const at::Tensor qkv = y.qkv(h);
+    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, y.heads + y.kv_heads, D});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, y.kv_heads, D});
+    if (y.qk_norm) {
+      const at::Tensor q = qk.narrow(1, 0, y.heads), k = qk.narrow(1, y.heads, y.kv_heads);
+      if (y.sandwich)
+        qk = at::cat({unit_norm(q, y.q_norm, y.qk_eps), unit_norm(k, y.k_norm, y.qk_eps)}, 1);
+      else
+        qk = at::cat({shoal_rms_norm(q.reshape({-1, D}), y.q_norm, y.qk_eps).view(q.sizes()),
+                      shoal_rms_norm(k.reshape({-1, D}), y.k_norm, y.qk_eps).view(k.sizes())}, 1);
+    }
+    shoal_rope_(qk, cos[y.rope], sin[y.rope]);
+    const size_t g = static_cast<size_t>(y.group);
+    return shoal_invariant_attention(qk.narrow(1, 0, y.heads), qk.narrow(1, y.heads, y.kv_heads), v, y.kv, slots[g], tables[g],
+                                     row_seq[g], row_pos[g], y.scale, y.window < 0 ? window : y.window, y.heads / y.kv_heads,
+                                     y.softcap);
+  }
+
+  // Gemma's layers (layers.DecoderLayer.forward with four norms): each norm and residual add as its own op
+  at::Tensor sandwiches(at::Tensor x, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                        const std::vector<at::Tensor>& slots, const std::vector<at::Tensor>& tables,
+                        const std::vector<at::Tensor>& row_seq, const std::vector<at::Tensor>& row_pos, int64_t window) const {
+    const int64_t T = x.size(0);
+    for (const Layer& y : layers) {
+      const at::Tensor attn = attention(y, unit_norm(x, y.in_norm, y.in_eps), cos, sin, slots, tables, row_seq, row_pos, window);
+      x = x + unit_norm(y.o(attn.reshape({T, y.heads * y.head_dim})), y.attn_out_norm, y.attn_out_eps);
+      const at::Tensor gate_up = y.gate_up(unit_norm(x, y.post_norm, y.post_eps));
+      const int64_t width = gate_up.size(1) / 2;  // layers.gated: GELU's tanh form by torch, SiLU by the native op
+      const at::Tensor act = y.gelu ? at::gelu(gate_up.narrow(1, 0, width), "tanh") * gate_up.narrow(1, width, width)
+                                    : shoal_silu_mul(gate_up);
+      x = x + unit_norm(y.down(act), y.mlp_out_norm, y.mlp_out_eps);
+    }
+    if (!last) return x;
+    return final_unit ? unit_norm(x, final_norm, final_eps) : shoal_rms_norm(x, final_norm, final_eps);
   }
 };
 

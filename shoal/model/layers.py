@@ -490,9 +490,9 @@ class DecoderModel(Layer):
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         ropes = [rotary(positions, x.dtype) for rotary in self.rotaries]
+        if native is not None and kernels.native_for(x) and native.takes(ropes, meta):
+            return native(x, ropes, meta)
         if self.fused and kernels.native_for(x):
-            if native is not None and native.takes(ropes, meta):
-                return native(x, ropes, meta)
             return self._forward_fused(x, ropes, kv_caches, meta)
         for layer, kv, r in zip(self.layers, kv_caches, self.rope_index):
             x = layer(x, ropes[r], kv, meta)

@@ -12,9 +12,11 @@ A plan covers (`unsupported` says why not, in the start-up log):
 - layers of two plain RMSNorms around attention and an MLP (spec.LayerSpec.fusable), the MLP with SiLU, dense or
   a mixture of experts whose experts are stacked GGUF projections (formats.GroupedGGUF) on float32 activations:
   the router, routing and weighted sum are the native ops MoE.forward calls there (kernels/moe.cpp);
+- Gemma 2's and 3's layers: four (1 + w) norms, a dense MLP with GELU (or SiLU), the embedding scale, the
+  attention's softcap, and local and global layers over KV groups of their own (each reads its group's metadata);
 - projections on shoal's low-bit kernels: a GGUF's types, and `--quantization int8` / `int4` (their
   `native_runs`); float weights keep the Python forward (their matmuls are torch's);
-- q/k norms per head (Qwen3), rotary over the whole head, the invariant attention op with one KV group;
+- q/k norms per head (Qwen3, Gemma 3), rotary over the whole head, the invariant attention op;
 - one process: tensor parallelism's gathers sit between the ops, so a sharded model keeps the Python forward.
 A pipeline stage is covered (its layers; the stage before the last hands on its residual stream). Where the
 embedding is a GGUF table and the rotary tables are plain, the plan looks up the step's embeddings and rope rows too
@@ -31,7 +33,7 @@ import os
 import torch
 
 from shoal import kernels
-from shoal.model.attention.common import MODEL_WINDOW
+from shoal.model.attention.common import MODEL_WINDOW, GroupedMetadata
 from shoal.model.attention.invariant import NativeMetadata
 from shoal.model.formats import GGUFEmbedding
 from shoal.model.layers import MLP, MoE, RMSNorm, Rotary
@@ -48,28 +50,48 @@ class NativeForward:
     builds it once the model is final (`build`) and sets it as the DecoderModel's `native_forward`."""
 
     def __init__(self, model, kv: list[torch.Tensor]) -> None:
+        self.windows = kv_windows(model)  # the layers' windows, in the order of their KV groups' metadata
         self.plan = torch.classes.shoal_kernels.DecoderPlan(*describe(model, kv))
         self.ids = takes_ids(model)  # the plan looks up the embeddings and rope tables itself (forward_ids)
 
     @staticmethod
-    def takes(ropes, meta) -> bool:
-        """Whether this step's inputs suit the plan: the native attention op's metadata (one KV group) and tables."""
-        return type(meta) is NativeMetadata and all(r.native for r in ropes)
+    def takes_meta(meta) -> bool:
+        """Whether the step's attention metadata is the native op's: one KV group's, or each group's."""
+        if type(meta) is GroupedMetadata:
+            return all(type(m) is NativeMetadata for m in meta.by_window.values())
+        return type(meta) is NativeMetadata
+
+    def takes(self, ropes, meta) -> bool:
+        """Whether this step's inputs suit the plan: the native attention op's metadata and tables."""
+        return self.takes_meta(meta) and all(r.native for r in ropes)
 
     def takes_step(self, positions: torch.Tensor, meta) -> bool:
         """Whether the whole step, from the token ids, suits the plan (forward_ids): it holds the lookups, one row of
         positions (not M-RoPE's three), the native attention op's metadata."""
-        return self.ids and positions.dim() == 1 and type(meta) is NativeMetadata
+        return self.ids and positions.dim() == 1 and self.takes_meta(meta)
 
-    def from_ids(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: NativeMetadata) -> torch.Tensor:
+    def _metas(self, meta) -> tuple[list, list, list, list, int]:
+        """The step's metadata as the plan takes it: slots, tables, rows' sequences and positions per KV group (the
+        layers' `group` indices), and the backend's window."""
+        if type(meta) is GroupedMetadata:
+            parts = [meta.by_window[meta.default_window if w is MODEL_WINDOW else w] for w in self.windows]
+        else:  # one group: every layer reads the same tables
+            parts = [meta] * len(self.windows)
+        return ([m.slot_mapping for m in parts], [m.tables for m in parts], [m.row_seq for m in parts],
+                [m.row_pos for m in parts], parts[0].backend.window or 0)
+
+    def from_ids(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The step from its token ids and positions [T]: the model's output, as DecoderModel.forward gives it."""
-        return self.plan.forward_ids(input_ids, positions, meta.slot_mapping, meta.tables, meta.row_seq, meta.row_pos,
-                                     meta.backend.window or 0)
+        return self.plan.forward_ids(input_ids, positions, *self._metas(meta))
 
-    def __call__(self, x: torch.Tensor, ropes, meta: NativeMetadata) -> torch.Tensor:
-        b = meta.backend
-        return self.plan.forward(x, [r.cos for r in ropes], [r.signed_sin for r in ropes], meta.slot_mapping, meta.tables,
-                                 meta.row_seq, meta.row_pos, b.window or 0)
+    def __call__(self, x: torch.Tensor, ropes, meta) -> torch.Tensor:
+        return self.plan.forward(x, [r.cos for r in ropes], [r.signed_sin for r in ropes], *self._metas(meta))
+
+
+def kv_windows(model) -> list:
+    """The distinct windows of the model's layers (MODEL_WINDOW: the backend's), in their first layer's order: a
+    layer's KV group in the plan is its window's index here (attention.common.GroupedMetadata finds a group by it)."""
+    return list(dict.fromkeys(layer.self_attn.window for layer in model.layers))
 
 
 def build(model, kv: list[torch.Tensor]) -> NativeForward | None:
@@ -89,20 +111,23 @@ def unsupported(model) -> str | None:
         return "SHOAL_NATIVE_FORWARD=0"
     if not kernels.available():
         return "the native kernels are off"
-    if not model.fused:
-        return "a layer's norms are not two plain RMSNorms"
+    sandwich = _sandwich(model.layers[0])
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if _sandwich(layer) != sandwich or not (sandwich or layer.spec.fusable):
+            return "a layer's norms are neither two plain RMSNorms nor Gemma's four (1 + w) ones"
+        if not all(type(n) is RMSNorm for n in layer.norms if n is not None):
+            return "norms that are not RMSNorms"
         if type(mlp) is MoE:
-            why = _experts_unsupported(layer)
+            why = _experts_unsupported(layer) if not sandwich else "experts beside Gemma's norms"
             if why is not None:
                 return why
-        elif type(mlp) is not MLP or mlp.activation != "silu":
-            return "an MLP that is not a gated SiLU"
+        elif type(mlp) is not MLP or mlp.activation not in ("silu", "gelu_tanh") or (mlp.activation != "silu" and not sandwich):
+            return "an MLP that is not a gated SiLU (nor Gemma's GELU)"
         if attn.qk_norm_whole or attn.clip is not None:
             return "q/k norms over all heads or a clamp (OLMoE)"
-        if attn.qk_norm and not all(type(n) is RMSNorm and not n.unit_offset for n in (attn.q_norm, attn.k_norm)):
-            return "q/k norms that are not plain RMSNorms"
+        if attn.qk_norm and not all(type(n) is RMSNorm and n.unit_offset == sandwich for n in (attn.q_norm, attn.k_norm)):
+            return "q/k norms of another kind than the layer's"
         for proj in (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj) if type(mlp) is MLP else ())):
             runs = getattr(proj, "native_runs", lambda: None)()
             if runs is None:
@@ -112,7 +137,14 @@ def unsupported(model) -> str | None:
     for rotary in model.rotaries:
         if rotary.cos.shape[-1] != model.config.head_dim:
             return "rotary over part of each head"
+    if model.last and model.norm.unit_offset != sandwich:
+        return "a final norm of another kind than the layers'"
     return None
+
+
+def _sandwich(layer) -> bool:
+    """Gemma's layer: four (1 + w) RMSNorms, one on each side of attention and of the MLP (spec.NormSpec)."""
+    return layer.spec.norms.unit_offset and all(n is not None for n in layer.norms)
 
 
 def _experts_unsupported(layer) -> str | None:
@@ -131,40 +163,55 @@ def _experts_unsupported(layer) -> str | None:
 
 def takes_ids(model) -> bool:
     """Whether the plan looks up the step's embeddings and rope tables itself (forward_ids): a GGUF embedding table of
-    one type, no embedding scale, and plain rotary tables (not M-RoPE's)."""
+    one type (times Gemma's scale, where the model has one) and plain rotary tables (not M-RoPE's)."""
     embed = model.embed_tokens
-    return (type(embed) is GGUFEmbedding and len(embed.runs) == 1 and model.spec.embed_scale is None
-            and all(type(r) is Rotary for r in model.rotaries))
+    return type(embed) is GGUFEmbedding and len(embed.runs) == 1 and all(type(r) is Rotary for r in model.rotaries)
+
+
+def _norm_weight(norm) -> torch.Tensor:
+    """What the plan multiplies by: the weight, or for Gemma's kind (1 + w) in float32, computed as RMSNorm.forward
+    computes it each step."""
+    return 1.0 + norm.weight.float() if norm.unit_offset else norm.weight
 
 
 def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[float]]:
     """The plan's description (kernels/decoder.cpp's top comment has the order): tensors, integers, floats."""
     c = model.config
     tensors: list[torch.Tensor] = []
-    ints = [len(model.layers), int(model.last)]
+    ints = [len(model.layers), int(model.last), int(model.norm.unit_offset)]
     floats = [float(model.norm.eps)]
     if model.last:
-        tensors.append(model.norm.weight)
+        tensors.append(_norm_weight(model.norm))
     embed = model.embed_tokens
     if takes_ids(model):  # the step's lookups too: the embedding's rows, and each rope's (forward_ids)
         (fmt, _), = embed.runs
-        ints += [1, int(fmt.type), embed.in_features]
+        scale = model.spec.embed_scale
+        ints += [1, int(fmt.type), embed.in_features, int(scale is not None)]
         tensors += [embed.packed0, torch.empty(0, dtype=embed.dtype)]
+        if scale is not None:  # DecoderModel.forward's factor, a 0-dim tensor of the model's dtype
+            tensors.append(torch.tensor(scale, dtype=embed.dtype))
         ints.append(len(model.rotaries))
         for rotary in model.rotaries:
             tensors += [rotary.cos, rotary.sin]
     else:
         ints += [0, 0]
+    windows = kv_windows(model)
     for layer, cache, rope in zip(model.layers, kv, model.rope_index):
         attn, mlp = layer.self_attn, layer.mlp
-        pre_attn, pre_mlp = layer.norms[0], layer.norms[2]
+        pre_attn, post_attn, pre_mlp, post_mlp = layer.norms
+        sandwich = _sandwich(layer)
         window = -1 if attn.window is MODEL_WINDOW else attn.window or 0
-        ints += [c.num_heads, c.num_kv_heads, c.head_dim, window, rope, int(attn.qk_norm)]
+        ints += [c.num_heads, c.num_kv_heads, c.head_dim, window, rope, int(attn.qk_norm), windows.index(attn.window),
+                 int(sandwich), int(type(mlp) is MLP and mlp.activation == "gelu_tanh")]
         floats += [float(pre_attn.eps), float(pre_mlp.eps), float(attn.q_norm.eps) if attn.qk_norm else 0.0, float(attn.scale),
                    float(attn.softcap or 0.0)]
-        tensors += [pre_attn.weight, pre_mlp.weight]
+        if sandwich:
+            floats += [float(post_attn.eps), float(post_mlp.eps)]
+        tensors += [_norm_weight(pre_attn), _norm_weight(pre_mlp)]
         if attn.qk_norm:
-            tensors += [attn.q_norm.weight, attn.k_norm.weight]
+            tensors += [_norm_weight(attn.q_norm), _norm_weight(attn.k_norm)]
+        if sandwich:
+            tensors += [_norm_weight(post_attn), _norm_weight(post_mlp)]
         tensors.append(cache)
         for proj in (attn.qkv_proj, attn.o_proj):
             _describe_projection(proj, tensors, ints)

@@ -259,7 +259,7 @@ class ModelRunner:
         self.kept_tables = KeptLists("block table of KV group")
         self.kept_history = KeptHistories()
         self._kept_sampling = None  # (rows' key, their SamplingBatch, top logprobs per row, seeded rows): _sampling_batch
-        if len(self.kv_groups) == 1 and getattr(self.attention, "native", False):  # every layer in one native call, where it can
+        if getattr(self.attention, "native", False):  # every layer in one native call, where it can
             model.model.native_forward = native.build(model.model, self.kv_caches)
         log.debug(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",
