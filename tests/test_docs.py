@@ -120,8 +120,7 @@ def test_the_readme_writes_nothing_the_docs_also_write():
 
 # The tracker's open issues (kept by hand: CI cannot reach the tracker; a resolved issue leaves this list): a gap
 # in shoal's column of the feature table names one as #N.
-OPEN_ISSUES = {51: "GGUF K-quants speed, the CUDA path measured", 53: "decode's fixed cost",
-               54: "Gemma, Phi, mixture-of-experts"}
+OPEN_ISSUES = {51: "GGUF K-quants speed, the CUDA path measured", 53: "decode's fixed cost"}
 GAP = re.compile(r"\b(not yet|no|none|planned|untested|unmeasured|partial|coming)\b", re.I)
 # How the README names each architecture shoal registers. Idefics3 is SmolVLM's own architecture (its
 # checkpoints declare it); SmolLM2 is a Llama.

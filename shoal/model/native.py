@@ -122,7 +122,7 @@ def unsupported(model) -> str | None:
             why = _experts_unsupported(layer) if not sandwich else "experts beside Gemma's norms"
             if why is not None:
                 return why
-        elif type(mlp) is not MLP or mlp.activation not in ("silu", "gelu_tanh") or (mlp.activation != "silu" and not sandwich):
+        elif type(mlp) is not MLP or mlp.activation not in (("silu", "gelu_tanh") if sandwich else ("silu",)):
             return "an MLP that is not a gated SiLU (nor Gemma's GELU)"
         if attn.qk_norm_whole or attn.clip is not None:
             return "q/k norms over all heads or a clamp (OLMoE)"
