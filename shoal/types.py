@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -326,8 +327,8 @@ class RequestOutput:
 
     request_id: str
     """The id the request was given."""
-    prompt_token_ids: list[int]
-    """The prompt as token ids."""
+    prompt_token_ids: Sequence[int]
+    """The prompt as token ids: the request's own (a tuple), shared by every output of it, not copied each step."""
     outputs: list[CompletionOutput]
     """The n choices (or the n best beams)."""
     finished: bool

@@ -248,3 +248,16 @@ def test_a_kept_historys_views_are_those_of_the_whole_history_as_tokens_come():
             assert (again.tokens, again.seen, again.counts, again.index) == (fresh.tokens, fresh.seen, fresh.counts, fresh.index)
     kept.drop([1])
     assert len(kept) == 0
+
+
+def test_a_requests_outputs_share_its_prompt_not_a_copy_a_step():
+    """Each step's RequestOutput names the request's own prompt ids (a tuple), so a long prompt costs nothing per step;
+    the outputs are still snapshots of the choices (a kept output's tokens do not grow with the next step)."""
+    llm = LLM(str(FIXTURES / "tiny-llama-Q4_K_M.gguf"), num_blocks=64, block_size=4, max_model_len=64, speculative="off")
+    prompt = tuple(range(5, 25))
+    llm.engine.add_request(GenerationRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+    outs = []
+    while llm.engine.has_unfinished():
+        outs += [o for o in llm.engine.step() if o.request_id == "r"]
+    assert len(outs) >= 6 and all(o.prompt_token_ids is outs[0].prompt_token_ids == prompt for o in outs)
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(outs) + 1))

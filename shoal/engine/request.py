@@ -148,7 +148,7 @@ class RequestState:
         finished = self.finished
         return RequestOutput(
             request_id=self.request.request_id,
-            prompt_token_ids=list(self.request.prompt_token_ids),
+            prompt_token_ids=self.request.prompt_token_ids,  # a tuple: O(1) a step, however long the prompt
             outputs=outs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
