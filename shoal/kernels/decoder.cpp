@@ -82,8 +82,10 @@ struct Experts {
   }
 };
 
-// Gemma's RMSNorm (layers.RMSNorm with unit_offset): torch's rms_norm in float32, times (1 + w), rounded once
+// Gemma's RMSNorm (layers.RMSNorm with unit_offset): float32 activations take shoal's op with (1 + w) (nothing
+// rounds between the products); others torch's rms_norm in float32, times (1 + w), rounded once
 at::Tensor unit_norm(const at::Tensor& x, const at::Tensor& one_plus_w, double eps) {
+  if (x.scalar_type() == at::kFloat) return shoal_rms_norm(x.reshape({-1, x.size(-1)}), one_plus_w, eps).view(x.sizes());
   return (at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps) * one_plus_w).to(x.scalar_type());
 }
 
