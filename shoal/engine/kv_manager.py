@@ -430,13 +430,12 @@ class KVCacheManager:
         return restores
 
     def spill_all(self) -> list[Spill]:
-        """Every cached full block the tier lacks, most recently used first, at most what the tier holds: for
+        """Every cached full block the tier lacks, most recently used first, at most what its group's store holds: for
         keeping the pool's content across a restart (none for a store that ends with the process)."""
         if self.tier is None or not self.tier.enabled or not self.tier.persistent:
             return []
-        room = self.tier.capacity
         return [Spill(n.blocks[g], n.digest, n.parent.digest, n.num_tokens, g) for g in self.groups
-                for n in [n for n in self.cache.full_nodes(g) if not self.tier.held(n.digest, g)][:room]]
+                for n in [n for n in self.cache.full_nodes(g) if not self.tier.held(n.digest, g)][: self.tier.indexes[g].capacity]]
 
     # ------------------------------------------------------------ the prefix cache
     def expire(self) -> None:

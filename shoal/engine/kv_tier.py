@@ -353,11 +353,6 @@ class KVTier:
     def persistent(self) -> bool:
         return self.store.persistent
 
-    @property
-    def capacity(self) -> int:
-        """Entries the first group's store holds (each group's holds as many)."""
-        return self.index.capacity
-
     def _count(self) -> None:
         self.stats.entries = sum(len(i) for i in self.indexes)
         self.stats.bytes = sum(len(i) * s.entry_bytes for i, s in zip(self.indexes, self.stores))

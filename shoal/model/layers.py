@@ -84,11 +84,16 @@ class RMSNorm(Layer):
         self.eps = eps
         self.unit_offset = unit_offset
 
+    def scale(self) -> torch.Tensor:
+        """What the normalized rows are multiplied by: the weight, or Gemma's 1 + w in float32 (model/native.py's plan
+        holds the same)."""
+        return 1.0 + self.weight.float() if self.unit_offset else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.unit_offset:
             if x.dtype == torch.float32 and kernels.native_for(x):  # nothing rounds between the products: one native op
-                return kernels.rms_norm(x.reshape(-1, x.shape[-1]), 1.0 + self.weight.float(), self.eps).view(x.shape)
-            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+                return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.scale(), self.eps).view(x.shape)
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.scale()).to(x.dtype)
         if kernels.native_for(x):  # one op where torch runs about fifteen
             return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # HF normalizes in float32 and casts back before scaling.

@@ -168,11 +168,6 @@ def takes_ids(model) -> bool:
     return type(embed) is GGUFEmbedding and len(embed.runs) == 1 and all(type(r) is Rotary for r in model.rotaries)
 
 
-def _norm_weight(norm) -> torch.Tensor:
-    """What the plan multiplies by: the weight, or for Gemma's kind (1 + w) in float32, computed as RMSNorm.forward
-    computes it each step."""
-    return 1.0 + norm.weight.float() if norm.unit_offset else norm.weight
-
 
 def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[float]]:
     """The plan's description (kernels/decoder.cpp's top comment has the order): tensors, integers, floats."""
@@ -181,7 +176,7 @@ def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
     ints = [len(model.layers), int(model.last), int(model.norm.unit_offset)]
     floats = [float(model.norm.eps)]
     if model.last:
-        tensors.append(_norm_weight(model.norm))
+        tensors.append(model.norm.scale())
     embed = model.embed_tokens
     if takes_ids(model):  # the step's lookups too: the embedding's rows, and each rope's (forward_ids)
         (fmt, _), = embed.runs
@@ -207,11 +202,11 @@ def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
                    float(attn.softcap or 0.0)]
         if sandwich:
             floats += [float(post_attn.eps), float(post_mlp.eps)]
-        tensors += [_norm_weight(pre_attn), _norm_weight(pre_mlp)]
+        tensors += [pre_attn.scale(), pre_mlp.scale()]
         if attn.qk_norm:
-            tensors += [_norm_weight(attn.q_norm), _norm_weight(attn.k_norm)]
+            tensors += [attn.q_norm.scale(), attn.k_norm.scale()]
         if sandwich:
-            tensors += [_norm_weight(post_attn), _norm_weight(post_mlp)]
+            tensors += [post_attn.scale(), post_mlp.scale()]
         tensors.append(cache)
         for proj in (attn.qkv_proj, attn.o_proj):
             _describe_projection(proj, tensors, ints)
