@@ -189,7 +189,9 @@ def build_file(size: str, kind: str, keep_bf16: bool = False) -> Path:
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "NO_LOCAL_GGUF": ""}
         print(f"converting {hf.name} with convert_hf_to_gguf.py", flush=True)
         part = bf16.with_name(bf16.name + ".part")
-        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16", "--outfile", str(part)],
+        # the peers' venv: `make peers` gives it what the script imports and shoal's venv lacks (sentencepiece)
+        python = ROOT / ".peers" / "venv" / "bin" / "python"
+        subprocess.run([str(python if python.exists() else sys.executable), str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16", "--outfile", str(part)],
                        check=True, env=env, stdout=subprocess.DEVNULL)
         part.rename(bf16)
         if size in TRANSIENT:

@@ -149,12 +149,20 @@ def block_minimums(qt: QuantTensor) -> torch.Tensor:
     return torch.from_numpy(np.repeat(m[..., 0], 32, axis=1))
 
 
-def _linear(fmt, x, packed, rows, isa):
+def _linear(fmt, x, packed, rows, isa, rule=0):
+    """fmt.linear on instruction-set level `isa`, one or two rows read by `rule` (kernels.use_rows_rule)."""
     kernels.use_isa(isa)
+    kernels.use_rows_rule(rule)
     try:
         return fmt.linear(x, packed, rows)
     finally:
         kernels.use_isa(ISAS[0])
+        kernels.use_rows_rule(0)
+
+
+# every path: each instruction set, and on VNNI both ways of reading few rows' weights (AMD's a panel at a time,
+# Intel's two a pass), whichever this CPU takes
+PATHS = [(isa, rule) for isa in ISAS for rule in ((1, 2) if isa == 3 else (0,))]
 
 
 @pytest.mark.parametrize("t", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_0], ids=["Q4_K", "Q5_0"])
@@ -200,11 +208,11 @@ def test_every_instruction_set_and_any_batch_give_the_same_bits(t):
     qt = random_blocks(t, rows, cols, seed=7)
     packed = fmt.pack(qt.data, cols)
     x = torch.randn(512, cols, generator=torch.Generator().manual_seed(1))
-    for m in (1, 7, 32, 512):
-        ys = [_linear(fmt, x[:m], packed, rows, isa) for isa in ISAS]
-        for isa, y in zip(ISAS[1:], ys[1:]):
-            assert torch.equal(y, ys[0]), f"{t.name}: level {isa} differs from {ISAS[0]} at {m} rows"
-        alone = [_linear(fmt, x[i : i + 1], packed, rows, ISAS[0]) for i in (0, m // 2, m - 1)]
+    for m in (1, 2, 7, 32, 512):
+        ys = [_linear(fmt, x[:m], packed, rows, *path) for path in PATHS]
+        for path, y in zip(PATHS[1:], ys[1:]):
+            assert torch.equal(y, ys[0]), f"{t.name}: level and rule {path} differ from {PATHS[0]} at {m} rows"
+        alone = [_linear(fmt, x[i : i + 1], packed, rows, *PATHS[-1]) for i in (0, m // 2, m - 1)]
         assert all(torch.equal(a[0], ys[0][i]) for a, i in zip(alone, (0, m // 2, m - 1)))
 
 

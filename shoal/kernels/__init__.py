@@ -164,9 +164,11 @@ def describe_paths(best: int, forced: int) -> list[str]:
     matmul = int(torch.ops.shoal_kernels.matmul_isa())
     matmul_path = {3: "AVX-512 VNNI (vpdpbusd)", 2: "AVX2 (vpmaddubsw + vpmaddwd)", 1: "SSE2 (pmaddwd)"}[matmul]
     no_vnni = "; this CPU has AVX-512 but no VNNI" if level == 3 and matmul != 3 else ""
+    few = ("; one or two rows a panel at a time, 32-weight blocks on AVX2's kernels (an AMD CPU streams them faster)"
+           if matmul == 3 and int(torch.ops.shoal_kernels.one_row_isa()) != 3 else "")
     return [f"native kernels: attention, RMSNorm, rotary and SiLU on the {ISA_NAMES[level]} path ({why})",
-            f"native kernels: low-bit matmuls on {matmul_path}{no_vnni}; activations rounded to int8 by the baseline's "
-            "code on every path, so every path sees the same codes"]
+            f"native kernels: low-bit matmuls on {matmul_path}{no_vnni}{few}; activations rounded to int8 by the "
+            "baseline's code on every path, so every path sees the same codes"]
 
 
 def isa() -> str:
@@ -178,6 +180,13 @@ def use_isa(level: int) -> str:
     """Run the kernels' code for instruction-set level 1 (baseline), 2 (AVX2) or 3 (AVX-512), capped at what
     this CPU has; 0 returns to the best. For tests: a process normally keeps one level for its life."""
     return ISA_NAMES[int(torch.ops.shoal_kernels.use_isa(level))]
+
+
+def use_rows_rule(rule: int) -> int:
+    """How one or two rows of a low-bit matmul read their weights on AVX-512 VNNI: 1 a panel at a time (32-weight
+    blocks on AVX2's kernels), as an AMD CPU streams them faster; 2 two panels a pass, as an Intel one does; 0 this
+    CPU's rule. Every rule gives the same bits. For tests: a process normally keeps its CPU's. Returns the rule in force."""
+    return int(torch.ops.shoal_kernels.use_rows_rule(rule))
 
 
 def native_for(x: torch.Tensor) -> bool:

@@ -50,6 +50,7 @@ at::Tensor shoal_block32_linear(const at::Tensor& x, const at::Tensor& w, int64_
 
 namespace {
 
+using lowbit::few_rows_one_stream;
 using lowbit::half_to_float;
 using lowbit::kBlock;
 using lowbit::kPanel;
@@ -756,13 +757,14 @@ void kpanel(const KArgs& a, int64_t p, int64_t r0, int64_t nr, int path) {
   }
 }
 
-// panels [p, p + np), np 1 or 2, for rows [r0, r0 + nr). On VNNI, three or four rows take both panels in one pass
-// (each activation broadcast feeds both); one or two rows, which wait on memory, not on the multiplies, take a panel
-// at a time, so the weights come in one stream: 15-25% faster for a decode's one-row experts, 10-15% for one row's
-// dense Q4_K projections (benchmarks/NOTES.md, thirty-third round). The bits are the same: panels never mix.
+// panels [p, p + np), np 1 or 2, for rows [r0, r0 + nr). On VNNI, both panels in one pass (each activation broadcast
+// feeds both); on an AMD CPU (lowbit.h few_rows_one_stream) one or two rows, which wait on memory, not on the
+// multiplies, take a panel at a time, so the weights come in one stream: on a Zen 4 15-25% faster for a decode's
+// one-row experts, 10-15% for one row's dense Q4_K projections (benchmarks/NOTES.md, thirty-third round). The bits
+// are the same: panels never mix.
 template <int Bits>
 void kpanels(const KArgs& a, int64_t p, int64_t np, int64_t r0, int64_t nr, int path) {
-  if (path == 3 && (np == 1 || nr <= 2)) {
+  if (path == 3 && (np == 1 || (nr <= 2 && few_rows_one_stream()))) {
     for (int64_t q = 0; q < np; ++q) kpanels_vnni<Bits, 1>(a, p + q, r0, nr);
     return;
   }

@@ -36,8 +36,17 @@
 #include "lowbit.h"
 #include "vec.h"
 
+namespace lowbit {
+int cpu_rows_rule() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? 1 : 2;
+}
+std::atomic<int> few_rows_rule{cpu_rows_rule()};
+}  // namespace lowbit
+
 namespace {
 
+using lowbit::few_rows_one_stream;
 using lowbit::half_to_float;
 using lowbit::in_register;
 using lowbit::input;
@@ -436,16 +445,16 @@ void panels_vnni(const Args& a, int64_t p, int64_t r0, int64_t nr) {
   }
 }
 
-// Fewer rows than this take the AVX2 kernels on an AVX-512 VNNI CPU (the same bits): reading a layer's weights
-// from memory for one row, they stream 40% faster there than the 512-bit kernels on a Zen 4 (29 against 21 GB/s
-// on both cores, every 32-weight type; 10-40% at two rows; at four the 512-bit ones are as fast or faster).
-// benchmarks/NOTES.md, thirty-first round. The K-quants' 512-bit kernels take one panel at a time there instead
-// (kquants.cpp kpanels).
+// Fewer rows than this take the AVX2 kernels on an AVX-512 VNNI CPU where few rows stream one panel at a time
+// (lowbit.h few_rows_one_stream: AMD's Zen 4); at four rows the 512-bit ones are as fast or faster there too.
 constexpr int64_t kVnniMinRows = 3;
+
+// the rows below which an AVX-512 VNNI CPU takes the AVX2 kernels: kVnniMinRows on AMD, none elsewhere
+inline int64_t vnni_min_rows() { return few_rows_one_stream() ? kVnniMinRows : 1; }
 
 // a panel for rows [r0, r0 + nr), nr <= kRows, on the chosen path
 void panel(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
-  if (path == 3 && nr < kVnniMinRows) path = 2;
+  if (path == 3 && nr < vnni_min_rows()) path = 2;
   if (path == 3) return panels_vnni<1>(a, p, r0, nr);
   if (path == 2) {
     switch (nr) {
@@ -465,7 +474,7 @@ void panel(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
 
 // two panels [p, p + 2) for rows [r0, r0 + nr): on VNNI one pass, elsewhere one panel after the other
 void panel_pair(const Args& a, int64_t p, int64_t r0, int64_t nr, int path) {
-  if (path == 3 && nr >= kVnniMinRows) return panels_vnni<2>(a, p, r0, nr);
+  if (path == 3 && nr >= vnni_min_rows()) return panels_vnni<2>(a, p, r0, nr);
   panel(a, p, r0, nr, path);
   panel(a, p + 1, r0, nr, path);
 }
@@ -510,6 +519,20 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) { retu
 
 int64_t matmul_isa() { return matmul_path(); }
 
+// 0: the CPU's rule for few rows (lowbit.h few_rows_one_stream), 1: one panel at a time, 2: two a pass; returns the
+// rule now in force. For tests and comparisons: a process normally keeps its CPU's.
+int64_t use_rows_rule(int64_t rule) {
+  TORCH_CHECK(rule >= 0 && rule <= 2, "use_rows_rule: 0 (the CPU's), 1 or 2");
+  lowbit::few_rows_rule.store(rule == 0 ? lowbit::cpu_rows_rule() : static_cast<int>(rule));
+  return lowbit::few_rows_rule.load();
+}
+
+// the path one row of a 32-weight-block matmul takes (matmul_isa, or AVX2 where few rows stream one panel at a time)
+int64_t one_row_isa() {
+  const int path = matmul_path();
+  return path == 3 && vnni_min_rows() > 1 ? 2 : path;
+}
+
 }  // namespace
 
 // kquants.cpp's gguf_linear, for the types of 32-weight blocks: 0 Q4_0/Q4_1, 1 Q8_0, 2 Q5_0, 3 Q5_1
@@ -519,6 +542,8 @@ TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
   m.def("q4_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor w, int n) -> Tensor");
   m.def("matmul_isa() -> int", &matmul_isa);
+  m.def("one_row_isa() -> int", &one_row_isa);
+  m.def("use_rows_rule(int rule) -> int", &use_rows_rule);
 }
 
 TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {

@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -55,6 +56,19 @@ inline int matmul_path() {
   if (level >= 3 && __builtin_cpu_supports("avx512vnni")) return 3;
   return level >= 2 ? 2 : 1;
 }
+
+// Whether one or two rows of activations stream a matmul's weights one panel at a time, on the narrower kernels:
+// an AMD CPU (Zen 4). Reading weights from memory for one row, the 512-bit VNNI kernel for 32-weight blocks, which
+// takes two panels a pass, streamed 21 GB/s on a Zen 4 against 29 for the AVX2 kernel, a panel at a time (the
+// thirty-first round of benchmarks/NOTES.md), and the K-quants' VNNI kernels 15-25% faster a panel at a time (the
+// thirty-third). An Intel Xeon (Sapphire Rapids' family) is the other way round: 31 GB/s for the VNNI kernel at one
+// row against 14-18 for the AVX2 one, and 4% more for the K-quants two panels a pass (the thirty-fifth round). Every
+// kernel gives the same bits, so this choice is speed only.
+// The rule in force: 1 one panel at a time (the CPU's where it is AMD's), 2 two panels a pass (elsewhere);
+// use_rows_rule sets it, so that tests run every kernel on every CPU. lowbit.cpp holds it.
+extern std::atomic<int> few_rows_rule;
+int cpu_rows_rule();  // the CPU's: 1 on AMD, 2 elsewhere
+inline bool few_rows_one_stream() { return few_rows_rule.load(std::memory_order_relaxed) == 1; }
 
 // An empty asm that takes v in a register and gives it back. GCC cannot see through it, so a running sum stays
 // the chain of adds the code writes. Without it, GCC's reassociation regrouped a Q4 block of 4 rows into a tree
