@@ -22,7 +22,7 @@ own, native and Python forwards taking turns round after round.
 
 The outside milliseconds are roughly the same on a faster and a slower core of one clock, and the native ones
 scale with the memory the step reads, so a slower CPU's step is about outside * (this clock / its clock) plus
-native * (this bandwidth / its bandwidth). Results: benchmarks/results/step_cost-<CPU kind>.{md,json}.
+native * (this bandwidth / its bandwidth). Results: benchmarks/results/step_cost-<CPU kind>.{md,json} (`--out` names another machine's).
 """
 
 from __future__ import annotations
@@ -128,6 +128,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds; in each, every case runs once, native and Python in turn")
     ap.add_argument("--tokens", type=int, default=128, help="tokens a timed generation decodes (default 128)")
     ap.add_argument("--reps", type=int, default=3, help="timed generations per case and round (default 3)")
+    ap.add_argument("--out", default=None, help="results name in benchmarks/results (default: step_cost-<CPU kind>; "
+                    "another machine of the same kind gets a name of its own)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # model, tokens, reps: the child process's mode
     a = ap.parse_args()
     if a.child:
@@ -188,7 +190,7 @@ def main() -> None:
              "generations. `one` core: `taskset -c 0` and one thread. "
              "`benchmarks/step_cost.py` says what each part holds.", "",
              *table(["model", "path", "cores", "native forward (default)", "Python forward (SHOAL_NATIVE_FORWARD=0)"], rows)]
-    publish(f"step_cost-{kind}", doc, lines)
+    publish(a.out or f"step_cost-{kind}", doc, lines)
 
 
 if __name__ == "__main__":
