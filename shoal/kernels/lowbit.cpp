@@ -242,7 +242,8 @@ AVX2_TARGET inline __attribute__((always_inline)) void store_rows_avx2(const Arg
 }
 
 // Q4: both halves of the panel in one pass, so that each broadcast of four activation bytes feeds two
-// vpmaddubsw. A pair sum of 4-bit codes is at most 2 * 15 * 127 = 3,810 in magnitude, so a block's eight
+// vpmaddubsw. Each block prefetches the weights kPrefetch ahead, as the VNNI kernel does: on an Intel Xeon one row
+// streamed a layer's weights at 14 GB/s without it and 19-28 with it (benchmarks/NOTES.md, thirty-fifth round). A pair sum of 4-bit codes is at most 2 * 15 * 127 = 3,810 in magnitude, so a block's eight
 // of them add up exactly in int16 (at most 30,480), and one vpmaddwd widens them.
 // Q5 (Q5_0, Q5_1: the fifth bit from the line after the four): a pair sum reaches 2 * 31 * 127 = 7,874, so
 // four of them at most (31,496) share an int16 sum: it is widened after lines 0-1 and again after 2-3.
@@ -255,6 +256,7 @@ AVX2_TARGET void panel_avx2_q4(const Args& a, int64_t p, int64_t r0) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), fifth = _mm256_set1_epi8(0x10);
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* blk = a.w + (p * B + b) * bytes;
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
     __m256i s16[R][2], wide[R][2];
     for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = wide[r][0] = wide[r][1] = _mm256_setzero_si256();
     for (int L = 0; L < 4; ++L) {
@@ -313,6 +315,7 @@ AVX2_TARGET void panel_avx2_q8(const Args& a, int64_t p, int64_t r0) {
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* blk = a.w + (p * B + b) * kQ8Bytes;
+    for (int64_t l = 0; l < kQ8Bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
     __m256i isum[R][2];
     for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
