@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from shoal import LLM, SamplingParams  # first: shoal sets MKL's strict mode before torch computes anything
 from shoal.model.attention.common import SeqSpan, cache_row, int8_views, quantize_rows, slot_mapping
 from shoal.model.attention.invariant import InvariantAttention
-from shoal.model.invariance import INVARIANT_K, InvariantLinear, pads_single_row, wide_dtype
+from shoal.model.invariance import INVARIANT_K, NARROW, InvariantLinear, narrow_wide, pads_single_row, wide_dtype
 from shoal.model.quant import Int4Linear, Int8Linear
 from shoal.runner.model_runner import seeded_generator
 from shoal.runner.sampler import SamplerRow, SamplingBatch, sample
@@ -271,6 +271,25 @@ def test_a_single_half_precision_row_is_its_row_in_any_batch(dtype):
     plain = F.linear(x, w)
     if all(torch.equal(F.linear(x[i : i + 1], w), plain[i : i + 1]) for i in range(len(x))):
         pytest.skip(f"this CPU's one-row {dtype} GEMM rounds as its many-row one: nothing to show")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_narrow_half_precision_projections_are_computed_wide_and_keep_their_rows(dtype):
+    """oneDNN's float16 GEMM on an Intel Xeon with AVX512-FP16 gave a row of a 32-long reduction other bits at two to
+    four rows than at more, about one random weight in ten (a tiny Qwen3-MoE's experts). A projection narrower than
+    NARROW on either side is computed wide (narrow_wide), and its rows then keep their bits in every batch size, over
+    40 random weights of each narrow shape; a wide one keeps the host's own choice (wide_dtype)."""
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((64, 32), (64, 16), (32, 64), (8, 64)):
+        assert min(n, k) < NARROW
+        for _ in range(40):
+            w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(40, k, generator=g).to(dtype)
+            wide = narrow_wide(dtype, w)
+            assert wide in (torch.float32, torch.float64) and (wide_dtype(dtype) is None or wide == wide_dtype(dtype))
+            forward = InvariantLinear(w, None, pad_single_row=pads_single_row(dtype), wide=wide)
+            full = forward(x)
+            assert [m for m in (1, 2, 3, 4, 5, 8, 17) if not torch.equal(forward(x[:m]), full[:m])] == []
+    assert narrow_wide(dtype, torch.zeros(NARROW, NARROW, dtype=dtype)) == wide_dtype(dtype)
 
 
 def test_plain_bfloat16_linear_past_invariant_k_depends_on_the_batch():

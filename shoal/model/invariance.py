@@ -23,6 +23,15 @@ from shoal.model.layers import Layer, Linear
 INVARIANT_K = 1024
 
 
+# oneDNN's half-precision GEMMs on a CPU with AVX512-FP16 (an Intel Xeon of the Sapphire Rapids family, 2026-11-29)
+# take another kernel at two to four rows than at more where a side of the weight is short: rows of a 16- or 32-long
+# reduction, or of 8 or 32 outputs, came out with other bits now and then (a tiny Qwen3-MoE's 32-wide experts in
+# float16), where 48 and more of both never did past one row. A probe of a few random products finds it about one
+# seed in ten, so it cannot decide. Half-precision projections narrower than this on either side are computed wide
+# (`narrow_wide`); no released model has one, tiny test models do.
+NARROW = 128
+
+
 @functools.cache
 def gemm_is_row_invariant(dtype: torch.dtype) -> bool:
     """Whether this host's GEMMs in `dtype`, called the way the invariant paths call them, give a row
@@ -59,6 +68,16 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype | None:
     if dtype != torch.float32 and gemm_is_row_invariant(torch.float32):
         return torch.float32
     return torch.float64
+
+
+def narrow_wide(dtype: torch.dtype, weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype a projection of this weight [out, in] multiplies `dtype` activations in: `wide_dtype`, or for a
+    half-precision weight narrower than NARROW on either side float32 where float32's GEMMs are row-invariant and
+    float64 where not."""
+    wide = wide_dtype(dtype)
+    if wide is None and dtype in (torch.float16, torch.bfloat16) and min(weight.shape) < NARROW:
+        return torch.float32 if gemm_is_row_invariant(torch.float32) else torch.float64
+    return wide
 
 
 def pads_single_row(dtype: torch.dtype) -> bool:
@@ -149,11 +168,11 @@ def make_row_invariant(model: nn.Module, device: torch.device, dtype: torch.dtyp
     if head and model.logits_head is None and model.model.embed_tokens is not None:  # the head (rank 0's): F.linear over the embedding or lm_head
         head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
         if wide is not None or pad or head.shape[1] > INVARIANT_K:
-            model.logits_head = InvariantLinear(head.detach(), None, pad, wide)
+            model.logits_head = InvariantLinear(head.detach(), None, pad, narrow_wide(dtype, head))
             swapped += 1
     for owner in list(model.model.modules()):  # the decoder's projections; the head is done
         for name, child in list(owner.named_children()):
             if type(child) is Linear and (wide is not None or pad or child.in_features > INVARIANT_K):
-                setattr(owner, name, InvariantLinear(child.weight.detach(), child.bias, pad, wide))
+                setattr(owner, name, InvariantLinear(child.weight.detach(), child.bias, pad, narrow_wide(dtype, child.weight)))
                 swapped += 1
     return swapped
