@@ -243,8 +243,9 @@ AVX2_TARGET inline __attribute__((always_inline)) void store_rows_avx2(const Arg
 
 // Q4: both halves of the panel in one pass, so that each broadcast of four activation bytes feeds two
 // vpmaddubsw. Each block prefetches the weights kPrefetch ahead, as the VNNI kernel does: on an Intel Xeon one row
-// streamed a layer's weights at 14 GB/s without it and 19-28 with it (benchmarks/NOTES.md, thirty-fifth round). A pair sum of 4-bit codes is at most 2 * 15 * 127 = 3,810 in magnitude, so a block's eight
-// of them add up exactly in int16 (at most 30,480), and one vpmaddwd widens them.
+// streamed a layer's weights at 14 GB/s without it and 19-28 with it (benchmarks/NOTES.md, thirty-fifth round).
+// A pair sum of 4-bit codes is at most 2 * 15 * 127 = 3,810 in magnitude, so a block's eight of them add up
+// exactly in int16 (at most 30,480), and one vpmaddwd widens them.
 // Q5 (Q5_0, Q5_1: the fifth bit from the line after the four): a pair sum reaches 2 * 31 * 127 = 7,874, so
 // four of them at most (31,496) share an int16 sum: it is widened after lines 0-1 and again after 2-3.
 template <int R, bool Q5>

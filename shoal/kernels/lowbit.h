@@ -62,8 +62,8 @@ inline int matmul_path() {
 // takes two panels a pass, streamed 21 GB/s on a Zen 4 against 29 for the AVX2 kernel, a panel at a time (the
 // thirty-first round of benchmarks/NOTES.md), and the K-quants' VNNI kernels 15-25% faster a panel at a time (the
 // thirty-third). An Intel Xeon (Sapphire Rapids' family) is the other way round: 31 GB/s for the VNNI kernel at one
-// row against 14-18 for the AVX2 one, and 4% more for the K-quants two panels a pass (the thirty-fifth round). Every
-// kernel gives the same bits, so this choice is speed only.
+// row against 14-18 for the AVX2 one (19-28 since that one prefetches), and 4% more for the K-quants two panels a
+// pass (the thirty-fifth round). Every kernel gives the same bits, so this choice is speed only.
 // The rule in force: 1 one panel at a time (the CPU's where it is AMD's), 2 two panels a pass (elsewhere);
 // use_rows_rule sets it, so that tests run every kernel on every CPU. lowbit.cpp holds it.
 extern std::atomic<int> few_rows_rule;
