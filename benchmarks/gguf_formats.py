@@ -470,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="half the requests per scenario")
     ap.add_argument("--build-only", action="store_true", help="make the files, measure nothing")
+    ap.add_argument("--out", default=None, help="results name in benchmarks/results (default: gguf_formats-<CPU kind>, "
+                    "or -avx2; another machine of the same kind gets a name of its own)")
     ap.add_argument("--quality", action="store_true", help="only the quality check on the default model's real weights")
     args = ap.parse_args(argv)
     if args.quality:
@@ -506,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                 a, b = summ["shoal"], summ["llama-server"]
                 entry["ratios"] = {k: a[k] / b[k] for k in a if a[k] and b.get(k)}
             doc["files"][name] = entry
-    name = f"gguf_formats-{args.isa or cpu_kind()}"
+    name = args.out or f"gguf_formats-{args.isa or cpu_kind()}"
     if (RESULTS / f"{name}.json").exists():  # files measured in earlier runs stay, each with its own date and rounds
         for f, entry in json.loads((RESULTS / f"{name}.json").read_text())["files"].items():
             doc["files"].setdefault(f, entry)
