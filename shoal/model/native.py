@@ -168,7 +168,6 @@ def takes_ids(model) -> bool:
     return type(embed) is GGUFEmbedding and len(embed.runs) == 1 and all(type(r) is Rotary for r in model.rotaries)
 
 
-
 def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[float]]:
     """The plan's description (kernels/decoder.cpp's top comment has the order): tensors, integers, floats."""
     c = model.config
