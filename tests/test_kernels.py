@@ -504,3 +504,46 @@ def test_step_rows_are_the_slots_sequences_and_positions_python_builds():
     short = torch.tensor([[7, null]], dtype=torch.int32)  # one block held, a position in the second
     with pytest.raises(RuntimeError, match="past its sequence's block table"):
         kernels.step_rows(torch.tensor([3, 3]), short, 2, null)
+
+
+def _mapping_of(address: int) -> tuple[int, int, list[str]] | None:
+    """(start, end, VmFlags) of this process's mapping that holds `address`, from /proc/self/smaps; None: unmapped."""
+    start = end = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                start, end = (lo, hi) if lo <= address < hi else (None, None)
+            elif head == "VmFlags:" and start is not None:
+                return start, end, line.split()[1:]
+    return None
+
+
+def test_weight_memory_is_advised_huge_pages_laid_end_to_end_and_freed_with_its_tensors():
+    """kernels.weight_empty, the packed weights' memory: a tensor of 8 MiB or more is a mapping of its own on a 2 MiB
+    boundary, smaller ones lie end to end (a cache line apart at most) in an arena, both
+    advised MADV_HUGEPAGE ("hg" in smaps); weight_arena_end starts another arena; a mapping goes when its last tensor
+    does. Whether the kernel then backs it with huge pages depends on the host's settings and free memory, so that
+    is not asserted; the decode step's gain is in benchmarks/NOTES.md."""
+    big = kernels.weight_empty((3, 3 << 20))
+    start, end, flags = _mapping_of(big.data_ptr())  # (the kernel may merge it with a neighbour of the same flags)
+    assert big.dtype == torch.uint8 and big.shape == (3, 3 << 20) and big.data_ptr() % (2 << 20) == 0
+    assert end >= big.data_ptr() + (9 << 20) and "hg" in flags
+    big.fill_(7)
+    assert int(big.sum()) == 7 * (9 << 20)
+    kernels.weight_arena_end()
+    a, b = kernels.weight_empty((100, 30)), kernels.weight_empty((1 << 20,))
+    assert b.data_ptr() == a.data_ptr() + 3008  # 3000 bytes, rounded to a cache line
+    arena = _mapping_of(a.data_ptr())
+    assert a.data_ptr() % (2 << 20) == 0 and "hg" in arena[2] and arena[0] <= b.data_ptr() < arena[1]
+    kernels.weight_arena_end()
+    c = kernels.weight_empty((64,))
+    assert c.data_ptr() % (2 << 20) == 0 and c.data_ptr() != b.data_ptr() + (1 << 20)  # a new arena, though the old one has room
+    a.fill_(1), b.fill_(2), c.fill_(3)
+    assert int(a.sum()) == 3000 and int(b.sum()) == 2 << 20 and int(c.sum()) == 3 * 64
+    big_at, arena_at = big.data_ptr(), a.data_ptr()
+    del big, a
+    assert _mapping_of(big_at) is None and _mapping_of(arena_at) is not None  # b still holds the arena
+    del b
+    assert _mapping_of(arena_at) is None

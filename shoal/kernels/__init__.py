@@ -252,6 +252,21 @@ def greedy_rows(raw: torch.Tensor, processed: torch.Tensor, bans: torch.Tensor |
     return torch.ops.shoal_kernels.greedy_rows(raw, processed, bans)
 
 
+def weight_empty(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialized uint8 tensor for weights a step streams whole (packed panels): on transparent huge pages
+    where the kernels built and the host allows them (cpu.cpp weight_empty), else torch.empty."""
+    if available():
+        return torch.ops.shoal_kernels.weight_empty(list(shape))
+    return torch.empty(shape, dtype=torch.uint8)
+
+
+def weight_arena_end() -> None:
+    """The next weight_empty starts a new arena (a model's load begins): models loaded one after another share none,
+    so each one's memory goes back whole when it is unloaded."""
+    if available():
+        torch.ops.shoal_kernels.weight_arena_end()
+
+
 def step_rows(spans: torch.Tensor, tables: torch.Tensor, block_size: int, null: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's row indices for invariant_attention: spans [2S] int64 (each sequence's first position, then each one's
     row count), tables [S, W] int32 -> (slots [T] int64, row_seq [T] int32, row_pos [T] int32)."""

@@ -51,9 +51,14 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "ops.h"
 #include "vec.h"
@@ -1318,6 +1323,75 @@ c10::optional<at::Tensor> shm_gather(const at::Tensor& part, const at::Tensor& s
   return out;
 }
 
+// Memory for weights a step streams whole (ops.h shoal_weight_empty), on transparent huge pages where the host allows
+// them (Debian's default setting, "madvise", does). A decode step reads every weight once; with 4 KiB pages a 1B Q4_0
+// model's 600 MB are 150,000 translations a step, each a page-table walk once the TLB has moved on, and with 2 MiB
+// pages 300. Measured (benchmarks/NOTES.md, thirty-sixth round): a one-stream step 3-5% faster.
+// A tensor of kOwnMapping bytes or more gets an anonymous mapping of its own that starts on a 2 MiB boundary and ends
+// where the tensor does (what is not a whole aligned 2 MiB keeps 4 KiB pages). Smaller ones (a 135M model's every
+// projection) are laid end to end in arenas of kArena bytes, each freed when the last tensor in it is: the allocator
+// holds only a weak reference to the arena it fills, and `weight_arena_end` (a model's load starts with it) starts a
+// new one, so that models loaded one after another share none. Where a mapping fails, or with SHOAL_HUGE_PAGES=0
+// (for comparisons), an ordinary allocation.
+constexpr size_t kHugePage = size_t(2) << 20, kOwnMapping = size_t(8) << 20, kArena = size_t(32) << 20;
+
+// `len` bytes (a multiple of 4 KiB) of an anonymous mapping starting on a huge page's boundary, advised MADV_HUGEPAGE;
+// nullptr where the mapping fails
+char* huge_mapping(size_t len) {
+  void* raw = mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  char* base = static_cast<char*>(raw);
+  char* start = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + kHugePage - 1) / kHugePage * kHugePage);
+  if (start > base) munmap(base, start - base);
+  if (base + len + kHugePage > start + len) munmap(start + len, base + len + kHugePage - (start + len));
+  madvise(start, len, MADV_HUGEPAGE);  // EINVAL where the kernel has no THP: 4 KiB pages, as before
+  return start;
+}
+
+struct WeightArena {
+  char* base;
+  size_t used = 0;
+  explicit WeightArena(char* b) : base(b) {}
+  ~WeightArena() { munmap(base, kArena); }
+};
+std::mutex arena_lock;
+std::weak_ptr<WeightArena> arena_now;
+
+bool huge_pages_off() {
+  static const bool off = [] { const char* v = std::getenv("SHOAL_HUGE_PAGES"); return v != nullptr && std::strcmp(v, "0") == 0; }();
+  return off;
+}
+
+at::Tensor weight_empty(at::IntArrayRef shape) {
+  const auto opts = at::TensorOptions().dtype(at::kByte);
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(shape));
+  if (bytes == 0 || huge_pages_off()) return at::empty(shape, opts);
+  if (bytes >= kOwnMapping) {
+    const size_t len = (bytes + 4095) / 4096 * 4096;
+    char* p = huge_mapping(len);
+    if (p == nullptr) return at::empty(shape, opts);
+    return at::from_blob(p, shape, [len](void* q) { munmap(q, len); }, opts);
+  }
+  const size_t need = (bytes + 63) / 64 * 64;  // each tensor on a cache line of its own
+  std::lock_guard<std::mutex> hold(arena_lock);
+  std::shared_ptr<WeightArena> arena = arena_now.lock();
+  if (arena == nullptr || arena->used + need > kArena) {
+    char* p = huge_mapping(kArena);
+    if (p == nullptr) return at::empty(shape, opts);
+    arena = std::make_shared<WeightArena>(p);
+    arena_now = arena;
+  }
+  char* p = arena->base + arena->used;
+  arena->used += need;
+  return at::from_blob(p, shape, [arena](void*) {}, opts);  // the arena lives while a tensor in it does
+}
+
+// the next weight_empty starts a new arena (a model's load begins)
+void weight_arena_end() {
+  std::lock_guard<std::mutex> hold(arena_lock);
+  arena_now.reset();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(shoal_kernels, m) {
@@ -1333,6 +1407,8 @@ TORCH_LIBRARY(shoal_kernels, m) {
   m.def("greedy_rows(Tensor raw, Tensor processed, Tensor? bans=None) -> (Tensor, Tensor)");
   m.def("row_logsumexp(Tensor x) -> Tensor");
   m.def("step_rows(Tensor spans, Tensor tables, int block_size, int null) -> (Tensor, Tensor, Tensor)");
+  m.def("weight_empty(int[] shape) -> Tensor", &weight_empty);
+  m.def("weight_arena_end() -> ()", &weight_arena_end);
   m.def("shm_gather(Tensor part, Tensor slots, Tensor posted, int rank, int n, int[] widths, int slot_bytes, int spin) -> Tensor?",
         &shm_gather);
 }
@@ -1365,3 +1441,4 @@ std::tuple<at::Tensor, at::Tensor> shoal_add_rms_norm(const at::Tensor& x, const
 }
 at::Tensor shoal_rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) { return rope_(x, cos, sin); }
 at::Tensor shoal_silu_mul(const at::Tensor& x) { return silu_mul(x); }
+at::Tensor shoal_weight_empty(at::IntArrayRef shape) { return weight_empty(shape); }

@@ -272,7 +272,7 @@ at::Tensor pack_panels(const at::Tensor& raw, int64_t t, int64_t cols, const at:
   if (into != nullptr)
     TORCH_CHECK(into->scalar_type() == at::kByte && into->is_contiguous() && into->dim() == 3 && into->size(0) == P &&
                     into->size(1) == U && into->size(2) == bytes, "gguf_pack_into: contiguous uint8 panels [", P, ", ", U, ", ", bytes, "] expected");
-  at::Tensor out = into != nullptr ? *into : at::empty({P, U, bytes}, raw.options());
+  at::Tensor out = into != nullptr ? *into : shoal_weight_empty({P, U, bytes});
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {

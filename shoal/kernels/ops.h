@@ -29,6 +29,7 @@ std::tuple<at::Tensor, at::Tensor> shoal_add_rms_norm(const at::Tensor& x, const
                                                       double eps);
 at::Tensor shoal_rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor shoal_silu_mul(const at::Tensor& x);
+at::Tensor shoal_weight_empty(at::IntArrayRef shape);  // uint8, on huge pages where it can (cpu.cpp weight_empty)
 at::Tensor shoal_gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t);
 at::Tensor shoal_gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t t, int64_t cols);
 at::Tensor shoal_gguf_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t n, int64_t t);

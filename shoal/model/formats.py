@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shoal import kernels
 from shoal.model.layers import Layer
 
 log = logging.getLogger("shoal.loader")
@@ -221,7 +222,7 @@ def pack_run(fmt: Format, blocks: list[torch.Tensor], cols: int, out: torch.Tens
         return fmt.pack(blocks[0], cols)
     rows = sum(b.shape[0] for b in blocks)
     if out is None:
-        out = torch.empty(fmt.panels(rows, cols), dtype=torch.uint8)
+        out = kernels.weight_empty(fmt.panels(rows, cols))
     if any(b.shape[0] % PANEL for b in blocks[:-1]):
         return fmt.pack(torch.cat(blocks), cols, out=out)
     start = 0
@@ -303,7 +304,7 @@ class GGUFLinear(Layer):
         if len(types) != 1:
             return None
         fmt = NATIVE[types.pop()]
-        packed = torch.empty(len(layers), *fmt.panels(first.out_features, first.in_features), dtype=torch.uint8)
+        packed = kernels.weight_empty((len(layers), *fmt.panels(first.out_features, first.in_features)))
         for e, layer in enumerate(layers):
             parts = [layer.pending[i] for i in range(len(layer.parts))]
             pack_run(fmt, [p.data for p in parts], layer.in_features, out=packed[e])

@@ -69,7 +69,8 @@ def pack_q4(q: Q4Codes) -> torch.Tensor:
     n, k = q.codes.shape
     c = _panels(q.codes.to(torch.uint8)).view(-1, PANEL, k // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)  # [P, B, quad, out, 4]
     lines = (c[:, :, 0::2] | (c[:, :, 1::2] << 4)).reshape(c.shape[0], c.shape[1], 256)
-    return torch.cat((lines, _half_bytes(q.scale), _half_bytes(q.low)), dim=2).contiguous()
+    parts = (lines, _half_bytes(q.scale), _half_bytes(q.low))
+    return torch.cat(parts, dim=2, out=kernels.weight_empty((*lines.shape[:2], sum(p.shape[2] for p in parts))))
 
 
 def unpack_q4(packed: torch.Tensor, n: int) -> Q4Codes:
@@ -86,7 +87,8 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     c = (_panels(codes.to(torch.int8)).view(torch.uint8) ^ 0x80).view(-1, PANEL, k // GROUP_SIZE, 8, 4)
     lines = c.permute(0, 2, 3, 1, 4).reshape(c.shape[0], c.shape[2], 512)
-    return torch.cat((lines, _half_bytes(scale)), dim=2).contiguous()
+    scales = _half_bytes(scale)
+    return torch.cat((lines, scales), dim=2, out=kernels.weight_empty((*lines.shape[:2], lines.shape[2] + scales.shape[2])))
 
 
 def unpack_q8(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

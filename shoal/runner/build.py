@@ -69,6 +69,7 @@ def build_part(config: EngineConfig, rank: int = 0, group=None) -> ModelPart:
     dtype = engine_dtype(config, device, gguf)
     if device.type == "cpu":
         keep_freed_memory()
+        kernels.weight_arena_end()  # this model's packed weights in arenas of its own
     if gguf.metadata.get("general.architecture") in GGUF_ENCODERS if gguf is not None else is_encoder(read_config(config.model)):
         if group is not None:
             raise ValueError("an encoder (BERT) runs on one rank: tensor and pipeline parallelism take decoders")
