@@ -12,8 +12,8 @@ own, native and Python forwards taking turns round after round.
 
 - **step**: milliseconds a token, the median of the timed generations;
 - **native**: the time inside native calls a token: the decoder plan (kernels/decoder.cpp: the embedding lookup,
-  the rope tables and every layer in one call) and every shoal_kernels op called from Python (the logits head, the
-  sampler's greedy rows; with the native forward off, every layer's ops), timed around each call in a second,
+  the rope tables and every layer in one call) and every shoal_kernels op called from Python (the logits head with
+  the greedy pick, greedy_head; with the native forward off, every layer's ops too), timed around each call in a second,
   instrumented pass;
 - **outside**: step - native: Python, torch's dispatcher and the tensors the runner, the sampler, the scheduler and
   the engine build and read each step. Its share of the step is what issue 53 bounds (<= 10% on the default model);
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shoal  # noqa: E402,F401  before torch: SHOAL_CPU_ISA caps torch's kernels only if set before torch loads
 
 PATHS = ("avx512", "avx2")
-OPS = ("greedy_rows", "row_argmax", "gguf_linear", "gguf_rows", "gguf_grouped_linear", "q4_linear", "q8_linear",
+OPS = ("greedy_head", "greedy_rows", "row_argmax", "gguf_linear", "gguf_rows", "gguf_grouped_linear", "q4_linear", "q8_linear",
        "invariant_attention", "rms_norm", "add_rms_norm", "rope_", "silu_mul")
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guides through the winter storms."
 

@@ -18,8 +18,10 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as gguf_type
 
 from shoal import kernels
 from shoal.model.attention import SeqSpan
@@ -547,3 +549,26 @@ def test_weight_memory_is_advised_huge_pages_laid_end_to_end_and_freed_with_its_
     assert _mapping_of(big_at) is None and _mapping_of(arena_at) is not None  # b still holds the arena
     del b
     assert _mapping_of(arena_at) is None
+
+
+def test_greedy_head_is_the_head_then_greedy_rows(isa):
+    """kernels.greedy_head, a greedy step's head and pick in one call: the tokens and logprobs of gguf_linear, .float()
+    and greedy_rows, bit for bit, for Q8_0 and Q4_0 heads, one row and several, float32 and bfloat16 hidden states; a
+    row of NaN gets greedy_rows' code -1 and a NaN logprob."""
+    from shoal.model.formats import NATIVE, quantize
+
+    g = torch.Generator().manual_seed(3)
+    for kind in (gguf_type.Q8_0, gguf_type.Q4_0):
+        fmt = NATIVE[kind]
+        weight = torch.randn(300, 96, generator=g)
+        packed = fmt.pack(quantize(weight, fmt).data, 96)
+        for rows, dtype in ((1, torch.float32), (5, torch.float32), (3, torch.bfloat16)):
+            hidden = torch.randn(rows, 96, generator=g).to(dtype)
+            if rows > 1:
+                hidden[1] = float("nan")
+            ids, logp = kernels.greedy_head(hidden, packed, 300, int(kind))
+            want_ids, want_logp = kernels.greedy_rows(*(fmt.linear(hidden, packed, 300).float(),) * 2)
+            assert ids == want_ids.tolist() and len(ids) == rows
+            assert np.array_equal(np.array(logp, np.float32), want_logp.numpy(), equal_nan=True)
+            if rows > 1:
+                assert ids[1] == -1 and logp[1] != logp[1]

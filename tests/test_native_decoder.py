@@ -237,3 +237,35 @@ def test_a_closed_engine_lets_its_kv_pool_go_though_the_plan_held_it(monkeypatch
     del llm
     gc.collect()
     assert all(r() is None for r in pools)
+
+
+def test_greedy_steps_pick_in_the_head_with_the_samplers_bits(monkeypatch, default_gguf_path):
+    """A step whose rows all sample greedily with no logits processor and no top logprobs runs the head and the pick
+    in one native call (kernels.greedy_head, ModelRunner.greedy_head): the tokens and logprobs are those of the logits
+    and the sampler, alone, batched, with speculation's drafts, and in steps where a row asks for more (a ban, top
+    logprobs, sampling), which take the sampler for all their rows."""
+    calls = []
+    run = kernels.greedy_head
+    monkeypatch.setattr(kernels, "greedy_head", lambda *a: calls.append(len(a[0])) or run(*a))
+    prompts = _prompts(49152)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+    asks = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=12, logprobs=2), SamplingParams(temperature=0.7, seed=3, max_tokens=12, logprobs=0)]
+
+    def workload(llm):
+        outs = [llm.generate([p], plain)[0] for p in prompts[:2]]
+        outs += llm.generate(prompts, plain)
+        outs += llm.generate(prompts[:3] + prompts[:1], [plain] * 3 + [asks[0]])
+        outs += llm.generate(prompts[:2] * 2, [plain, plain, asks[1], asks[2]])
+        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+    kwargs = dict(num_blocks=128, block_size=4, max_model_len=160, max_num_batched_tokens=32)
+    for speculative in ("off", "ngram"):
+        with LLM(str(default_gguf_path), speculative=speculative, **kwargs) as llm:
+            assert llm.engine.runner.greedy_head is not None
+            calls.clear()
+            fused = workload(llm)
+            assert 1 in calls and max(calls) >= 4  # one stream, and batches of four, picked in the head
+            llm.engine.runner.greedy_head = None  # every step through compute_logits and the sampler
+            calls.clear()
+            assert workload(llm) == fused and not calls

@@ -252,6 +252,13 @@ def greedy_rows(raw: torch.Tensor, processed: torch.Tensor, bans: torch.Tensor |
     return torch.ops.shoal_kernels.greedy_rows(raw, processed, bans)
 
 
+def greedy_head(hidden: torch.Tensor, weight: torch.Tensor, rows: int, kind: int) -> tuple[list[int], list[float]]:
+    """The logits head (gguf_linear of packed `weight`, GGUF type `kind`, `rows` outputs) and greedy_rows over its
+    float32 logits in one op: each row's token or negative code, and its logprob, as lists (what `.tolist()` of
+    greedy_rows' outputs gives)."""
+    return torch.ops.shoal_kernels.greedy_head(hidden, weight, rows, kind)
+
+
 def weight_empty(shape: tuple[int, ...]) -> torch.Tensor:
     """An uninitialized uint8 tensor for weights a step streams whole (packed panels): on transparent huge pages
     where the kernels built and the host allows them (cpu.cpp weight_empty), else torch.empty."""

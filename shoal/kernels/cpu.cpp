@@ -831,6 +831,7 @@ INL void silu_rows(const SiluArgs& a, int64_t b, int64_t e) {
 struct LseArgs {
   const float* x; float* lse;  // x [B, V] float32 rows, lse [B]
   int64_t V, x_row;
+  const float* max = nullptr;  // each row's maximum as row_argmax_row gives it, where known (greedy_rows); else found here
 };
 
 void row_argmax_row(const float* row, int64_t V, int64_t* id, float* top);
@@ -845,7 +846,8 @@ INL void lse_rows(const LseArgs& a, int64_t b, int64_t e) {
     const float* row = a.x + r * a.x_row;
     int64_t id;
     float m;
-    row_argmax_row(row, a.V, &id, &m);  // a NaN where the row has one
+    if (a.max != nullptr) m = a.max[r];
+    else row_argmax_row(row, a.V, &id, &m);  // a NaN where the row has one
     if (!std::isfinite(m)) {
       a.lse[r] = NAN;
       continue;
@@ -1221,7 +1223,14 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::
   } else {
     std::tie(ids, top) = row_argmax(processed);
   }
-  const at::Tensor lse = row_logsumexp(raw);  // NaN where raw's maximum is not finite
+  at::Tensor lse;  // NaN where raw's maximum is not finite
+  if (processed.is_same(raw) && !bans.has_value()) {  // raw's maxima are the argmax's: one pass over the rows, not two
+    lse = at::empty({raw.size(0)}, raw.options());
+    LseArgs a{raw.data_ptr<float>(), lse.data_ptr<float>(), raw.size(1), raw.stride(0), top.data_ptr<float>()};
+    run_rows(lse_rows_avx512, lse_rows_avx2, lse_rows_baseline, a, raw.size(0), 1);
+  } else {
+    lse = row_logsumexp(raw);
+  }
   at::Tensor logp = at::empty({ids.size(0)}, raw.options());
   int64_t* ip = ids.data_ptr<int64_t>();
   const float* tp = top.data_ptr<float>();
@@ -1234,6 +1243,19 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::
     else if (!(tp[r] > -INFINITY)) ip[r] = -2;
   }
   return {ids, logp};
+}
+
+// The logits head and greedy_rows in one call, for a step whose every row samples greedily with no logits processor
+// (runner/model_runner.py ModelRunner.logits): x [B, K] the final hidden states, w the head's packed weight (kquants.cpp
+// gguf_linear of type t, n rows) -> each row's token (or greedy_rows' negative code) and logprob, as lists: the bits
+// of the head op, .float() and greedy_rows, with no dispatcher, logits tensor or host transfer between them in Python.
+std::tuple<std::vector<int64_t>, std::vector<double>> greedy_head(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t) {
+  const at::Tensor logits = shoal_gguf_linear(x, w, n, t).to(at::kFloat);
+  at::Tensor ids, logp;
+  std::tie(ids, logp) = greedy_rows(logits, logits, c10::nullopt);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float* lp = logp.data_ptr<float>();
+  return {std::vector<int64_t>(ip, ip + ids.numel()), std::vector<double>(lp, lp + logp.numel())};
 }
 
 // The native attention op's row indices for a step (model/attention/invariant.py): spans [2S] int64, the S sequences'
@@ -1406,6 +1428,7 @@ TORCH_LIBRARY(shoal_kernels, m) {
   m.def("row_argmax(Tensor x) -> (Tensor, Tensor)");
   m.def("greedy_rows(Tensor raw, Tensor processed, Tensor? bans=None) -> (Tensor, Tensor)");
   m.def("row_logsumexp(Tensor x) -> Tensor");
+  m.def("greedy_head(Tensor x, Tensor w, int n, int t) -> (int[], float[])");
   m.def("step_rows(Tensor spans, Tensor tables, int block_size, int null) -> (Tensor, Tensor, Tensor)");
   m.def("weight_empty(int[] shape) -> Tensor", &weight_empty);
   m.def("weight_arena_end() -> ()", &weight_arena_end);
@@ -1422,6 +1445,7 @@ TORCH_LIBRARY_IMPL(shoal_kernels, CPU, m) {
   m.impl("row_argmax", &row_argmax);
   m.impl("greedy_rows", &greedy_rows);
   m.impl("row_logsumexp", &row_logsumexp);
+  m.impl("greedy_head", &greedy_head);
   m.impl("step_rows", &step_rows);
 }
 

@@ -566,6 +566,18 @@ class DecoderForCausalLM(nn.Module):
         stage's; embeds: rows whose embeddings are given, see DecoderModel.forward)."""
         return self.model(input_ids, positions, kv_caches, meta, hidden, embeds)
 
+    def greedy_head(self) -> tuple[torch.Tensor, int, int] | None:
+        """(packed weight, rows, GGUF type) of a logits head that kernels.greedy_head may run with the greedy pick: one
+        native run on the CPU, no bias, the whole vocabulary here, no softcap: compute_logits is then that run's
+        gguf_linear and .float(). None: compute_logits, then the sampler."""
+        runs = getattr(self.logits_head, "native_runs", lambda: None)()
+        if runs is None or len(runs.runs) != 1 or runs.bias is not None or self.gather_logits is not None:
+            return None
+        weight, rows, kind = runs.runs[0]
+        if self.spec.logit_softcap is not None or weight.device.type != "cpu" or not kernels.available():
+            return None
+        return weight, rows, kind
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32. With a split vocabulary (`vocab`) every
         tensor-parallel rank computes its rows' logits, and they are gathered: call it on every rank alike."""

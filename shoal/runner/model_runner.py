@@ -261,6 +261,7 @@ class ModelRunner:
         self._kept_sampling = None  # (rows' key, their SamplingBatch, top logprobs per row, seeded rows): _sampling_batch
         if getattr(self.attention, "native", False):  # every layer in one native call, where it can
             model.model.native_forward = native.build(model.model, self.kv_caches)
+        self.greedy_head = model.greedy_head()  # the head's run where a greedy step's logits stay native (_sample_batch)
         log.debug(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",
             spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, sum(t.numel() * t.element_size() for t in self.kv_tensors) / 2**20,
@@ -326,7 +327,9 @@ class ModelRunner:
         pooled = pool(hidden, batch.pool_rows, batch.pool_lengths) if batch.pool_rows else None
         head = self.model.compute_logits
         rows = batch.sample_rows
-        if rows and len(rows) == len(hidden) and rows[-1] == len(rows) - 1:  # every row, in order (rows only increase):
+        if rows and len(rows) == len(batch.token_ids) and rows[-1] == len(rows) - 1:  # every row, in order (they only increase):
+            if seqs is not None and self.greedy_head is not None:  # rank 0, whose sampler may run the head with its pick
+                return StepLogits(None, [], pooled, hidden)
             sampled = head(hidden)  # a step of decodes, with no gather
         else:
             sampled = head(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]) if rows else None
@@ -356,7 +359,7 @@ class ModelRunner:
         histories = {s.seq_id: self.kept_history.put(s.seq_id, s.history_from, s.history, s.prompt_len, s.params.no_repeat_ngram_size)
                      for s in seqs if s.history or s.history_from}  # every sequence's diff, the ones that do not sample too
         sampled = [row for s in seqs if s.sample for row in _verified_rows(s)]
-        result = self._sample(sampled, logits.sampled, histories) if sampled else []
+        result = self._sample(sampled, logits, histories) if sampled else []
         pooled = None
         if logits.pooled is not None:  # one host transfer for every pooling chunk of the step
             pooled = dict(zip((s.seq_id for s in seqs if s.pool), logits.pooled.tolist()))
@@ -437,18 +440,19 @@ class ModelRunner:
             return None
         return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts)
 
-    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor, histories: dict[int, TokenHistory]) -> list[SampledToken]:
+    def _sample(self, seqs: list[ScheduledSeq], step: StepLogits, histories: dict[int, TokenHistory]) -> list[SampledToken]:
         """One SampledToken per sequence. A failure that belongs to some rows (their
         parameters, a bug they trigger) fails those sequences alone: the batch is
         sampled again row by row, and the rows that still raise get an error."""
         try:
-            return self._sample_batch(seqs, logits, histories)
+            return self._sample_batch(seqs, step, histories)
         except Exception:
             log.exception("sampling %d rows failed; sampling them one by one to find the culprits", len(seqs))
+        logits = step.rows(self.model)
         result = []
         for i, s in enumerate(seqs):
             try:
-                result.extend(self._sample_batch([s], logits[i : i + 1], histories))
+                result.extend(self._sample_batch([s], StepLogits(logits[i : i + 1], []), histories))
             except Exception:
                 log.exception("sampling failed for sequence %d", s.seq_id)
                 result.append(SampledToken(s.seq_id, -1, float("nan"), error=SAMPLING_FAILED))
@@ -495,8 +499,16 @@ class ModelRunner:
             return None
         return seeded_generator(s.seed, s.num_sampled, self.device)
 
-    def _sample_batch(self, seqs: list[ScheduledSeq], logits: torch.Tensor, histories: dict[int, TokenHistory]) -> list[SampledToken]:
-        batch, num_logprobs = self._sampling_batch(seqs, logits.shape[-1], histories)
+    def _sample_batch(self, seqs: list[ScheduledSeq], step: StepLogits, histories: dict[int, TokenHistory]) -> list[SampledToken]:
+        vocab = step.sampled.shape[-1] if step.sampled is not None else self.greedy_head[1]
+        batch, num_logprobs = self._sampling_batch(seqs, vocab, histories)
+        if step.sampled is None and batch.all_greedy and not batch.any_processor and not batch.num_top_logprobs:
+            # greedy rows with nothing to change their logits: the head and the pick in one native call, the bits of
+            # compute_logits and sample's greedy_rows (no beams: they ask for top logprobs)
+            token_ids, logprobs = kernels.greedy_head(step.hidden, *self.greedy_head)
+            return [SampledToken(s.seq_id, t, lp) if t >= 0 else SampledToken(s.seq_id, -1, float("nan"), error=ROW_ERRORS[t])
+                    for s, t, lp in zip(seqs, token_ids, logprobs)]
+        logits = step.rows(self.model)
         out = sample(logits, batch)
         # The step's one host sync: everything the engine needs, in one transfer each.
         token_ids = out.token_ids.tolist()
@@ -552,6 +564,15 @@ class StepLogits:
     sampled: torch.Tensor | None  # [rows that sample, V]
     prompt: list  # per piece of prompt-logprob rows: (the target's logprob [n], top-k logprobs [n, k], their ids), k >= 0
     pooled: torch.Tensor | None = None  # [pooling chunks, hidden] float64 (runner/pooling.py), in the batch's order
+    # where `sampled` is None: the sampled rows' hidden states, whose logits the sampler computes (rows()), or runs with
+    # a greedy pick in one native call (ModelRunner.greedy_head)
+    hidden: torch.Tensor | None = None
+
+    def rows(self, model) -> torch.Tensor:
+        """The sampled rows' logits, computed from `hidden` by `model`'s head the first time they are asked for."""
+        if self.sampled is None:
+            self.sampled = model.compute_logits(self.hidden)
+        return self.sampled
 
 
 def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:

@@ -580,7 +580,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _native_rows(x: torch.Tensor) -> bool:
     """Whether shoal's native row ops take x [n, V]: float32 rows on the CPU, where the kernels built."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[-1] > 0 and kernels.available()
+    return x.is_cpu and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[-1] > 0 and kernels.available()
 
 
 def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:

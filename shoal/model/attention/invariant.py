@@ -117,6 +117,8 @@ class TableRows:
     def __init__(self, null: int, device: torch.device, rows: int = 16, columns: int = 16) -> None:
         self.null, self.device = null, device
         self.tensor = torch.full((rows, columns), null, dtype=torch.int32, device=device)
+        self.columns = columns
+        self.view: tuple[int, int, torch.Tensor] | None = None  # (first row, rows, the tensor's view of them) last returned
         self.row_of: OrderedDict[int, int] = OrderedDict()  # seq_id -> its row, least recently named first
         self.held: dict[int, int] = {}  # seq_id -> the length of the table its row holds
         self.free = list(range(rows - 1, -1, -1))
@@ -125,8 +127,8 @@ class TableRows:
         """[len(spans), columns] int32: each span's block table from column 0, null after it. step: the spans'
         sequence ids, each span's own."""
         widest = max(len(s.block_table) for s in spans)
-        if widest > self.tensor.shape[1]:
-            self._grow(self.tensor.shape[0], max(widest, 2 * self.tensor.shape[1]))
+        if widest > self.columns:
+            self._grow(self.tensor.shape[0], max(widest, 2 * self.columns))
         rows = []
         for s in spans:
             sid, table = s.seq_id, s.block_table
@@ -147,9 +149,11 @@ class TableRows:
                 self.tensor[row, start : len(table)] = torch.tensor(table[start:], dtype=torch.int32)
             self.held[sid] = len(table)
             rows.append(row)
-        first = rows[0]
-        if rows[-1] - first == len(rows) - 1 and rows == list(range(first, first + len(rows))):
-            return self.tensor[first : first + len(rows)]  # the rows in order (one stream, a steady batch): a view
+        first, n = rows[0], len(rows)
+        if rows[-1] - first == n - 1 and rows == list(range(first, first + n)):  # in order (one stream, a steady batch):
+            if self.view is None or self.view[:2] != (first, n):  # a view, the last step's where the rows are its rows
+                self.view = (first, n, self.tensor[first : first + n])
+            return self.view[2]
         return self.tensor.index_select(0, torch.tensor(rows, device=self.device))
 
     def _take_row(self, step: set[int]) -> int:
@@ -166,8 +170,8 @@ class TableRows:
 
     def _grow(self, rows: int, columns: int) -> None:
         bigger = torch.full((rows, columns), self.null, dtype=torch.int32, device=self.device)
-        bigger[: self.tensor.shape[0], : self.tensor.shape[1]] = self.tensor
-        self.tensor = bigger
+        bigger[: self.tensor.shape[0], : self.columns] = self.tensor
+        self.tensor, self.columns, self.view = bigger, columns, None
 
 
 class InvariantAttention:
