@@ -277,8 +277,11 @@ def test_the_graceful_shutdown_time_is_the_one_the_page_gives():
 
 
 def variables_read_by_shoal() -> set[str]:
-    """Names shoal's source reads: os.environ.get/[...]/setdefault/in, os.getenv."""
+    """Names shoal's source reads: os.environ.get/[...]/setdefault/in, os.getenv; getenv in the native kernels."""
     names = set()
+    for path in (ROOT / "shoal").rglob("*.[ch]*"):
+        if path.suffix in (".cpp", ".h"):
+            names |= set(re.findall(r'\bgetenv\("([A-Z][A-Z0-9_]*)"\)', path.read_text()))
 
     def is_environ(node) -> bool:
         return isinstance(node, ast.Attribute) and node.attr == "environ"
