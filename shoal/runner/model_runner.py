@@ -328,8 +328,8 @@ class ModelRunner:
         head = self.model.compute_logits
         rows = batch.sample_rows
         if rows and len(rows) == len(batch.token_ids) and rows[-1] == len(rows) - 1:  # every row, in order (they only increase):
-            if seqs is not None and self.greedy_head is not None:  # rank 0, whose sampler may run the head with its pick
-                return StepLogits(None, [], pooled, hidden)
+            if seqs is not None and self.greedy_head is not None and not batch.prompt_rows:
+                return StepLogits(None, [], pooled, hidden)  # rank 0's sampler may run the head with its pick
             sampled = head(hidden)  # a step of decodes, with no gather
         else:
             sampled = head(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]) if rows else None
