@@ -553,8 +553,9 @@ def test_weight_memory_is_advised_huge_pages_laid_end_to_end_and_freed_with_its_
 
 def test_greedy_head_is_the_head_then_greedy_rows(isa):
     """kernels.greedy_head, a greedy step's head and pick in one call: the tokens and logprobs of gguf_linear, .float()
-    and greedy_rows, bit for bit, for Q8_0 and Q4_0 heads, one row and several, float32 and bfloat16 hidden states; a
-    row of NaN gets greedy_rows' code -1 and a NaN logprob."""
+    and greedy_rows, bit for bit, for Q8_0 and Q4_0 heads, one row and several, float32 and bfloat16 hidden states,
+    with and without bans (each row's best token banned, as ignore_eos bans the end token); a row of NaN gets
+    greedy_rows' code -1 and a NaN logprob."""
     from shoal.model.formats import NATIVE, quantize
 
     g = torch.Generator().manual_seed(3)
@@ -566,9 +567,14 @@ def test_greedy_head_is_the_head_then_greedy_rows(isa):
             hidden = torch.randn(rows, 96, generator=g).to(dtype)
             if rows > 1:
                 hidden[1] = float("nan")
-            ids, logp = kernels.greedy_head(hidden, packed, 300, int(kind))
-            want_ids, want_logp = kernels.greedy_rows(*(fmt.linear(hidden, packed, 300).float(),) * 2)
-            assert ids == want_ids.tolist() and len(ids) == rows
-            assert np.array_equal(np.array(logp, np.float32), want_logp.numpy(), equal_nan=True)
-            if rows > 1:
-                assert ids[1] == -1 and logp[1] != logp[1]
+            logits = fmt.linear(hidden, packed, 300).float()
+            best = logits.nan_to_num(nan=0.0).argmax(dim=1)
+            bans = torch.arange(rows) * 300 + best
+            for ban in (None, bans):
+                ids, logp = kernels.greedy_head(hidden, packed, 300, int(kind), ban)
+                want_ids, want_logp = kernels.greedy_rows(logits, logits, ban)
+                assert ids == want_ids.tolist() and len(ids) == rows
+                assert np.array_equal(np.array(logp, np.float32), want_logp.numpy(), equal_nan=True)
+                if rows > 1:
+                    assert ids[1] == -1 and logp[1] != logp[1]
+            assert ids[0] != best[0]  # the ban moved the pick

@@ -240,13 +240,13 @@ def test_a_closed_engine_lets_its_kv_pool_go_though_the_plan_held_it(monkeypatch
 
 
 def test_greedy_steps_pick_in_the_head_with_the_samplers_bits(monkeypatch, default_gguf_path):
-    """A step whose rows all sample greedily with no logits processor and no top logprobs runs the head and the pick
-    in one native call (kernels.greedy_head, ModelRunner.greedy_head): the tokens and logprobs are those of the logits
-    and the sampler, alone, batched, with speculation's drafts, and in steps where a row asks for more (a ban, top
-    logprobs, sampling), which take the sampler for all their rows."""
+    """A step whose rows all sample greedily with no logits processor but bans and no top logprobs runs the head and
+    the pick in one native call (kernels.greedy_head, ModelRunner.greedy_head): the tokens and logprobs are those of
+    the logits and the sampler, alone, batched, with speculation's drafts, beside a row with ignore_eos's ban, and in
+    steps where a row asks for more (top logprobs, sampling), which take the sampler for all their rows."""
     calls = []
     run = kernels.greedy_head
-    monkeypatch.setattr(kernels, "greedy_head", lambda *a: calls.append(len(a[0])) or run(*a))
+    monkeypatch.setattr(kernels, "greedy_head", lambda *a: calls.append((len(a[0]), a[4] is not None)) or run(*a))
     prompts = _prompts(49152)
     plain = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
     asks = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True),
@@ -265,7 +265,8 @@ def test_greedy_steps_pick_in_the_head_with_the_samplers_bits(monkeypatch, defau
             assert llm.engine.runner.greedy_head is not None
             calls.clear()
             fused = workload(llm)
-            assert 1 in calls and max(calls) >= 4  # one stream, and batches of four, picked in the head
+            assert (1, False) in calls and max(calls)[0] >= 4  # one stream, and batches of four, picked in the head
+            assert any(banned for _, banned in calls)  # and the batch beside ignore_eos's ban
             llm.engine.runner.greedy_head = None  # every step through compute_logits and the sampler
             calls.clear()
             assert workload(llm) == fused and not calls

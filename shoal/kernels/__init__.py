@@ -252,11 +252,12 @@ def greedy_rows(raw: torch.Tensor, processed: torch.Tensor, bans: torch.Tensor |
     return torch.ops.shoal_kernels.greedy_rows(raw, processed, bans)
 
 
-def greedy_head(hidden: torch.Tensor, weight: torch.Tensor, rows: int, kind: int) -> tuple[list[int], list[float]]:
+def greedy_head(hidden: torch.Tensor, weight: torch.Tensor, rows: int, kind: int,
+                bans: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
     """The logits head (gguf_linear of packed `weight`, GGUF type `kind`, `rows` outputs) and greedy_rows over its
-    float32 logits in one op: each row's token or negative code, and its logprob, as lists (what `.tolist()` of
-    greedy_rows' outputs gives)."""
-    return torch.ops.shoal_kernels.greedy_head(hidden, weight, rows, kind)
+    float32 logits (with `bans`, as greedy_rows takes them) in one op: each row's token or negative code, and its
+    logprob, as lists (what `.tolist()` of greedy_rows' outputs gives)."""
+    return torch.ops.shoal_kernels.greedy_head(hidden, weight, rows, kind, bans)
 
 
 def weight_empty(shape: tuple[int, ...]) -> torch.Tensor:

@@ -1246,13 +1246,15 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::
 }
 
 // The logits head and greedy_rows in one call, for a step whose every row samples greedily with no logits processor
-// (runner/model_runner.py ModelRunner.logits): x [B, K] the final hidden states, w the head's packed weight (kquants.cpp
-// gguf_linear of type t, n rows) -> each row's token (or greedy_rows' negative code) and logprob, as lists: the bits
-// of the head op, .float() and greedy_rows, with no dispatcher, logits tensor or host transfer between them in Python.
-std::tuple<std::vector<int64_t>, std::vector<double>> greedy_head(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t) {
-  const at::Tensor logits = shoal_gguf_linear(x, w, n, t).to(at::kFloat);
+// but bans (runner/model_runner.py ModelRunner._sample_batch): x [B, K] the final hidden states, w the head's packed
+// weight (kquants.cpp gguf_linear of type t, n rows), bans as greedy_rows takes them -> each row's token (or
+// greedy_rows' negative code) and logprob, as lists: the bits of the head op, .float() and greedy_rows, with no
+// dispatcher, logits tensor or host transfer between them in Python.
+std::tuple<std::vector<int64_t>, std::vector<double>> greedy_head(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t,
+                                                                   const c10::optional<at::Tensor>& bans) {
+  const at::Tensor logits = shoal_gguf_linear(x, w, n, t).to(at::kFloat).contiguous();
   at::Tensor ids, logp;
-  std::tie(ids, logp) = greedy_rows(logits, logits, c10::nullopt);
+  std::tie(ids, logp) = greedy_rows(logits, logits, bans);
   const int64_t* ip = ids.data_ptr<int64_t>();
   const float* lp = logp.data_ptr<float>();
   return {std::vector<int64_t>(ip, ip + ids.numel()), std::vector<double>(lp, lp + logp.numel())};
@@ -1428,7 +1430,7 @@ TORCH_LIBRARY(shoal_kernels, m) {
   m.def("row_argmax(Tensor x) -> (Tensor, Tensor)");
   m.def("greedy_rows(Tensor raw, Tensor processed, Tensor? bans=None) -> (Tensor, Tensor)");
   m.def("row_logsumexp(Tensor x) -> Tensor");
-  m.def("greedy_head(Tensor x, Tensor w, int n, int t) -> (int[], float[])");
+  m.def("greedy_head(Tensor x, Tensor w, int n, int t, Tensor? bans=None) -> (int[], float[])");
   m.def("step_rows(Tensor spans, Tensor tables, int block_size, int null) -> (Tensor, Tensor, Tensor)");
   m.def("weight_empty(int[] shape) -> Tensor", &weight_empty);
   m.def("weight_arena_end() -> ()", &weight_arena_end);

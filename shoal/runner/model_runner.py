@@ -502,10 +502,10 @@ class ModelRunner:
     def _sample_batch(self, seqs: list[ScheduledSeq], step: StepLogits, histories: dict[int, TokenHistory]) -> list[SampledToken]:
         vocab = step.sampled.shape[-1] if step.sampled is not None else self.greedy_head[1]
         batch, num_logprobs = self._sampling_batch(seqs, vocab, histories)
-        if step.sampled is None and batch.all_greedy and not batch.any_processor and not batch.num_top_logprobs:
-            # greedy rows with nothing to change their logits: the head and the pick in one native call, the bits of
-            # compute_logits and sample's greedy_rows (no beams: they ask for top logprobs)
-            token_ids, logprobs = kernels.greedy_head(step.hidden, *self.greedy_head)
+        if step.sampled is None and batch.all_greedy and not batch.num_top_logprobs and (batch.only_bans or not batch.any_processor):
+            # greedy rows whose logits nothing changes but bans (ignore_eos, min_tokens): the head and the pick in one
+            # native call, the bits of compute_logits and sample's greedy_rows (no beams: they ask for top logprobs)
+            token_ids, logprobs = kernels.greedy_head(step.hidden, *self.greedy_head, batch.ban_index)
             return [SampledToken(s.seq_id, t, lp) if t >= 0 else SampledToken(s.seq_id, -1, float("nan"), error=ROW_ERRORS[t])
                     for s, t, lp in zip(seqs, token_ids, logprobs)]
         logits = step.rows(self.model)
