@@ -578,3 +578,18 @@ def test_greedy_head_is_the_head_then_greedy_rows(isa):
                 if rows > 1:
                     assert ids[1] == -1 and logp[1] != logp[1]
             assert ids[0] != best[0]  # the ban moved the pick
+
+
+def test_the_startup_log_says_how_the_weights_are_paged(tmp_path, monkeypatch):
+    """kernels.weight_pages, the log line's words, from the host's transparent huge page setting and SHOAL_HUGE_PAGES."""
+    setting = tmp_path / "enabled"
+    monkeypatch.delenv("SHOAL_HUGE_PAGES", raising=False)
+    setting.write_text("always [madvise] never\n")
+    assert kernels.weight_pages(setting) == "on 2 MiB pages where the kernel has them free (transparent huge pages: madvise)"
+    setting.write_text("[always] madvise never\n")
+    assert kernels.weight_pages(setting).endswith("(transparent huge pages: always)")
+    setting.write_text("always madvise [never]\n")
+    assert kernels.weight_pages(setting).startswith("on 4 KiB pages: this host's transparent huge pages are off")
+    assert "no transparent huge page setting" in kernels.weight_pages(tmp_path / "missing")
+    monkeypatch.setenv("SHOAL_HUGE_PAGES", "0")
+    assert kernels.weight_pages(setting) == "on 4 KiB pages (SHOAL_HUGE_PAGES=0)"

@@ -168,7 +168,22 @@ def describe_paths(best: int, forced: int) -> list[str]:
            if matmul == 3 and int(torch.ops.shoal_kernels.one_row_isa()) != 3 else "")
     return [f"native kernels: attention, RMSNorm, rotary and SiLU on the {ISA_NAMES[level]} path ({why})",
             f"native kernels: low-bit matmuls on {matmul_path}{no_vnni}{few}; activations rounded to int8 by the "
-            "baseline's code on every path, so every path sees the same codes"]
+            "baseline's code on every path, so every path sees the same codes",
+            f"native kernels: packed weights {weight_pages()}"]
+
+
+def weight_pages(setting: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str:
+    """How weight_empty's memory is paged here, for the startup log: the host's transparent huge page setting (the
+    bracketed word of `setting`) and SHOAL_HUGE_PAGES."""
+    if os.environ.get("SHOAL_HUGE_PAGES") == "0":  # as weight_empty reads it
+        return "on 4 KiB pages (SHOAL_HUGE_PAGES=0)"
+    try:
+        mode = setting.read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "advised for 2 MiB pages, which this kernel may not have (no transparent huge page setting to read)"
+    if mode == "never":
+        return "on 4 KiB pages: this host's transparent huge pages are off (`never`; `madvise` lets shoal's weights have them)"
+    return f"on 2 MiB pages where the kernel has them free (transparent huge pages: {mode})"
 
 
 def isa() -> str:
