@@ -1184,13 +1184,16 @@ std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& x) {
 }
 
 // x [B, V] float32 rows -> each row's log-sum-exp [B] (lse_rows)
-at::Tensor row_logsumexp(const at::Tensor& x) {
+// max: each row's maximum where the caller has it (greedy_rows, from its argmax), else nullptr
+at::Tensor logsumexp_rows(const at::Tensor& x, const float* max) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0, "row_logsumexp: float32 rows [B, V]");
   at::Tensor lse = at::empty({x.size(0)}, x.options());
-  LseArgs a{x.data_ptr<float>(), lse.data_ptr<float>(), x.size(1), x.stride(0)};
+  LseArgs a{x.data_ptr<float>(), lse.data_ptr<float>(), x.size(1), x.stride(0), max};
   run_rows(lse_rows_avx512, lse_rows_avx2, lse_rows_baseline, a, x.size(0), 1);
   return lse;
 }
+
+at::Tensor row_logsumexp(const at::Tensor& x) { return logsumexp_rows(x, nullptr); }
 
 // The sampler's end for a batch of greedy rows (runner/sampler.py): raw [B, V] float32 logits, processed [B, V] the
 // same after the logits processors (or raw itself) -> (token ids [B] int64, each the processed row's argmax or a
@@ -1223,14 +1226,9 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::
   } else {
     std::tie(ids, top) = row_argmax(processed);
   }
-  at::Tensor lse;  // NaN where raw's maximum is not finite
-  if (processed.is_same(raw) && !bans.has_value()) {  // raw's maxima are the argmax's: one pass over the rows, not two
-    lse = at::empty({raw.size(0)}, raw.options());
-    LseArgs a{raw.data_ptr<float>(), lse.data_ptr<float>(), raw.size(1), raw.stride(0), top.data_ptr<float>()};
-    run_rows(lse_rows_avx512, lse_rows_avx2, lse_rows_baseline, a, raw.size(0), 1);
-  } else {
-    lse = row_logsumexp(raw);
-  }
+  // NaN where raw's maximum is not finite; where the argmax was raw's own, its maxima: one pass over the rows, not two
+  const bool raw_maxima = processed.is_same(raw) && !bans.has_value();
+  const at::Tensor lse = logsumexp_rows(raw, raw_maxima ? top.data_ptr<float>() : nullptr);
   at::Tensor logp = at::empty({ids.size(0)}, raw.options());
   int64_t* ip = ids.data_ptr<int64_t>();
   const float* tp = top.data_ptr<float>();

@@ -161,7 +161,7 @@ class TableRows:
             stale = next((sid for sid in self.row_of if sid not in step), None)
             if stale is None:  # every row is this step's: twice the rows
                 rows = self.tensor.shape[0]
-                self._grow(2 * rows, self.tensor.shape[1])
+                self._grow(2 * rows, self.columns)
                 self.free = list(range(2 * rows - 1, rows - 1, -1))
             else:
                 self.free.append(self.row_of.pop(stale))
