@@ -3,12 +3,13 @@
     .venv/bin/python benchmarks/step_cost.py                          # the default model, every path this CPU has
     .venv/bin/python benchmarks/step_cost.py --models smollm2 .peers/models/random-1b-Q4_0.gguf --rounds 2
 
-One stream decodes greedily with the offline engine (`LLM`, speculation off, so every step is one token; no
+One stream decodes greedily with the offline engine (`LLM`, speculation off, so every forward is one token; no
 `ignore_eos`, as a chat client asks, so the answer may end before `--tokens`: a step's time is per token made) on each
 model, each code path (SHOAL_CPU_ISA), on both cores and held to one (`taskset -c 0`, one thread: a stand-in for
-a slower machine, where the kernels slow down and Python's share does not), and with the native forward on (the
-default) and off (SHOAL_NATIVE_FORWARD=0: the layers op by op from Python). Each case runs in a process of its
-own, native and Python forwards taking turns round after round.
+a slower machine, where the kernels slow down and Python's share does not), three ways: the default (the native
+forward, and decode runs: a step of several forwards where they take under --decode-run-ms, engine/scheduler.py),
+the native forward a token a step (decode_run_ms=0), and the Python forward (SHOAL_NATIVE_FORWARD=0: the layers op
+by op from Python). Each case runs in a process of its own, the three taking turns round after round.
 
 - **step**: milliseconds a token, the median of the timed generations;
 - **native**: the time inside native calls a token: the decoder plan (kernels/decoder.cpp: the embedding lookup,
@@ -74,7 +75,7 @@ class TimedPlan:
         self.forward_ids = timer.wrap(plan.forward_ids)
 
 
-def measure(model: str, tokens: int, reps: int) -> dict:
+def measure(model: str, tokens: int, reps: int, decode_run_ms: float) -> dict:
     """In the child process: one stream's step time, and the native part of it."""
     import torch
 
@@ -84,7 +85,7 @@ def measure(model: str, tokens: int, reps: int) -> dict:
     from shoal.engine.llm import LLM
     from shoal.types import SamplingParams
 
-    llm = LLM(model, speculative="off")
+    llm = LLM(model, speculative="off", decode_run_ms=decode_run_ms)
     # a request as a chat client sends it: no ignore_eos, whose ban of the end token costs the sampler a copy of the
     # logits every step (0.05 ms of a 4.5 ms step); greedy, so every generation is the same length
     params = SamplingParams(temperature=0.0, max_tokens=tokens)
@@ -118,6 +119,7 @@ def measure(model: str, tokens: int, reps: int) -> dict:
     return {"model": model, "path": kernels.isa(), "threads": torch.get_num_threads(), "native_forward": native is not None,
             "step_ms": statistics.median(steps), "steps_ms": steps, "instrumented_ms": timed, "native_ms": native_ms,
             "outside_ms": timed - native_ms, "native_calls_per_token": timer.calls / counted[0], "generated": n,
+            "decode_run_ms": decode_run_ms,
             "rss_bytes": rss_bytes(os.getpid())}  # resident after the timed passes: the weights, the KV pool's written part
 
 
@@ -130,38 +132,41 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="timed generations per case and round (default 3)")
     ap.add_argument("--out", default=None, help="results name in benchmarks/results (default: step_cost-<CPU kind>; "
                     "another machine of the same kind gets a name of its own)")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # model, tokens, reps: the child process's mode
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # model, tokens, reps, decode_run_ms: the child process's mode
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(measure(a.child[0], int(a.child[1]), int(a.child[2]))))
+        print(json.dumps(measure(a.child[0], int(a.child[1]), int(a.child[2]), float(a.child[3]))))
         return
     from publish import cpu_kind, machine, machine_line, publish, table
 
     import torch
 
     from shoal import kernels
+    from shoal.config import SchedulerConfig
 
     assert kernels.available(), "shoal's native kernels did not build"
     best = int(torch.ops.shoal_kernels.use_isa(0))
     paths = [p for p in (a.paths or PATHS) if kernels.ISA_LEVELS[p] <= best]
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
     cases = [(m, p, cores) for m in a.models for p in paths for cores in ("all", "one")]
+    default_ms = SchedulerConfig().decode_run_ms
+    # (name, SHOAL_NATIVE_FORWARD, decode_run_ms): the default, the native forward a token a step, the Python forward
+    ways = [("default", "1", default_ms), ("a token a step", "1", 0.0), ("Python forward", "0", default_ms)]
     runs: list[dict] = []
-    total, done = len(cases) * 2 * a.rounds, 0
+    total, done = len(cases) * len(ways) * a.rounds, 0
     for r in range(a.rounds):
         for model, path, cores in cases:
-            order = ("1", "0") if (r + len(runs)) % 2 == 0 else ("0", "1")  # native and Python forwards take turns
-            for flag in order:
+            turn = (r + len(runs)) % len(ways)  # the ways take turns going first
+            for name, flag, ms in ways[turn:] + ways[:turn]:
                 done += 1
-                print(f"[{done}/{total}] round {r + 1}: {Path(model).name}, {path}, {cores} cores, "
-                      f"{'native' if flag == '1' else 'Python'} forward", file=sys.stderr, flush=True)
+                print(f"[{done}/{total}] round {r + 1}: {Path(model).name}, {path}, {cores} cores, {name}", file=sys.stderr, flush=True)
                 child_env = {**env, "SHOAL_CPU_ISA": path, "SHOAL_NATIVE_FORWARD": flag}
-                cmd = [sys.executable, __file__, "--child", model, str(a.tokens), str(a.reps)]
+                cmd = [sys.executable, __file__, "--child", model, str(a.tokens), str(a.reps), str(ms)]
                 if cores == "one":
                     child_env["OMP_NUM_THREADS"] = "1"
                     cmd = ["taskset", "-c", "0", *cmd]
                 out = subprocess.run(cmd, env=child_env, stdout=subprocess.PIPE, text=True, check=True)
-                run = {**json.loads(out.stdout), "round": r + 1, "cores": cores, "isa": path}
+                run = {**json.loads(out.stdout), "round": r + 1, "cores": cores, "isa": path, "way": name}
                 runs.append(run)
                 print(f"    {run['step_ms']:.2f} ms a token; instrumented {run['instrumented_ms']:.2f}: {run['native_ms']:.2f} native, "
                       f"{run['outside_ms']:.2f} outside ({run['outside_ms'] / run['instrumented_ms']:.0%})", file=sys.stderr, flush=True)
@@ -170,8 +175,8 @@ def main() -> None:
     rows = []
     for model, path, cores in cases:
         cells = [Path(model).name, path, cores]
-        for on in (True, False):
-            mine = [x for x in runs if (x["model"], x["isa"], x["cores"], x["native_forward"]) == (model, path, cores, on)]
+        for name, flag, _ in ways:
+            mine = [x for x in runs if (x["model"], x["isa"], x["cores"], x["way"], x["native_forward"]) == (model, path, cores, name, flag == "1")]
             if not mine:  # a model the native forward does not cover
                 cells.append("n/a")
                 continue
@@ -183,13 +188,14 @@ def main() -> None:
         rows.append(cells)
     made = ", ".join(sorted({f"{Path(x['model']).name} {x['generated']}" for x in runs}))
     lines = [f"# A one-stream decode step: native calls and everything else ({kind})", "",
-             f"On {machine_line(doc['machine'])}. One stream, greedy, speculation off, up to {a.tokens} tokens a generation "
+             f"On {machine_line(doc['machine'])}. One stream, greedy, speculation off (every forward one token), up to {a.tokens} tokens a generation "
              f"({made} made), "
              f"{a.reps} generations a case and round, {a.rounds} rounds (medians). Milliseconds a token: step: native + "
              "outside (outside's share of the instrumented step), and the process's resident memory after its timed "
              "generations. `one` core: `taskset -c 0` and one thread. "
              "`benchmarks/step_cost.py` says what each part holds.", "",
-             *table(["model", "path", "cores", "native forward (default)", "Python forward (SHOAL_NATIVE_FORWARD=0)"], rows)]
+             *table(["model", "path", "cores", f"default (native forward, decode runs of up to {default_ms:g} ms)",
+                     "native forward, a token a step (decode_run_ms=0)", "Python forward (SHOAL_NATIVE_FORWARD=0)"], rows)]
     publish(a.out or f"step_cost-{kind}", doc, lines)
 
 

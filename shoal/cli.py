@@ -92,6 +92,9 @@ ENGINE_OPTS = [
         "what this many tokens at the start of a prompt cost (late chunks are shorter; default: "
         "--max-num-batched-tokens); lower keeps streams smoother while a long prompt prefills, and makes that "
         "prompt's first token later"),
+    Opt("--decode-run-ms", 15.0, float, "a step in which every sequence decodes and none waits runs each one's next "
+        "tokens back to back, as many forwards as fit in about this long (at most 8; the same tokens), so the engine's "
+        "own work runs once for them; 0: a token a step"),
     Opt("--follow-up-window-ms", 20.0, float, "after a step that finished several requests and left the engine idle, "
         "hold the next arrival up to this long for as many (clients in lockstep share one prefill step); 0: off"),
     Opt("--threads", None, int, "torch threads (default: torch's choice)"),
@@ -330,7 +333,7 @@ def engine_config(a: argparse.Namespace | dict) -> EngineConfig:
         embeddings=bool(v.get("embeddings", False)),
         scheduler=SchedulerConfig(max_num_seqs=v["max_num_seqs"], max_num_batched_tokens=v["max_num_batched_tokens"],
                                   max_prefill_beside_decodes=v["max_prefill_beside_decodes"],
-                                  follow_up_window=v["follow_up_window_ms"] / 1000),
+                                  follow_up_window=v["follow_up_window_ms"] / 1000, decode_run_ms=v["decode_run_ms"]),
         cache=CacheConfig(**cache),
         parallel=ParallelConfig(**{o.key: v.get(o.key, o.default) for o in PARALLEL_OPTS}),
         speculative=SpeculativeConfig(**{field: v[key] for key, field in SPECULATIVE_FIELDS.items() if key in v}),

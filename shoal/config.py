@@ -59,6 +59,10 @@ class SchedulerConfig:
     # cost at the start of a prompt (scheduler.chunk_cost); None: max_num_batched_tokens. Lower keeps streams
     # smoother while a long prompt prefills, and makes that prompt's first token later.
     max_prefill_beside_decodes: int | None = None
+    # A step in which every sequence decodes and none waits runs each one's next tokens back to back, as many one-token
+    # forwards as fit in about this many milliseconds (at most MAX_DECODE_RUN), each on the token the last one picked:
+    # the scheduler, the outputs and the stats run once for them all (engine/scheduler.py, decode runs). 0: a token a step.
+    decode_run_ms: float = 15.0
 
     def __post_init__(self) -> None:
         if self.follow_up_window < 0:
@@ -71,6 +75,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_prefill_beside_decodes is not None and self.max_prefill_beside_decodes < 1:
             raise ValueError(f"max_prefill_beside_decodes must be at least 1, got {self.max_prefill_beside_decodes}")
+        if not 0 <= self.decode_run_ms <= 1000:
+            raise ValueError(f"decode_run_ms must be in [0, 1000] milliseconds, got {self.decode_run_ms}")
 
 
 # What the KV cache may hold: the activations' dtype (auto), a float dtype, or int8 codes with a float32 scale

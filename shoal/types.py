@@ -484,6 +484,10 @@ class ScheduledSeq:
     # `group_from` on (as block_table); empty for a model with one group.
     group_tables: tuple[tuple[int, ...], ...] = ()
     group_from: tuple[int, ...] = ()
+    # A decode run (engine/scheduler.py): this many one-token forwards back to back, each on the token the one before
+    # it picked, at start_pos, start_pos + 1, ...; the blocks of every one of them are in the tables. The runner stops a
+    # sequence's run early at a failed row or a token that ends it (an end-of-sequence id, params.stop_token_ids).
+    steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -512,6 +516,8 @@ class StepPlan:
     block_copies: tuple[tuple[int, ...], ...] = ()
     # Sequences that are gone (finished, aborted): the runners drop what they kept of them.
     finished: tuple[int, ...] = ()
+    # The longest decode run of the plan's sequences (ScheduledSeq.steps).
+    run_steps: int = 1
 
     @property
     def num_tokens(self) -> int:

@@ -43,10 +43,10 @@ def test_the_scheduler_gets_every_scheduling_setting_and_the_models_context(mode
     """The engine once rebuilt the scheduler's settings from three of them, and --max-prefill-beside-decodes never
     reached the scheduler (a benchmark of it measured the default twice)."""
     llm = LLM(model_path, dtype="float32", num_blocks=64, max_num_seqs=5, max_num_batched_tokens=24,
-              max_prefill_beside_decodes=7, follow_up_window=0.5, max_model_len=100)
+              max_prefill_beside_decodes=7, follow_up_window=0.5, max_model_len=100, decode_run_ms=3.0)
     got = llm.engine.scheduler.config
     assert (got.max_num_seqs, got.max_num_batched_tokens, got.max_prefill_beside_decodes, got.follow_up_window,
-            got.max_model_len) == (5, 24, 7, 0.5, 100)
+            got.max_model_len, got.decode_run_ms, llm.engine._run_budget) == (5, 24, 7, 0.5, 100, 3.0, 0.003)
 
 
 def test_preemption_under_a_tiny_pool_gives_uncontended_outputs_and_frees_everything(model_path):

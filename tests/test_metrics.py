@@ -53,6 +53,23 @@ def test_timing_records_are_exact_under_a_fake_clock(tiny_llama_path):
         snap.running = 5  # exporters cannot change what the engine published
 
 
+def test_a_step_of_several_tokens_splits_its_gap_over_them(tiny_llama_path):
+    """A decode run (or a verified draft) gives a request several tokens in one step: the record keeps one latency per
+    token after the first, the step's gap split evenly, so they still sum to the decode time."""
+    engine = tiny_engine(tiny_llama_path, max_num_batched_tokens=8, decode_run_ms=15)
+    clock = engine.clock = FakeClock()
+    engine.timer = lambda: 0.0  # forwards that take no time: the next step of decodes is a run of the most
+    engine.add_request(GenerationRequest("r", tuple(range(5, 15)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+    outs = []
+    for t in (1.0, 2.0, 3.5, 5.0):
+        clock.t = t
+        outs += engine.step()
+    m = outs[-1].metrics
+    assert [len(o.outputs[0].delta_token_ids) for o in outs] == [1, 1, 4] and outs[-1].finished
+    assert m.inter_token_latencies == [1.5, 0.375, 0.375, 0.375, 0.375] and m.decode_time == 3.0 and m.time_per_output_token == 0.6
+    assert engine.snapshot.last_step.decode_tokens == 4
+
+
 def test_throughput_windows_are_exact_over_minutes_of_steps(tiny_llama_path):
     """Tokens a second over the last 10 s and 60 s, from the oldest sample inside each window to the newest, under a
     fake clock that steps 2 s at a time for three minutes (samples leave each window as they age out of it)."""

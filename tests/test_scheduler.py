@@ -499,3 +499,88 @@ def test_a_decodes_broadcast_does_not_grow_with_its_context():
         sizes[context] = (first, max(steady))
     assert sizes[4000][0] > sizes[40][0] + 4 * 900  # the first plan carries the tables (1,000 blocks each)
     assert sizes[4000][1] <= sizes[40][1] + 16  # a decode's does not (a few more bytes for larger numbers)
+
+
+# ---------------------------------------------------------------- decode runs
+
+
+def run_tokens(s: Scheduler, out, per_seq):
+    """Feed back `per_seq[seq_id]` tokens (default: every run's forwards, or one) and check the pool."""
+    sampled = [SampledToken(x.seq_id, 7, 0.0) for x in out.plan.seqs if x.sample for _ in range(per_seq.get(x.seq_id, x.steps))]
+    s.on_step_done(out, sampled)
+    s.kv.check_integrity(s.held_block_tables())
+
+
+def test_a_step_of_decodes_alone_gives_each_a_run_within_its_max_tokens_and_the_context():
+    s, pool = make(num_blocks=32, max_model_len=20)
+    a = seq(6, "a")
+    b = Sequence(request_id="b", prompt_token_ids=list(range(10, 16)), params=SamplingParams(max_tokens=3))
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prompts: no runs in a step with prefills
+    out = s.schedule(run_steps=8)
+    runs = {x.seq_id: (x.token_ids, x.start_pos, x.steps) for x in out.plan.seqs}
+    # b has sampled one of its 3 tokens: a run of 2; a may take 8 (6 + 1 + 8 < 20)
+    assert runs == {a.seq_id: ((7,), 6, 8), b.seq_id: ((7,), 6, 2)}
+    assert (out.plan.run_steps, out.runs, out.scheduled[0][1]) == (8, {a.seq_id: 8, b.seq_id: 2}, 8)
+    # the blocks of every forward of the run are there: positions 6..13 of a in blocks 1..3 (block_size 4)
+    assert len(a.block_tables[0]) == 4 and len(b.block_tables[0]) == 2
+    run_tokens(s, out, {})
+    assert (a.num_computed_tokens, a.num_tokens, b.num_computed_tokens, b.num_tokens) == (14, 15, 8, 9)
+    # a's next run ends at the context: 15 tokens, 20 the most
+    out = s.schedule(run_steps=8)
+    assert {x.seq_id: x.steps for x in out.plan.seqs}[a.seq_id] == 5
+
+
+def test_a_run_that_stops_early_computes_what_it_ran_and_gives_its_other_blocks_back():
+    s, pool = make(num_blocks=32)
+    a = seq(6)
+    s.add(a)
+    run_step(s)
+    free = pool.num_free
+    out = s.schedule(run_steps=8)
+    assert out.plan.seqs[0].steps == 8 and pool.num_free == free - 2  # positions 6..13: blocks 2 and 3
+    run_tokens(s, out, {a.seq_id: 2})  # the runner stopped after two forwards (an end token)
+    assert (a.num_computed_tokens, a.num_tokens, len(a.block_tables[0]), pool.num_free) == (8, 9, 2, free)
+    assert out.scheduled == [(a, 2)]  # what the step computed, as the stats count it
+
+
+def test_no_run_beside_a_prefill_or_an_arrival_or_for_a_sampler_that_needs_more_than_the_logits():
+    s, pool = make(num_blocks=32, budget=64)
+    a = seq(6, "a")
+    s.add(a)
+    run_step(s)
+    s.add(seq(5, "w"))  # waits: the arrival would wait for the run
+    out = s.schedule(run_steps=8)
+    assert [x.steps for x in out.plan.seqs] == [1, 1] and out.plan.run_steps == 1
+    run_tokens(s, out, {})
+    s.kv.check_integrity(s.held_block_tables())
+    for params in (SamplingParams(max_tokens=50, repetition_penalty=1.2), SamplingParams(max_tokens=50, min_tokens=3),
+                   SamplingParams(max_tokens=50, num_beams=2)):
+        s2, _ = make(num_blocks=32)
+        x = Sequence(request_id="p", prompt_token_ids=[1, 2, 3], params=params)
+        s2.add(x)
+        run_step(s2)
+        assert s2.schedule(run_steps=8).plan.seqs[0].steps == 1
+    s3, _ = make(num_blocks=32)
+    d = seq(6, "d")
+    s3.add(d)
+    run_step(s3)
+    d.draft = (5, 6)  # speculation's draft verifies instead
+    out = s3.schedule(run_steps=8)
+    assert (out.plan.seqs[0].steps, out.plan.seqs[0].draft) == (1, (5, 6))
+
+
+def test_a_run_never_preempts_it_leaves_a_block_for_every_decode_after_it():
+    s, pool = make(num_blocks=5, budget=64)
+    a, b = seq(4, "a"), seq(4, "b")
+    s.add(a)
+    s.add(b)
+    run_step(s)  # each holds one full block and needs a new one for its next position
+    assert pool.num_free == 3
+    out = s.schedule(run_steps=8)
+    # a's 8 positions (4..11) take 2 blocks and leave b its one; b's run is what the last block holds (4 positions)
+    assert out.preempted == [] and {x.seq_id: x.steps for x in out.plan.seqs} == {a.seq_id: 8, b.seq_id: 4}
+    assert pool.num_free == 0
+    run_tokens(s, out, {})
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (12, 8)

@@ -26,7 +26,7 @@ def _settled(srv, baseline_free):
 
 def test_streaming_client_that_leaves_after_two_chunks_is_aborted_at_the_next_step(srv):
     e, stats = srv.engine, srv.engine.stats
-    baseline_free, aborted, generated = e.pool.num_free, stats.requests_aborted, stats.generated_tokens
+    baseline_free, aborted, steps = e.pool.num_free, stats.requests_aborted, stats.steps
     body = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True, "temperature": 0}
     with Gate(e, after_steps=2) as gate, srv.http() as h:
         with h.stream("POST", "/v1/completions", json=body) as r:
@@ -44,15 +44,16 @@ def test_streaming_client_that_leaves_after_two_chunks_is_aborted_at_the_next_st
         gate.open()
         srv.wait_until(lambda: stats.requests_aborted == aborted + 1, what="the abort")
     srv.wait_until(lambda: _settled(srv, baseline_free), what="the blocks to return")
-    # Two free steps, the step that was held, then the abort: no more tokens than that.
-    assert stats.generated_tokens - generated <= 3
+    # Two free steps, the step that was held, then the abort: no more steps than that (a step of decodes alone may
+    # give several tokens: engine/scheduler.py's decode runs).
+    assert stats.steps - steps <= 3
     s = srv.http().get("/stats").json()
     assert s["aborted_requests"] >= 1 and s["client_disconnects"] >= 1 and s["in_flight_requests"] == 0
 
 
 def test_non_streaming_client_that_leaves_is_aborted(srv):
     e, stats = srv.engine, srv.engine.stats
-    baseline_free, aborted, generated = e.pool.num_free, stats.requests_aborted, stats.generated_tokens
+    baseline_free, aborted, steps = e.pool.num_free, stats.requests_aborted, stats.steps
     disconnects = srv.state.counters.client_disconnects
     body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": MAX_TOKENS, "ignore_eos": True, "n": 2}
     with Gate(e, after_steps=3) as gate:
@@ -63,7 +64,7 @@ def test_non_streaming_client_that_leaves_is_aborted(srv):
         gate.open()
         srv.wait_until(lambda: stats.requests_aborted == aborted + 1, what="the abort")
     srv.wait_until(lambda: _settled(srv, baseline_free), what="the blocks to return")
-    assert stats.generated_tokens - generated < 2 * 6
+    assert stats.steps - steps < 6
 
 
 def test_several_prompts_are_all_aborted_when_the_client_leaves(srv):

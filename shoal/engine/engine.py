@@ -20,7 +20,7 @@ from shoal.engine.kv_manager import KVCacheManager
 from shoal.engine.pooled import PooledRequest
 from shoal.engine.prefix_cache import PrefixCache
 from shoal.engine.request import RequestContext, RequestState, SampledChoices
-from shoal.engine.scheduler import Scheduler, chunk_cost
+from shoal.engine.scheduler import MAX_DECODE_RUN, Scheduler, chunk_cost
 from shoal.engine.stats import EngineFacts, EngineStats, StatsMonitor
 from shoal.engine.structured import GrammarCompiler, GrammarError
 from shoal.types import FinishReason, GenerationRequest, RequestMetrics, RequestOutput, SampledToken, StepOutput
@@ -92,6 +92,11 @@ class Engine:
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._in_flight: deque = deque()  # (SchedulerOutput, the executor's ticket, when submitted): steps not back yet
+        # Decode runs (engine/scheduler.py): as many forwards a step as fit in decode_run_ms, from how long the last
+        # step of decodes alone took a forward (real time, whatever the clock); 0: none (or an executor without them)
+        self._run_budget = sched.decode_run_ms / 1000 if getattr(executor, "decode_runs", False) else 0.0
+        self._run_steps = 1
+        self.timer = time.perf_counter  # what times a forward for them (tests pass a fake one)
 
     # ------------------------------------------------------------ requests
     def validate(self, request: GenerationRequest) -> None:
@@ -284,13 +289,17 @@ class Engine:
             share = None if depth == 1 else max(1, -(-(len(scheduler.running) + len(scheduler.waiting)) // depth))
             if self.speculator is not None:
                 self.speculator.propose(scheduler.running)
-            out = scheduler.schedule(share)
+            out = scheduler.schedule(share, self._run_steps)
             if self.tier is not None:
                 out.plan = self._move_tier_blocks(out.plan)
             if out.empty and not out.plan.block_copies and not out.plan.finished:
                 return
             now = self.clock()
+            started = self.timer()
             ticket = self.executor.submit(out.plan)
+            if self._run_budget and out.plan.seqs and all(len(s.token_ids) == 1 for s in out.plan.seqs):  # decodes alone: a forward's time
+                forward = (self.timer() - started) / out.plan.run_steps
+                self._run_steps = max(1, min(MAX_DECODE_RUN, int(self._run_budget / forward) if forward > 0 else MAX_DECODE_RUN))
             for seq, _ in out.scheduled:
                 seq.in_flight = True
                 m = self._requests[seq.request_id].metrics
@@ -338,6 +347,8 @@ class Engine:
         one request (its sampling row, detokenizer, stop strings) ends that request alone, with an error."""
         touched: dict[str, RequestState] = {}
         got_tokens: dict[str, RequestState] = {}
+        counts: dict[int, int] = {}  # seq_id -> tokens this step
+        several: dict[str, int] = {}  # request -> the most tokens one of its sequences got, where more than one
         now = self.clock()
         for seq_id, part in pooled.items():
             seq = self.scheduler.get(seq_id)
@@ -364,12 +375,23 @@ class Engine:
                 _fail_by(state, e, "applying its sampled token")
                 continue
             got_tokens[seq.request_id] = state
-        for state in got_tokens.values():
+            k = counts[s.seq_id] = counts.get(s.seq_id, 0) + 1
+            if k > 1:
+                several[seq.request_id] = max(k, several.get(seq.request_id, 0))
+        for rid, state in got_tokens.items():
+            # a step that gave several tokens (a decode run, a verified draft) splits its gap evenly over them: one
+            # latency per token after the first, summing to the decode's time
             m = state.metrics
+            k = several.get(rid, 1) if several else 1
             if m.first_token_time is None:
                 m.first_token_time = now
+                m.inter_token_latencies.extend([0.0] * (k - 1))
             elif state.error is None:
-                m.inter_token_latencies.append(now - m.last_token_time)
+                gap = now - m.last_token_time
+                if k == 1:
+                    m.inter_token_latencies.append(gap)
+                else:
+                    m.inter_token_latencies.extend([gap / k] * k)
             m.last_token_time = now
         outputs = []
         for state in touched.values():

@@ -317,9 +317,9 @@ class KVCacheManager:
         self.tier.restored(end - n, read)
 
     # ------------------------------------------------------------ growth
-    def can_grow(self, seq: Sequence, num_new: int) -> bool:
-        """Whether every group's pool has the blocks for `num_new` more tokens."""
-        need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new)
+    def can_grow(self, seq: Sequence, num_new: int, spare: int = 0) -> bool:
+        """Whether every group's pool has the blocks for `num_new` more tokens, and `spare` more free after them."""
+        need = self.pool.blocks_for_tokens(seq.num_computed_tokens + num_new) + spare
         tables = seq.block_tables
         if len(self.pools) == 1:  # the common case, on every step of every sequence: no generator
             return need - len(tables[0]) <= self.pool.num_free

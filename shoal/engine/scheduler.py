@@ -41,6 +41,17 @@ sequence in one is skipped until it comes back (its next token depends on it)
 and is never a victim of preemption, and `schedule(max_seqs)` caps a
 micro-batch's share so that the running sequences spread over the stages.
 
+Decode runs: a step in which every running sequence decodes and none waits
+may give each one that samples plainly (no grammar, no penalties or other
+history, no beams, no draft) `run_steps` tokens: that many one-token forwards
+back to back, each on the token the one before it picked. The engine picks
+`run_steps` from the time a forward takes (`decode_run_ms`), so the
+scheduler, the outputs and the stats run once for several tokens where a
+step is short. Each forward is the one a step of its own would run, so the
+tokens are the same. A run never preempts: it takes blocks only where one
+more for every decode after it stays free, and gives back those it did not
+use (the runner stops a run at a token that ends the sequence).
+
 Blocks are the KV manager's (`kv_manager.py`): the scheduler asks it whether a
 sequence fits and how much of it is cached, and never touches a block table.
 
@@ -65,6 +76,7 @@ from shoal.types import FinishReason, SampledToken, SamplingParams, ScheduledSeq
 # (about 0.7k tokens on AVX-512 VNNI and 1.4k on AVX2: benchmarks/NOTES.md, fourteenth round).
 ATTENTION_CONTEXT = 1024
 WAITS_ON_TIER = 0  # _admit's answer for a sequence whose prefix is being read from the second tier
+MAX_DECODE_RUN = 8  # the most one-token forwards of a decode run
 
 
 def chunk_cost(num_new: int, start: int) -> float:
@@ -86,6 +98,7 @@ class SchedulerOutput:
     plan: StepPlan
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
+    runs: dict[int, int] = field(default_factory=dict)  # seq_id -> its decode run's forwards, where more than one
 
     @property
     def empty(self) -> bool:
@@ -135,14 +148,17 @@ class Scheduler:
         return [s.block_tables[group] for s in self.running + self.waiting if s.block_table]
 
     # ------------------------------------------------------------ schedule
-    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
-        """The next step. max_seqs: at most this many sequences (a pipeline micro-batch's share)."""
+    def schedule(self, max_seqs: int | None = None, run_steps: int = 1) -> SchedulerOutput:
+        """The next step. max_seqs: at most this many sequences (a pipeline micro-batch's share). run_steps: the
+        longest decode run a sequence may take (see the module's docstring)."""
         budget = self.config.max_num_batched_tokens
         seats = max_seqs if max_seqs is not None else self.config.max_num_seqs
         self.kv.expire()
         out = SchedulerOutput(plan=StepPlan(()))
 
         decodes_left = sum(1 for s in self.running if not (s.paused or s.in_flight) and s.num_uncomputed_tokens == 1)
+        if run_steps > 1 and (self.waiting or any(s.num_uncomputed_tokens != 1 for s in self.running if not (s.paused or s.in_flight))):
+            run_steps = 1  # a prefill or an arrival would wait for the run: a token a step
         # a prompt that arrived while others prefill gets half of what the decodes leave (see the module's docstring)
         reserve = (budget - decodes_left) // 2 if self._arrival_waits(seats) else 0
         # with decodes or an arrival in the step, its prefill chunks share the cost of a whole budget at no context
@@ -164,6 +180,10 @@ class Scheduler:
             if num_new <= 0:  # what is left of the budget is the decodes' after it
                 i += 1
                 continue
+            if run_steps > 1 and num_new == 1 and decoding:
+                steps = self._run(seq, min(run_steps, budget - decodes_left), decodes_left)
+                if steps > 1:
+                    num_new = out.runs[seq.seq_id] = steps
             if not self._reserve_or_preempt(seq, num_new, out):
                 break  # `seq` itself was the newest and got preempted
             out.scheduled.append((seq, num_new))
@@ -207,8 +227,23 @@ class Scheduler:
             again.preempted[:0] = out.preempted
             return again
         gone, self._gone = tuple(self._gone), []
-        out.plan = StepPlan(tuple(self._scheduled_seq(s, n) for s, n in out.scheduled), self.kv.take_copies(), gone)
+        runs = out.runs
+        seqs = tuple(self._scheduled_seq(s, n, runs.get(s.seq_id, 1)) for s, n in out.scheduled)
+        out.plan = StepPlan(seqs, self.kv.take_copies(), gone, max(runs.values(), default=1))
         return out
+
+    def _run(self, seq: Sequence, steps: int, decodes_after: int) -> int:
+        """How many forwards of a decode run `seq` takes, at most `steps` (1: none): a plain sampler's sequence, within
+        its max_tokens and the context, and only where the blocks leave one for every decode after it."""
+        p = seq.params
+        if seq.grammar is not None or seq.draft or seq.pooling or p.needs_history or p.use_beam_search:
+            return 1
+        if p.max_tokens is not None:
+            steps = min(steps, p.max_tokens - seq.num_output_tokens)
+        steps = min(steps, self.config.max_model_len - seq.num_tokens)
+        while steps > 1 and not self.kv.can_grow(seq, steps, spare=decodes_after):
+            steps //= 2
+        return max(steps, 1)
 
     def _arrival_waits(self, seats: int) -> bool:
         """Whether a waiting sequence may start beside a running prefill: one free to run (not held by its group,
@@ -353,10 +388,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ plan / update
     @staticmethod
-    def _scheduled_seq(seq: Sequence, num_new: int) -> ScheduledSeq:
+    def _scheduled_seq(seq: Sequence, num_new: int, steps: int = 1) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        draft = seq.draft if num_new > 1 and seq.num_uncomputed_tokens == 1 else ()
-        end = start + num_new - len(draft)
+        draft = seq.draft if num_new > 1 and seq.num_uncomputed_tokens == 1 and steps == 1 else ()
+        end = start + num_new - len(draft) - (steps - 1)
         p = seq.params
         lp_from, targets = 0, ()
         if seq.wants_prompt_logprobs:  # positions lp_from .. min(end, prompt_len - 1) - 1 give them
@@ -393,6 +428,7 @@ class Scheduler:
             pool=pool or "",
             group_tables=tails[1:],
             group_from=froms[1:],
+            steps=steps,
         )
 
     def on_step_done(self, out: SchedulerOutput, sampled: list[SampledToken]) -> tuple[list[SampledToken], list]:
@@ -405,18 +441,23 @@ class Scheduler:
             by_seq.setdefault(s.seq_id, []).append(s)
         kept: list[SampledToken] = []
         verified = []
-        for seq, num_new in out.scheduled:
+        runs = out.runs
+        for i, (seq, num_new) in enumerate(out.scheduled):
             got = by_seq.get(seq.seq_id, ())
             draft = seq.draft
             if seq.finished:
                 continue  # aborted while its micro-batch was in flight: its blocks are gone already
-            if draft:
+            run = runs.get(seq.seq_id, 1) if runs else 1
+            if run > 1:  # a forward per token it got: a run that stopped early computed fewer positions (the stats
+                num_new = len(got)  # count those it computed)
+                out.scheduled[i] = (seq, num_new)
+            elif draft:
                 seq.draft, seq.draft_masks = (), ()
                 got = got[: accepted_length(draft, [s.token_id if s.error is None else None for s in got])]
                 num_new -= len(draft) + 1 - len(got)  # the positions of rejected drafted tokens hold nothing
                 verified.append((seq, len(draft), len(got) - 1))
             seq.num_computed_tokens += num_new
-            if draft:
+            if draft or num_new < run:
                 self.kv.trim(seq)
             if seq.wants_prompt_logprobs:  # the plan asked for every prompt position computed so far
                 seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, min(seq.num_computed_tokens, seq.prompt_len - 1))

@@ -83,6 +83,8 @@ class DistributedExecutor:
     """Rank 0's side: broadcast each step's forward, run rank 0's shard, sample; notice a lost rank and,
     with --restart-workers, bring the ranks back."""
 
+    decode_runs = False  # a step is one forward on every rank: the engine gives it no decode runs
+
     def __init__(self, runner, group: RankGroup, workers: list[Worker], config: EngineConfig) -> None:
         """Collective with the other ranks: rank 0's shared memory, every rank's facts, the heartbeat watch."""
         self.runner = runner

@@ -12,6 +12,7 @@ class LocalExecutor:
 
     def __init__(self, runner) -> None:
         self.runner = runner
+        self.decode_runs = getattr(runner, "decode_runs", False)  # whether a plan may hold decode runs (engine/scheduler.py)
 
     def submit(self, plan):
         return self.runner.execute(plan)

@@ -208,6 +208,8 @@ def kv_pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
 
 
 class ModelRunner:
+    decode_runs = True  # execute runs a plan's decode runs (ScheduledSeq.steps)
+
     def __init__(
         self,
         model: DecoderForCausalLM,
@@ -310,7 +312,57 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """The whole step, in one process (executor/distributed.py runs the parts on every rank)."""
         batch, seqs = forward_batch(plan)
-        return self.outputs(seqs, batch, self.forward(batch))
+        out = self.outputs(seqs, batch, self.forward(batch))
+        return self._decode_run(plan, out) if plan.run_steps > 1 else out
+
+    @inference
+    def _decode_run(self, plan: StepPlan, first: StepOutput) -> StepOutput:
+        """The rest of the plan's decode runs (ScheduledSeq.steps) after its first forward: each forward decodes the
+        token the one before it picked, as the next step would (its position, its generator's draw, its tables with
+        nothing new), so the tokens are a step's each. A sequence's run stops at a failed row or a token that ends it."""
+        sampled = list(first.sampled)
+        last = {t.seq_id: t for t in first.sampled}
+        seqs = [s for s in plan.seqs if s.steps > 1]
+        for i in range(1, plan.run_steps):
+            seqs = [s for s in seqs if s.steps > i and not self._ends_run(last[s.seq_id], s)]
+            if not seqs:
+                break
+            got = self._greedy_forward(seqs, [last[s.seq_id].token_id for s in seqs], i)
+            if got is None:  # the rows take the sampler: the plan of a step of its own, with nothing new in its tables
+                step = StepPlan(tuple(replace(
+                    s, token_ids=(last[s.seq_id].token_id,), start_pos=s.start_pos + i, num_sampled=s.num_sampled + i,
+                    block_table=(), table_from=s.table_from + len(s.block_table), group_tables=tuple(() for _ in s.group_tables),
+                    group_from=tuple(f + len(g) for f, g in zip(s.group_from, s.group_tables))) for s in seqs))
+                batch, ordered = forward_batch(step)
+                got = self.outputs(ordered, batch, self.forward(batch)).sampled
+            sampled.extend(got)
+            last.update((t.seq_id, t) for t in got)
+        return StepOutput(sampled, first.prompt_logprobs, first.pooled)
+
+    def _ends_run(self, t: SampledToken, s: ScheduledSeq) -> bool:
+        """Whether the token ends its sequence's run: a failed row, an end-of-sequence id (unless ignored), a stop id."""
+        return t.error is not None or t.token_id in s.params.stop_token_ids or (
+            t.token_id in self.eos_token_ids and not s.params.ignore_eos)
+
+    def _greedy_forward(self, seqs: list[ScheduledSeq], tokens: list[int], i: int) -> list[SampledToken] | None:
+        """A run's forward i of greedy rows that the fused head picks for (as _sample_batch would), with no images and
+        one KV group: the forward and the pick with nothing between them but the step's tensors and attention metadata,
+        from the tables the runner keeps (the run's blocks are in them since its first forward). None: the rows need
+        the general way."""
+        if self.greedy_head is None or len(self.kv_groups) != 1 or any(s.images for s in seqs):
+            return None
+        batch, _ = self._sampling_batch(seqs, self.greedy_head[1], {})
+        if not (batch.all_greedy and not batch.num_top_logprobs and (batch.only_bans or not batch.any_processor)):
+            return None
+        tables = self.kept_tables.of
+        spans = [SeqSpan(s.start_pos + i, 1, t, s.seq_id, len(t)) for s in seqs for t in (tables[s.seq_id][0],)]
+        dev = self.device
+        hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=dev),
+                            torch.tensor([s.start_pos + i for s in seqs], dtype=torch.long, device=dev),
+                            self.kv_caches, self.attention.prepare(spans, []))
+        token_ids, logprobs = kernels.greedy_head(hidden, *self.greedy_head, batch.ban_index)
+        return [SampledToken(s.seq_id, t, lp) if t >= 0 else SampledToken(s.seq_id, -1, float("nan"), error=ROW_ERRORS[t])
+                for s, t, lp in zip(seqs, token_ids, logprobs)]
 
     def outputs(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor | None) -> StepOutput:
         """The step's end on rank 0 from the forward's hidden states: logits, sampled tokens, prompt logprobs."""

@@ -1,0 +1,131 @@
+"""Decode runs (engine/scheduler.py): a step of decodes alone runs several one-token forwards back to back. Each is
+the forward a step of its own would run, so every token, logprob and finish is the same as a token a step, for greedy
+and seeded sampling, batched, beside speculation's drafts, beams and prefix-cache hits; a run stops at a token that
+ends its sequence, so it runs no forward a token a step would not; the engine sizes runs from a forward's time."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal import kernels
+from shoal.engine.llm import LLM
+from shoal.model.layers import DecoderForCausalLM
+from shoal.runner.model_runner import ModelRunner
+from shoal.types import SamplingParams
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the default model runs on shoal's native kernels")
+
+KW = dict(num_blocks=160, block_size=4, max_model_len=200, max_num_batched_tokens=32, check_integrity=True)
+CHATS = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Say hi.", "Name a colour.", "What is 2 + 2?")]
+
+
+def _spy(monkeypatch) -> dict:
+    """Counts the rows of the model's forwards, the plans' longest runs, and the run forwards that went the greedy
+    way (ModelRunner._greedy_forward) and the sampler's."""
+    seen = {"rows": 0, "runs": [], "greedy": 0, "sampler": 0}
+    forward, execute, greedy = DecoderForCausalLM.forward, ModelRunner.execute, ModelRunner._greedy_forward
+
+    def counted(self, input_ids, *a, **k):
+        seen["rows"] += len(input_ids)
+        return forward(self, input_ids, *a, **k)
+
+    def runs(self, plan):
+        seen["runs"].append(plan.run_steps)
+        return execute(self, plan)
+
+    def which(self, *a):
+        got = greedy(self, *a)
+        seen["greedy" if got is not None else "sampler"] += 1
+        return got
+
+    monkeypatch.setattr(DecoderForCausalLM, "forward", counted)
+    monkeypatch.setattr(ModelRunner, "execute", runs)
+    monkeypatch.setattr(ModelRunner, "_greedy_forward", which)
+    return seen
+
+
+def _answers(outs) -> list:
+    return [[(c.token_ids, [(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in c.logprobs or []],
+              c.finish_reason, c.stop_reason, c.text) for c in o.outputs] for o in outs]
+
+
+def _workload(llm: LLM) -> list:
+    """Chats that end on the model's own end token, alone and four at once; a seeded sampled pair (n=2) with logprobs;
+    a stop token id and a stop string; uneven max_tokens; the same prompts again (prefix-cache hits); beams beside a
+    greedy chat."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2)
+    outs = [llm.chat(CHATS[0], greedy)[0]]
+    outs += llm.chat(CHATS, [greedy, SamplingParams(temperature=0.0, max_tokens=5), greedy,
+                             SamplingParams(temperature=0.9, top_k=40, seed=11, n=2, max_tokens=23, logprobs=1)])
+    tokens = outs[0].outputs[0].token_ids
+    outs += llm.chat(CHATS[:2], [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[tokens[3]]),
+                                 SamplingParams(temperature=0.0, max_tokens=40, stop=[outs[2].outputs[0].text[4:9]])])
+    outs += llm.chat(CHATS[2:], SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True))
+    outs += llm.chat(CHATS[:2], [SamplingParams(num_beams=2, n=2, max_tokens=6), greedy])
+    return _answers(outs)
+
+
+def test_decode_runs_give_a_token_a_steps_tokens_logprobs_and_finishes(monkeypatch, default_gguf_path):
+    seen = _spy(monkeypatch)
+    for speculative in ("off", "ngram"):
+        seen["runs"].clear()
+        with LLM(str(default_gguf_path), speculative=speculative, decode_run_ms=0, **KW) as llm:
+            ref = _workload(llm)
+        assert set(seen["runs"]) == {1}
+        seen["runs"].clear()
+        with LLM(str(default_gguf_path), speculative=speculative, decode_run_ms=15, **KW) as llm:
+            llm.engine.timer = lambda: 0.0  # forwards that take no time: runs of the most, however busy the machine
+            got = _workload(llm)
+            assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # every block held by a run came back
+        assert max(seen["runs"]) == 8 and seen["greedy"] > 10 and seen["sampler"] > 10  # both ways of a run's forward
+        assert got == ref
+        reasons = {c[2].value for o in ref for c in o}
+        assert {"stop", "length"} <= reasons  # ends of every kind were in the workload
+
+
+def test_a_run_stops_where_its_sequence_ends_so_it_computes_no_more_rows(monkeypatch, default_gguf_path):
+    seen = _spy(monkeypatch)
+    counts = []
+    for ms in (0, 15):
+        seen["rows"] = 0
+        with LLM(str(default_gguf_path), speculative="off", decode_run_ms=ms, **KW) as llm:
+            llm.engine.timer = lambda: 0.0
+            outs = llm.chat(CHATS, [SamplingParams(temperature=0.0, max_tokens=60),
+                                    SamplingParams(temperature=0.0, max_tokens=7),
+                                    SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[30]),
+                                    SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)])
+        counts.append((seen["rows"], [o.outputs[0].finish_reason for o in outs]))
+    assert counts[0][1][0].value == "stop" and counts[0][1][1].value == "length"
+    assert counts[0][0] > 4 * 20  # the prompts' rows and every decode's
+    assert counts[1] == counts[0]  # an end token, a stop id, max_tokens: each run ended with its sequence
+
+
+def test_runs_are_as_long_as_fit_in_decode_run_ms(monkeypatch, default_gguf_path):
+    """The engine times a step of decodes alone (its `timer`, real time, not its clock) and gives the next step as
+    many forwards as fit in decode_run_ms: 4 ms forwards and 15 ms make runs of 3."""
+    now = [0.0]
+    seen = _spy(monkeypatch)
+    forward = DecoderForCausalLM.forward
+
+    def slow(self, *a, **k):
+        now[0] += 0.004
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(DecoderForCausalLM, "forward", slow)
+    with LLM(str(default_gguf_path), speculative="off", decode_run_ms=15, **KW) as llm:
+        llm.engine.timer = lambda: now[0]
+        out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 20
+    # the prompt, a first decode (no time known yet), then runs of 3: 18 tokens in 6 runs
+    assert seen["runs"] == [1, 1, 3, 3, 3, 3, 3, 3]
+
+
+def test_the_flag_reaches_the_scheduler_config_and_bad_values_are_refused():
+    from shoal import cli  # noqa: PLC0415
+    from shoal.config import SchedulerConfig  # noqa: PLC0415
+
+    parse = cli.build_parser().parse_args
+    assert cli.engine_config(cli.serve_values(parse(["serve"]))).scheduler.decode_run_ms == 15.0
+    assert cli.engine_config(cli.serve_values(parse(["serve", "--decode-run-ms", "0"]))).scheduler.decode_run_ms == 0.0
+    with pytest.raises(ValueError, match=r"decode_run_ms must be in \[0, 1000\] milliseconds, got -1"):
+        SchedulerConfig(decode_run_ms=-1)
