@@ -70,6 +70,22 @@ def test_a_step_of_several_tokens_splits_its_gap_over_them(tiny_llama_path):
     assert engine.snapshot.last_step.decode_tokens == 4
 
 
+def test_a_decoding_engine_publishes_a_snapshot_at_most_every_publish_s_but_after_every_prefill(tiny_llama_path):
+    from shoal.engine.stats import PUBLISH_S  # noqa: PLC0415
+
+    engine = tiny_engine(tiny_llama_path, max_num_batched_tokens=8, decode_run_ms=0)
+    clock = engine.clock = FakeClock()
+    engine.add_request(GenerationRequest("r", tuple(range(5, 15)), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)))
+    published = []
+    for i in range(12):
+        clock.t = 1.0 + i * PUBLISH_S / 4
+        engine.step()
+        published.append(engine.snapshot.time == clock.t)
+    # two prefill steps (8 + 2 prompt tokens), then decodes: one snapshot every 4 steps of a quarter of PUBLISH_S
+    assert published == [True, True, False, False, False, True, False, False, False, True, False, False]
+    assert (engine.snapshot.counters.generated_tokens, engine.stats.generated_tokens) == (9, 11)  # step 10's, two steps old
+
+
 def test_throughput_windows_are_exact_over_minutes_of_steps(tiny_llama_path):
     """Tokens a second over the last 10 s and 60 s, from the oldest sample inside each window to the newest, under a
     fake clock that steps 2 s at a time for three minutes (samples leave each window as they age out of it)."""
