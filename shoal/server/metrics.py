@@ -56,7 +56,8 @@ def _hist(name: str, help: str, buckets: tuple) -> tuple[Family, tuple]:
 # protocol the request came in by (PROTOCOLS).
 HISTOGRAMS = {
     "ttft": _hist("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS),
-    "itl": _hist("inter_token_latency_seconds", "Time between the steps that gave a request tokens.", ITL_BUCKETS),
+    "itl": _hist("inter_token_latency_seconds", "Time between a request's tokens: the gap between the steps that gave it "
+                 "tokens, split evenly over a step's several.", ITL_BUCKETS),
     "tpot": _hist("request_time_per_output_token_seconds", "Decode time per output token after the first, per request.", ITL_BUCKETS),
     "e2e": _hist("e2e_request_latency_seconds", "Time from arrival to the end of the request.", LATENCY_BUCKETS),
     "queue": _hist("request_queue_time_seconds", "Time from arrival to the first step that scheduled the request.", LATENCY_BUCKETS),
