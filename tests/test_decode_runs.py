@@ -129,3 +129,28 @@ def test_the_flag_reaches_the_scheduler_config_and_bad_values_are_refused():
     assert cli.engine_config(cli.serve_values(parse(["serve", "--decode-run-ms", "0"]))).scheduler.decode_run_ms == 0.0
     with pytest.raises(ValueError, match=r"decode_run_ms must be in \[0, 1000\] milliseconds, got -1"):
         SchedulerConfig(decode_run_ms=-1)
+
+
+def test_runs_over_two_kv_groups_give_a_token_a_steps_tokens(monkeypatch, tmp_path):
+    """A tiny Gemma 3 in int8 (local layers of an 8-token window beside global ones: two KV groups, the windowed one
+    freeing blocks as the window passes them) decodes past several windows with runs of the most, greedy and seeded,
+    in a batch, under the integrity check: the tokens and logprobs of a token a step, and every block back."""
+    from tiny_models import make_tiny_model  # noqa: PLC0415
+
+    path = str(make_tiny_model("gemma3", tmp_path / "gemma3"))
+    prompts = [[(5 * i + 3 * j) % 390 + 5 for i in range(n)] for j, n in enumerate((3, 21, 9))]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=37, ignore_eos=True)]
+    seen = _spy(monkeypatch)
+    answers = []
+    for ms in (0, 15):
+        # int8: shoal's row-invariant kernels (float weights' GEMMs differ in the last bits between batch shapes)
+        with LLM(path, dtype="float32", quantization="int8", num_blocks=96, block_size=4, max_model_len=128, check_integrity=True) as llm:
+            assert len(llm.engine.runner.kv_groups) == 2
+            llm.engine.timer = lambda: 0.0
+            llm.engine._run_budget = ms / 1000
+            answers.append(_answers(llm.generate(prompts, params)))
+            assert all(p.num_free == p.num_blocks for p in llm.engine.kv.pools)
+    assert max(seen["runs"]) == 8 and seen["sampler"] > 0
+    assert answers[1] == answers[0]
