@@ -92,9 +92,9 @@ ENGINE_OPTS = [
         "what this many tokens at the start of a prompt cost (late chunks are shorter; default: "
         "--max-num-batched-tokens); lower keeps streams smoother while a long prompt prefills, and makes that "
         "prompt's first token later"),
-    Opt("--decode-run-ms", 15.0, float, "a step in which every sequence decodes and none waits runs each one's next "
+    Opt("--decode-run-ms", 25.0, float, "a step in which every sequence decodes and none waits runs each one's next "
         "tokens back to back, as many forwards as fit in about this long (at most 8; the same tokens), so the engine's "
-        "own work runs once for them; 0: a token a step"),
+        "own work runs once for them (an arrival or an abort ends a run after its current forward); 0: a token a step"),
     Opt("--follow-up-window-ms", 20.0, float, "after a step that finished several requests and left the engine idle, "
         "hold the next arrival up to this long for as many (clients in lockstep share one prefill step); 0: off"),
     Opt("--threads", None, int, "torch threads (default: torch's choice)"),

@@ -61,8 +61,9 @@ class SchedulerConfig:
     max_prefill_beside_decodes: int | None = None
     # A step in which every sequence decodes and none waits runs each one's next tokens back to back, as many one-token
     # forwards as fit in about this many milliseconds (at most MAX_DECODE_RUN), each on the token the last one picked:
-    # the scheduler, the outputs and the stats run once for them all (engine/scheduler.py, decode runs). 0: a token a step.
-    decode_run_ms: float = 15.0
+    # the scheduler, the outputs and the stats run once for them all (engine/scheduler.py, decode runs); an arrival or
+    # an abort ends a run after its current forward. 0: a token a step.
+    decode_run_ms: float = 25.0
 
     def __post_init__(self) -> None:
         if self.follow_up_window < 0:

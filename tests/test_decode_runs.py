@@ -125,7 +125,7 @@ def test_the_flag_reaches_the_scheduler_config_and_bad_values_are_refused():
     from shoal.config import SchedulerConfig  # noqa: PLC0415
 
     parse = cli.build_parser().parse_args
-    assert cli.engine_config(cli.serve_values(parse(["serve"]))).scheduler.decode_run_ms == 15.0
+    assert cli.engine_config(cli.serve_values(parse(["serve"]))).scheduler.decode_run_ms == 25.0
     assert cli.engine_config(cli.serve_values(parse(["serve", "--decode-run-ms", "0"]))).scheduler.decode_run_ms == 0.0
     with pytest.raises(ValueError, match=r"decode_run_ms must be in \[0, 1000\] milliseconds, got -1"):
         SchedulerConfig(decode_run_ms=-1)
@@ -154,3 +154,44 @@ def test_runs_over_two_kv_groups_give_a_token_a_steps_tokens(monkeypatch, tmp_pa
             assert all(p.num_free == p.num_blocks for p in llm.engine.kv.pools)
     assert max(seen["runs"]) == 8 and seen["sampler"] > 0
     assert answers[1] == answers[0]
+
+
+def test_an_arrival_ends_a_run_after_its_current_forward(tiny_llama_path):
+    """In the server, a request that arrives while a run is under way waits for the forward in progress, not for the
+    run: the engine is held at the start of a run of 8 while a second request comes in, and the run then stops after
+    one forward; the next step takes the arrival in. A run cut short gives its other blocks back."""
+    import threading  # noqa: PLC0415
+
+    from server_utils import Gate, LiveServer, tiny_engine  # noqa: PLC0415
+    from shoal.server import ServerSettings  # noqa: PLC0415
+
+    engine = tiny_engine(tiny_llama_path, decode_run_ms=25, check_integrity=True)
+    engine.timer = lambda: 0.0  # runs of the most
+    runner, steps = engine.runner, []
+    forward, execute = runner.forward, runner.execute
+
+    def counted(*a, **k):
+        steps[-1][1] += 1
+        return forward(*a, **k)
+
+    def recorded(plan):
+        steps.append([plan.run_steps, 0, len(plan.seqs)])
+        return execute(plan)
+
+    runner.forward, runner.execute = counted, recorded
+    with LiveServer(engine, ServerSettings(log_requests=False)) as srv:
+        with Gate(engine, when=lambda: len(steps) >= 3 and steps[-1][0] == 8) as gate, srv.http() as h:
+            a = {"prompt": "A", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with h.stream("POST", "/v1/completions", json=a) as stream_a:
+                lines = stream_a.iter_lines()
+                next(ln for ln in lines if ln.startswith("data: "))
+                assert gate.blocked.wait(30)  # held at the start of a run of 8
+                held = len(steps)  # (the step the gate holds is recorded after it: see `recorded`)
+                b = threading.Thread(target=lambda: srv.http().post("/v1/completions", json={"prompt": "B", "max_tokens": 2}))
+                b.start()
+                srv.wait_until(lambda: srv.state.engine.num_waiting >= 1, what="the arrival in the inbox")
+                gate.open()
+                b.join(30)
+        srv.wait_until(lambda: engine.num_running == 0 and engine.pool.num_free == engine.pool.num_blocks, what="the blocks")
+    assert steps[held][:2] == [8, 1]  # the held run stopped after its first forward
+    assert steps[held + 1][2] == 2  # and the next step took the arrival in beside the stream

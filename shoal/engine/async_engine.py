@@ -330,6 +330,8 @@ class AsyncEngine:
             except BaseException as exc:  # the server reports it; nothing to loop over
                 self.ready.set_exception(exc)
                 return
+        inbox = self._inbox  # (the check holds the queue alone, not this object)
+        self.engine.interrupt_runs_when(lambda: not inbox.empty())  # an arrival or an abort waits for no decode run
         try:
             self.ready.set_result(None)
         except concurrent.futures.InvalidStateError:  # the load was cancelled (the server stopped): nobody steps it

@@ -98,6 +98,12 @@ class Engine:
         self._run_steps = 1
         self.timer = time.perf_counter  # what times a forward for them (tests pass a fake one)
 
+    def interrupt_runs_when(self, check) -> None:
+        """`check()` true between two forwards of a decode run (something waits for the engine thread: an arrival, an
+        abort) ends the run there, so it waits one forward, not the run (AsyncEngine passes its inbox's)."""
+        if self._run_budget:
+            self.runner.run_interrupt = check
+
     # ------------------------------------------------------------ requests
     def validate(self, request: GenerationRequest) -> None:
         """Raise ValueError with a message for the user if the request cannot run."""

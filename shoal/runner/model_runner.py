@@ -264,6 +264,7 @@ class ModelRunner:
         if getattr(self.attention, "native", False):  # every layer in one native call, where it can
             model.model.native_forward = native.build(model.model, self.kv_caches)
         self.greedy_head = model.greedy_head()  # the head's run where a greedy step's logits stay native (_sample_batch)
+        self.run_interrupt = None  # a check that ends a decode run after its current forward (Engine.interrupt_runs_when)
         log.debug(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",
             spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, sum(t.numel() * t.element_size() for t in self.kv_tensors) / 2**20,
@@ -319,14 +320,16 @@ class ModelRunner:
     def _decode_run(self, plan: StepPlan, first: StepOutput) -> StepOutput:
         """The rest of the plan's decode runs (ScheduledSeq.steps) after its first forward: each forward decodes the
         token the one before it picked, as the next step would (its position, its generator's draw, its tables with
-        nothing new), so the tokens are a step's each. A sequence's run stops at a failed row or a token that ends it."""
+        nothing new), so the tokens are a step's each. A sequence's run stops at a failed row or a token that ends it,
+        and every run stops where `run_interrupt` says something waits for the engine."""
         sampled = list(first.sampled)
         last = {t.seq_id: t for t in first.sampled}
         seqs = [s for s in plan.seqs if s.steps > 1]
+        interrupt = self.run_interrupt
         for i in range(1, plan.run_steps):
             seqs = [s for s in seqs if s.steps > i and not self._ends_run(last[s.seq_id], s)]
-            if not seqs:
-                break
+            if not seqs or (interrupt is not None and interrupt()):
+                break  # (an interrupted run computed what it ran: the scheduler gives its other blocks back)
             got = self._greedy_forward(seqs, [last[s.seq_id].token_id for s in seqs], i)
             if got is None:  # the rows take the sampler: the plan of a step of its own, with nothing new in its tables
                 step = StepPlan(tuple(replace(
