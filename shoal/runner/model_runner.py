@@ -355,7 +355,7 @@ class ModelRunner:
         if self.greedy_head is None or len(self.kv_groups) != 1 or any(s.images for s in seqs):
             return None
         batch, _ = self._sampling_batch(seqs, self.greedy_head[1], {})
-        if not (batch.all_greedy and not batch.num_top_logprobs and (batch.only_bans or not batch.any_processor)):
+        if not _head_picks(batch):
             return None
         tables = self.kept_tables.of
         spans = [SeqSpan(s.start_pos + i, 1, t, s.seq_id, len(t)) for s in seqs for t in (tables[s.seq_id][0],)]
@@ -363,9 +363,7 @@ class ModelRunner:
         hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=dev),
                             torch.tensor([s.start_pos + i for s in seqs], dtype=torch.long, device=dev),
                             self.kv_caches, self.attention.prepare(spans, []))
-        token_ids, logprobs = kernels.greedy_head(hidden, *self.greedy_head, batch.ban_index)
-        return [SampledToken(s.seq_id, t, lp) if t >= 0 else SampledToken(s.seq_id, -1, float("nan"), error=ROW_ERRORS[t])
-                for s, t, lp in zip(seqs, token_ids, logprobs)]
+        return _picks(seqs, *kernels.greedy_head(hidden, *self.greedy_head, batch.ban_index))
 
     def outputs(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor | None) -> StepOutput:
         """The step's end on rank 0 from the forward's hidden states: logits, sampled tokens, prompt logprobs."""
@@ -557,12 +555,8 @@ class ModelRunner:
     def _sample_batch(self, seqs: list[ScheduledSeq], step: StepLogits, histories: dict[int, TokenHistory]) -> list[SampledToken]:
         vocab = step.sampled.shape[-1] if step.sampled is not None else self.greedy_head[1]
         batch, num_logprobs = self._sampling_batch(seqs, vocab, histories)
-        if step.sampled is None and batch.all_greedy and not batch.num_top_logprobs and (batch.only_bans or not batch.any_processor):
-            # greedy rows whose logits nothing changes but bans (ignore_eos, min_tokens): the head and the pick in one
-            # native call, the bits of compute_logits and sample's greedy_rows (no beams: they ask for top logprobs)
-            token_ids, logprobs = kernels.greedy_head(step.hidden, *self.greedy_head, batch.ban_index)
-            return [SampledToken(s.seq_id, t, lp) if t >= 0 else SampledToken(s.seq_id, -1, float("nan"), error=ROW_ERRORS[t])
-                    for s, t, lp in zip(seqs, token_ids, logprobs)]
+        if step.sampled is None and _head_picks(batch):
+            return _picks(seqs, *kernels.greedy_head(step.hidden, *self.greedy_head, batch.ban_index))
         logits = step.rows(self.model)
         out = sample(logits, batch)
         # The step's one host sync: everything the engine needs, in one transfer each.
@@ -671,6 +665,19 @@ def forward_batch(plan: StepPlan) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         list(plan.finished),
     )
     return batch, seqs
+
+
+def _head_picks(batch: SamplingBatch) -> bool:
+    """Whether kernels.greedy_head may pick the batch's tokens: greedy rows whose logits nothing changes but bans
+    (ignore_eos, min_tokens) and no top logprobs, so the head and the pick in one native call give the bits of
+    compute_logits and sample's greedy_rows (no beams: they ask for top logprobs)."""
+    return batch.all_greedy and not batch.num_top_logprobs and (batch.only_bans or not batch.any_processor)
+
+
+def _picks(seqs: list[ScheduledSeq], token_ids: list[int], logprobs: list[float]) -> list[SampledToken]:
+    """kernels.greedy_head's answer as a SampledToken per row (a negative id: the row's error code)."""
+    return [SampledToken(s.seq_id, t, lp) if t >= 0 else SampledToken(s.seq_id, -1, float("nan"), error=ROW_ERRORS[t])
+            for s, t, lp in zip(seqs, token_ids, logprobs)]
 
 
 def _verified_rows(s: ScheduledSeq) -> list[ScheduledSeq]:
