@@ -234,9 +234,11 @@ class Scheduler:
 
     def _run(self, seq: Sequence, steps: int, decodes_after: int) -> int:
         """How many forwards of a decode run `seq` takes, at most `steps` (1: none): a plain sampler's sequence, within
-        its max_tokens and the context, and only where the blocks leave one for every decode after it."""
+        its max_tokens and the context, and only where the blocks leave one for every decode after it. (A sequence with
+        a draft never gets here: the caller asks only for one whose step is a single token, and _with_draft empties a
+        draft it cannot fit.)"""
         p = seq.params
-        if seq.grammar is not None or seq.draft or seq.pooling or p.needs_history or p.use_beam_search:
+        if seq.grammar is not None or seq.pooling or p.needs_history or p.use_beam_search:
             return 1
         if p.max_tokens is not None:
             steps = min(steps, p.max_tokens - seq.num_output_tokens)
