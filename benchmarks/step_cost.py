@@ -13,7 +13,8 @@ by op from Python). Each case runs in a process of its own, the three taking tur
 
 - **step**: milliseconds a token, the median of the timed generations;
 - **native**: the time inside native calls a token: the decoder plan (kernels/decoder.cpp: the embedding lookup,
-  the rope tables and every layer in one call) and every shoal_kernels op called from Python (the logits head with
+  the rope tables and every layer in one call; a decode run's forwards and greedy picks in one, greedy_run) and
+  every shoal_kernels op called from Python (the logits head with
   the greedy pick, greedy_head; with the native forward off, every layer's ops too), timed around each call in a second,
   instrumented pass;
 - **outside**: step - native: Python, torch's dispatcher and the tensors the runner, the sampler, the scheduler and
@@ -73,6 +74,7 @@ class TimedPlan:
     def __init__(self, plan, timer: Timer) -> None:
         self.forward = timer.wrap(plan.forward)
         self.forward_ids = timer.wrap(plan.forward_ids)
+        self.greedy_run = timer.wrap(plan.greedy_run)
 
 
 def measure(model: str, tokens: int, reps: int, decode_run_ms: float) -> dict:

@@ -19,28 +19,39 @@ KW = dict(num_blocks=160, block_size=4, max_model_len=200, max_num_batched_token
 CHATS = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Say hi.", "Name a colour.", "What is 2 + 2?")]
 
 
-def _spy(monkeypatch) -> dict:
-    """Counts the rows of the model's forwards, the plans' longest runs, and the run forwards that went the greedy
-    way (ModelRunner._greedy_forward) and the sampler's."""
-    seen = {"rows": 0, "runs": [], "greedy": 0, "sampler": 0}
-    forward, execute, greedy = DecoderForCausalLM.forward, ModelRunner.execute, ModelRunner._greedy_forward
+def _spy(monkeypatch, forward_ms: float = 0.0, now: list | None = None) -> dict:
+    """Counts the rows of the model's forwards (a native run's too: a pick per row), the plans' longest runs, and the
+    steps with runs that ran natively (ModelRunner._native_run: the whole step, or a run's rest) or a forward at a
+    time. forward_ms: what each forward adds to the fake clock `now`."""
+    seen = {"rows": 0, "runs": [], "native": 0, "sampler": 0, "calls": 0, "done": set()}
+    forward, execute, native_run = DecoderForCausalLM.forward, ModelRunner.execute, ModelRunner._native_run
 
     def counted(self, input_ids, *a, **k):
         seen["rows"] += len(input_ids)
+        if now is not None:
+            now[0] += forward_ms / 1000
         return forward(self, input_ids, *a, **k)
 
     def runs(self, plan):
         seen["runs"].append(plan.run_steps)
-        return execute(self, plan)
+        calls = seen["calls"]
+        out = execute(self, plan)
+        if plan.run_steps > 1:
+            seen["native" if seen["calls"] > calls else "sampler"] += 1
+        return out
 
-    def which(self, *a):
-        got = greedy(self, *a)
-        seen["greedy" if got is not None else "sampler"] += 1
+    def native(self, seqs, *a):
+        got = native_run(self, seqs, *a)
+        seen["calls"] += 1
+        seen["done"].add(a[1])  # 0: a whole step; 1: the rest of runs after the general way's first forward
+        seen["rows"] += len(got)
+        if now is not None and got:  # its forwards: as many as the longest run's picks
+            now[0] += forward_ms / 1000 * max(sum(t.seq_id == s.seq_id for t in got) for s in seqs)
         return got
 
     monkeypatch.setattr(DecoderForCausalLM, "forward", counted)
     monkeypatch.setattr(ModelRunner, "execute", runs)
-    monkeypatch.setattr(ModelRunner, "_greedy_forward", which)
+    monkeypatch.setattr(ModelRunner, "_native_run", native)
     return seen
 
 
@@ -50,9 +61,9 @@ def _answers(outs) -> list:
 
 
 def _workload(llm: LLM) -> list:
-    """Chats that end on the model's own end token, alone and four at once; a seeded sampled pair (n=2) with logprobs;
-    a stop token id and a stop string; uneven max_tokens; the same prompts again (prefix-cache hits); beams beside a
-    greedy chat."""
+    """Chats that end on the model's own end token, alone and four at once, with logprobs and without; a seeded sampled
+    pair (n=2) with logprobs; a stop token id and a stop string; uneven max_tokens; the same prompts again (prefix-cache
+    hits); beams beside a greedy chat; greedy chats beside one with a penalty (no runs for it)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2)
     outs = [llm.chat(CHATS[0], greedy)[0]]
     outs += llm.chat(CHATS, [greedy, SamplingParams(temperature=0.0, max_tokens=5), greedy,
@@ -61,6 +72,9 @@ def _workload(llm: LLM) -> list:
     outs += llm.chat(CHATS[:2], [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[tokens[3]]),
                                  SamplingParams(temperature=0.0, max_tokens=40, stop=[outs[2].outputs[0].text[4:9]])])
     outs += llm.chat(CHATS[2:], SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True))
+    plain = SamplingParams(temperature=0.0, max_tokens=50)  # greedy rows the native run takes, ending apart
+    outs += llm.chat(CHATS, plain)
+    outs += llm.chat(CHATS, [plain, plain, SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3), plain])
     outs += llm.chat(CHATS[:2], [SamplingParams(num_beams=2, n=2, max_tokens=6), greedy])
     return _answers(outs)
 
@@ -72,12 +86,12 @@ def test_decode_runs_give_a_token_a_steps_tokens_logprobs_and_finishes(monkeypat
         with LLM(str(default_gguf_path), speculative=speculative, decode_run_ms=0, **KW) as llm:
             ref = _workload(llm)
         assert set(seen["runs"]) == {1}
-        seen["runs"].clear()
+        seen.update(runs=[], native=0, sampler=0, done=set())
         with LLM(str(default_gguf_path), speculative=speculative, decode_run_ms=15, **KW) as llm:
             llm.engine.timer = lambda: 0.0  # forwards that take no time: runs of the most, however busy the machine
             got = _workload(llm)
             assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # every block held by a run came back
-        assert max(seen["runs"]) == 8 and seen["greedy"] > 10 and seen["sampler"] > 10  # both ways of a run's forward
+        assert max(seen["runs"]) == 8 and seen["native"] > 4 and seen["sampler"] > 4 and seen["done"] == {0, 1}  # every way
         assert got == ref
         reasons = {c[2].value for o in ref for c in o}
         assert {"stop", "length"} <= reasons  # ends of every kind were in the workload
@@ -100,18 +114,40 @@ def test_a_run_stops_where_its_sequence_ends_so_it_computes_no_more_rows(monkeyp
     assert counts[1] == counts[0]  # an end token, a stop id, max_tokens: each run ended with its sequence
 
 
+def test_a_raised_flag_ends_a_native_run_before_its_next_forward(monkeypatch, default_gguf_path):
+    """The native run reads the runner's flag (ModelRunner.interrupt_run) before each forward: raised as a run starts,
+    it computes only the step's own forward (or nothing, for a run's rest), the steps after it make the tokens, and
+    they are a token a step's."""
+    params = [SamplingParams(temperature=0.0, max_tokens=30), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)]  # no runs: the others' rest alone
+    with LLM(str(default_gguf_path), speculative="off", decode_run_ms=0, **KW) as llm:
+        ref = _answers(llm.chat(CHATS[:3], params))
+    native_run, rests = ModelRunner._native_run, []
+
+    def interrupted(self, seqs, tokens, done, tables):
+        self.interrupt_run(True)  # (another thread does this in the server: an arrival)
+        try:
+            got = native_run(self, seqs, tokens, done, tables)
+        finally:
+            self.interrupt_run(False)
+        rests.append((done, len(seqs), len(got)))
+        return got
+
+    monkeypatch.setattr(ModelRunner, "_native_run", interrupted)
+    with LLM(str(default_gguf_path), speculative="off", decode_run_ms=15, **KW) as llm:
+        llm.engine.timer = lambda: 0.0
+        got = _answers(llm.chat(CHATS[:3], params))
+        assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    # native runs, each stopped before its first forward but a step's own (done 0: one pick a sequence)
+    assert {done for done, _, _ in rests} == {0, 1} and all(picks == (rows if done == 0 else 0) for done, rows, picks in rests)
+    assert got == ref
+
+
 def test_runs_are_as_long_as_fit_in_decode_run_ms(monkeypatch, default_gguf_path):
     """The engine times a step of decodes alone (its `timer`, real time, not its clock) and gives the next step as
     many forwards as fit in decode_run_ms: 4 ms forwards and 15 ms make runs of 3."""
     now = [0.0]
-    seen = _spy(monkeypatch)
-    forward = DecoderForCausalLM.forward
-
-    def slow(self, *a, **k):
-        now[0] += 0.004
-        return forward(self, *a, **k)
-
-    monkeypatch.setattr(DecoderForCausalLM, "forward", slow)
+    seen = _spy(monkeypatch, forward_ms=4, now=now)
     with LLM(str(default_gguf_path), speculative="off", decode_run_ms=15, **KW) as llm:
         llm.engine.timer = lambda: now[0]
         out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]

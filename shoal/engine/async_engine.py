@@ -171,7 +171,7 @@ class AsyncEngine:
             if self._drained:  # the loop is over: nothing would ever take this in
                 raise EngineStopped(self._stop_reason)
             self._queued_adds += 1
-            self._inbox.put(("add", request, sink))
+            self._post(("add", request, sink))
         finished = False
         try:
             while True:
@@ -187,10 +187,18 @@ class AsyncEngine:
                     return
         finally:
             if not finished:  # the consumer went away (the client disconnected)
-                self._inbox.put(("abort", request.request_id, True))
+                self._post(("abort", request.request_id, True))
+
+    def _post(self, command: tuple) -> None:
+        """A command for the engine thread: into the inbox, and a decode run under way ends after its current forward
+        (Engine.interrupt_run), so an arrival or an abort waits one forward, not the run."""
+        self._inbox.put(command)
+        engine = self.engine
+        if engine is not None:
+            engine.interrupt_run()
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id, False))
+        self._post(("abort", request_id, False))
 
     def embedding_request(self, request_id: str, token_ids: list[int], dimensions: int | None = None, priority: int = 0,
                           arrival_time: float | None = None) -> GenerationRequest:
@@ -312,7 +320,7 @@ class AsyncEngine:
         if reason is not None:
             self._stop_reason = reason
         self._stopped.set()
-        self._inbox.put(("stop", None, None))
+        self._post(("stop", None, None))
         if wait:
             self._thread.join(timeout=10)
 
@@ -330,8 +338,6 @@ class AsyncEngine:
             except BaseException as exc:  # the server reports it; nothing to loop over
                 self.ready.set_exception(exc)
                 return
-        inbox = self._inbox  # (the check holds the queue alone, not this object)
-        self.engine.interrupt_runs_when(lambda: not inbox.empty())  # an arrival or an abort waits for no decode run
         try:
             self.ready.set_result(None)
         except concurrent.futures.InvalidStateError:  # the load was cancelled (the server stopped): nobody steps it
@@ -433,6 +439,7 @@ class AsyncEngine:
         behind the first one's step (benchmarks/NOTES.md). A lone request,
         after a step that finished one or none, never waits.
         """
+        self.engine.resume_runs()  # (before the inbox is read: a command put after this interrupts the next run)
         try:
             cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:

@@ -98,11 +98,17 @@ class Engine:
         self._run_steps = 1
         self.timer = time.perf_counter  # what times a forward for them (tests pass a fake one)
 
-    def interrupt_runs_when(self, check) -> None:
-        """`check()` true between two forwards of a decode run (something waits for the engine thread: an arrival, an
-        abort) ends the run there, so it waits one forward, not the run (AsyncEngine passes its inbox's)."""
+    def interrupt_run(self) -> None:
+        """Something waits for the engine thread (an arrival, an abort): a decode run under way ends after its current
+        forward, so it waits one forward, not the run, and runs take one forward until resume_runs. Thread-safe: the
+        AsyncEngine calls it as it puts a command in its inbox."""
         if self._run_budget:
-            self.runner.run_interrupt = check
+            self.runner.interrupt_run(True)
+
+    def resume_runs(self) -> None:
+        """The engine thread takes in what waited (the AsyncEngine, before it reads its inbox): runs may go on again."""
+        if self._run_budget:
+            self.runner.interrupt_run(False)
 
     # ------------------------------------------------------------ requests
     def validate(self, request: GenerationRequest) -> None:

@@ -1250,9 +1250,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& raw, const at::
 // dispatcher, logits tensor or host transfer between them in Python.
 std::tuple<std::vector<int64_t>, std::vector<double>> greedy_head(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t,
                                                                    const c10::optional<at::Tensor>& bans) {
-  const at::Tensor logits = shoal_gguf_linear(x, w, n, t).to(at::kFloat).contiguous();
   at::Tensor ids, logp;
-  std::tie(ids, logp) = greedy_rows(logits, logits, bans);
+  std::tie(ids, logp) = shoal_greedy_head(x, w, n, t, bans);
   const int64_t* ip = ids.data_ptr<int64_t>();
   const float* lp = logp.data_ptr<float>();
   return {std::vector<int64_t>(ip, ip + ids.numel()), std::vector<double>(lp, lp + logp.numel())};
@@ -1466,3 +1465,8 @@ std::tuple<at::Tensor, at::Tensor> shoal_add_rms_norm(const at::Tensor& x, const
 at::Tensor shoal_rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) { return rope_(x, cos, sin); }
 at::Tensor shoal_silu_mul(const at::Tensor& x) { return silu_mul(x); }
 at::Tensor shoal_weight_empty(at::IntArrayRef shape) { return weight_empty(shape); }
+std::tuple<at::Tensor, at::Tensor> shoal_greedy_head(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t,
+                                                     const c10::optional<at::Tensor>& bans) {
+  const at::Tensor logits = shoal_gguf_linear(x, w, n, t).to(at::kFloat).contiguous();
+  return greedy_rows(logits, logits, bans);
+}

@@ -40,6 +40,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -212,6 +213,88 @@ struct DecoderPlan : torch::CustomClassHolder {
     return forward(x, cos, sin, slots, tables, row_seq, row_pos, window);
   }
 
+  // Greedy decode runs (runner/model_runner.py ModelRunner._native_run) in one call: S sequences of one KV group,
+  // each from token ids[s] at position positions[s], run up to steps[s] one-token forwards, each forward followed by
+  // the head and the greedy pick (cpu.cpp greedy_head) and fed the token it picked, as a step of its own would: the same forward of
+  // the same rows (forward_ids), the rows' cache slots and positions as step_rows gives them from `tables` [S, W]
+  // (the sequences' block tables, the run's blocks in them), the bans of the sequences still running (`bans`: flat
+  // indices s * head_rows + token into the S rows' logits, as greedy_rows takes them). A sequence stops after a pick
+  // that ends it: a negative code (a failed row), or one of its stop ids (stop_ids[stop_ends[s - 1] .. stop_ends[s]):
+  // its end tokens and stop ids); the runs stop before a forward where interrupt[0] (int32) is not 0 (another thread
+  // sets it: something waits for the engine), except the first `own` (a step's own forward). -> each pick's sequence,
+  // token (or negative code) and logprob, in the order they were made.
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<double>> greedy_run(
+      at::Tensor ids, at::Tensor positions, std::vector<int64_t> steps, at::Tensor tables, int64_t block_size, int64_t null,
+      int64_t window, at::Tensor head, int64_t head_rows, int64_t head_type, c10::optional<at::Tensor> bans,
+      std::vector<int64_t> stop_ids, std::vector<int64_t> stop_ends, at::Tensor interrupt, int64_t own) {
+    const int64_t S = ids.size(0);
+    TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == S && ids.scalar_type() == at::kLong &&
+                    positions.scalar_type() == at::kLong && static_cast<int64_t>(steps.size()) == S &&
+                    static_cast<int64_t>(stop_ends.size()) == S,
+                "decoder plan: a run's ids, positions, steps and stop ends, one of each a sequence");
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S && tables.scalar_type() == at::kInt && tables.stride(1) == 1,
+                "decoder plan: a run's tables [S, W] int32");
+    TORCH_CHECK(interrupt.scalar_type() == at::kInt && interrupt.numel() == 1, "decoder plan: a run's interrupt flag, int32 [1]");
+    TORCH_CHECK(block_size > 0 && head_rows > 0, "decoder plan: a run's block size and head rows");
+    for (int64_t s = 0; s < S; ++s)
+      TORCH_CHECK(stop_ends[s] >= (s > 0 ? stop_ends[s - 1] : 0) && stop_ends[s] <= static_cast<int64_t>(stop_ids.size()),
+                  "decoder plan: a run's stop ends, rising, within its stop ids");
+    std::vector<std::vector<int64_t>> banned(S);  // each sequence's banned tokens
+    if (bans.has_value()) {
+      const at::Tensor b = bans->contiguous();
+      TORCH_CHECK(b.scalar_type() == at::kLong && b.dim() == 1, "decoder plan: a run's bans, flat int64");
+      const int64_t* bp = b.data_ptr<int64_t>();
+      for (int64_t i = 0; i < b.numel(); ++i) {
+        TORCH_CHECK(bp[i] >= 0 && bp[i] < S * head_rows, "decoder plan: a ban outside the run's logits");
+        banned[bp[i] / head_rows].push_back(bp[i] % head_rows);
+      }
+    }
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    const int64_t* posp = positions.data_ptr<int64_t>();
+    std::vector<int64_t> token(idp, idp + S), pos(posp, posp + S), live;
+    for (int64_t s = 0; s < S; ++s)
+      if (steps[s] > 0) live.push_back(s);
+    const int32_t* table = tables.data_ptr<int32_t>();
+    const int64_t W = tables.size(1), ts = tables.stride(0);
+    const int32_t* flag = interrupt.data_ptr<int32_t>();
+    std::vector<int64_t> rows, picks;
+    std::vector<double> logprobs;
+    for (int64_t i = 0; !live.empty() && (i < own || __atomic_load_n(flag, __ATOMIC_RELAXED) == 0); ++i) {
+      const int64_t A = static_cast<int64_t>(live.size());
+      const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong), ints = at::TensorOptions().dtype(at::kInt);
+      at::Tensor ids_t = at::empty({A}, longs), pos_t = at::empty({A}, longs), slots = at::empty({A}, longs);
+      at::Tensor row_seq = at::empty({A}, ints), row_pos = at::empty({A}, ints);
+      std::vector<int64_t> ban_flat;
+      for (int64_t a = 0; a < A; ++a) {
+        const int64_t s = live[a], p = pos[s], b = p / block_size;
+        TORCH_CHECK(b < W && table[s * ts + b] != null, "decoder plan: a run's position past its sequence's block table");
+        ids_t.data_ptr<int64_t>()[a] = token[s];
+        pos_t.data_ptr<int64_t>()[a] = p;
+        slots.data_ptr<int64_t>()[a] = static_cast<int64_t>(table[s * ts + b]) * block_size + p % block_size;
+        row_seq.data_ptr<int32_t>()[a] = static_cast<int32_t>(s);
+        row_pos.data_ptr<int32_t>()[a] = static_cast<int32_t>(p);
+        for (const int64_t t : banned[s]) ban_flat.push_back(a * head_rows + t);
+      }
+      const at::Tensor h = forward_ids(ids_t, pos_t, {slots}, {tables}, {row_seq}, {row_pos}, window);
+      c10::optional<at::Tensor> ban_t;
+      if (!ban_flat.empty()) ban_t = at::tensor(ban_flat, longs);
+      auto [got, logp] = shoal_greedy_head(h, head, head_rows, head_type, ban_t);
+      const int64_t* gp = got.data_ptr<int64_t>();
+      const float* lp = logp.data_ptr<float>();
+      std::vector<int64_t> next;
+      for (int64_t a = 0; a < A; ++a) {
+        const int64_t s = live[a], t = gp[a];
+        rows.push_back(s), picks.push_back(t), logprobs.push_back(lp[a]);
+        token[s] = t, pos[s] += 1;
+        const int64_t* first = stop_ids.data() + (s > 0 ? stop_ends[s - 1] : 0);
+        const int64_t* end = stop_ids.data() + stop_ends[s];
+        if (t >= 0 && i + 1 < steps[s] && std::find(first, end, t) == end) next.push_back(s);
+      }
+      live = std::move(next);
+    }
+    return {rows, picks, logprobs};
+  }
+
   // x [T, hidden] (the embeddings, or a previous stage's output) -> the last layer's normed output [T, hidden]
   // (a stage before the last: its residual stream). cos, sin: the step's tables per rope (layers.RopeTables,
   // native); slots .. row_pos: attention.invariant.NativeMetadata's, one per KV group (a layer reads its group's);
@@ -291,5 +374,6 @@ TORCH_LIBRARY_FRAGMENT(shoal_kernels, m) {
   m.class_<DecoderPlan>("DecoderPlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("forward", &DecoderPlan::forward)
-      .def("forward_ids", &DecoderPlan::forward_ids);
+      .def("forward_ids", &DecoderPlan::forward_ids)
+      .def("greedy_run", &DecoderPlan::greedy_run);
 }

@@ -30,6 +30,9 @@ std::tuple<at::Tensor, at::Tensor> shoal_add_rms_norm(const at::Tensor& x, const
 at::Tensor shoal_rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor shoal_silu_mul(const at::Tensor& x);
 at::Tensor shoal_weight_empty(at::IntArrayRef shape);  // uint8, on huge pages where it can (cpu.cpp weight_empty)
+// cpu.cpp greedy_head's tensors: each row's token (or greedy_rows' negative code) [B] int64 and logprob [B] float32
+std::tuple<at::Tensor, at::Tensor> shoal_greedy_head(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t,
+                                                     const c10::optional<at::Tensor>& bans);
 at::Tensor shoal_gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t);
 at::Tensor shoal_gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t t, int64_t cols);
 at::Tensor shoal_gguf_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t n, int64_t t);

@@ -20,7 +20,8 @@ A plan covers (`unsupported` says why not, in the start-up log):
 - one process: tensor parallelism's gathers sit between the ops, so a sharded model keeps the Python forward.
 A pipeline stage is covered (its layers; the stage before the last hands on its residual stream). Where the
 embedding is a GGUF table and the rotary tables are plain, the plan looks up the step's embeddings and rope rows too
-(`forward_ids`), so a step is one call from its token ids.
+(`forward_ids`), so a step is one call from its token ids. Then a step of greedy decode runs (engine/scheduler.py) is
+one call too, every forward of it with the head's pick between them (`greedy_run`, ModelRunner._native_step).
 
 SHOAL_NATIVE_FORWARD=0 turns it off (the Python forward everywhere), for comparisons.
 """
@@ -83,6 +84,16 @@ class NativeForward:
     def from_ids(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The step from its token ids and positions [T]: the model's output, as DecoderModel.forward gives it."""
         return self.plan.forward_ids(input_ids, positions, *self._metas(meta))
+
+    def greedy_run(self, ids: torch.Tensor, positions: torch.Tensor, steps: list[int], tables: torch.Tensor, backend, head,
+                   bans, stop_ids: list[int], stop_ends: list[int], interrupt: torch.Tensor, own: int) -> tuple[list[int], list[int], list[float]]:
+        """Greedy decode runs (kernels/decoder.cpp DecoderPlan.greedy_run): each sequence from its token (ids) at its
+        position (positions), up to steps[s] forwards with the head's greedy pick (head: the model's greedy_head),
+        stopping at a failed row or a stop id, and all of them, after the first `own` forwards, where interrupt[0] is
+        set. tables: their block tables with the runs' blocks (backend.native_tables), backend: the one KV group's
+        attention. -> each pick's sequence, token, logprob."""
+        return self.plan.greedy_run(ids, positions, steps, tables, backend.block_size, backend.null_block, backend.window or 0,
+                                    *head, bans, stop_ids, stop_ends, interrupt, own)
 
     def __call__(self, x: torch.Tensor, ropes, meta) -> torch.Tensor:
         return self.plan.forward(x, [r.cos for r in ropes], [r.signed_sin for r in ropes], *self._metas(meta))

@@ -9,12 +9,15 @@ no request state. `logits(ForwardBatch, hidden)` is the head's part, on every
 rank that holds a slice of the vocabulary (tensor-parallel ranks gather their
 slices; elsewhere rank 0 alone holds the head). Sampling (and prompt logprobs)
 runs on rank 0 alone, where the requests' parameters and histories are;
-`execute` does all three in one process.
+`execute` does all three in one process, and a plan's decode runs after them
+(`_decode_run`), or, where every row is a plain greedy decode the native
+forward takes, the whole step in one native call (`_native_step`).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import mmap
@@ -264,7 +267,10 @@ class ModelRunner:
         if getattr(self.attention, "native", False):  # every layer in one native call, where it can
             model.model.native_forward = native.build(model.model, self.kv_caches)
         self.greedy_head = model.greedy_head()  # the head's run where a greedy step's logits stay native (_sample_batch)
-        self.run_interrupt = None  # a check that ends a decode run after its current forward (Engine.interrupt_runs_when)
+        # Not 0: something waits for the engine thread, so a decode run ends after its current forward (interrupt_run;
+        # read between forwards here and in the native run)
+        self.run_flag = torch.zeros(1, dtype=torch.int32)
+        self._run_flag = self.run_flag.numpy()  # (the same memory)
         log.debug(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d bytes a token); %s attention",
             spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, sum(t.numel() * t.element_size() for t in self.kv_tensors) / 2**20,
@@ -313,57 +319,89 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """The whole step, in one process (executor/distributed.py runs the parts on every rank)."""
         batch, seqs = forward_batch(plan)
+        if plan.run_steps > 1 and self._runs_natively(seqs):
+            return self._native_step(batch, seqs)
         out = self.outputs(seqs, batch, self.forward(batch))
         return self._decode_run(plan, out) if plan.run_steps > 1 else out
+
+    def interrupt_run(self, on: bool) -> None:
+        """on: a decode run under way ends after its current forward, and runs take one forward, until called with
+        False. Thread-safe: another thread raises it (Engine.interrupt_run)."""
+        self._run_flag[0] = int(on)
 
     @inference
     def _decode_run(self, plan: StepPlan, first: StepOutput) -> StepOutput:
         """The rest of the plan's decode runs (ScheduledSeq.steps) after its first forward: each forward decodes the
         token the one before it picked, as the next step would (its position, its generator's draw, its tables with
         nothing new), so the tokens are a step's each. A sequence's run stops at a failed row or a token that ends it,
-        and every run stops where `run_interrupt` says something waits for the engine."""
+        and every run stops where the run's flag says something waits for the engine (interrupt_run)."""
         sampled = list(first.sampled)
         last = {t.seq_id: t for t in first.sampled}
         seqs = [s for s in plan.seqs if s.steps > 1]
-        interrupt = self.run_interrupt
         for i in range(1, plan.run_steps):
             seqs = [s for s in seqs if s.steps > i and not self._ends_run(last[s.seq_id], s)]
-            if not seqs or (interrupt is not None and interrupt()):
+            if not seqs or self._run_flag[0]:
                 break  # (an interrupted run computed what it ran: the scheduler gives its other blocks back)
-            got = self._greedy_forward(seqs, [last[s.seq_id].token_id for s in seqs], i)
-            if got is None:  # the rows take the sampler: the plan of a step of its own, with nothing new in its tables
-                step = StepPlan(tuple(replace(
-                    s, token_ids=(last[s.seq_id].token_id,), start_pos=s.start_pos + i, num_sampled=s.num_sampled + i,
-                    block_table=(), table_from=s.table_from + len(s.block_table), group_tables=tuple(() for _ in s.group_tables),
-                    group_from=tuple(f + len(g) for f, g in zip(s.group_from, s.group_tables))) for s in seqs))
-                batch, ordered = forward_batch(step)
-                got = self.outputs(ordered, batch, self.forward(batch)).sampled
+            if i == 1 and self._runs_natively(seqs):  # the rest of every run in one native call
+                kept = self.kept_tables.of
+                tables = self.attention.native_tables([SeqSpan(s.start_pos + 1, 1, t, s.seq_id, len(t)) for s in seqs
+                                                       for t in (kept[s.seq_id][0],)])
+                sampled.extend(self._native_run(seqs, [last[s.seq_id].token_id for s in seqs], 1, tables))
+                break
+            # a step of its own's plan, with nothing new in its tables
+            step = StepPlan(tuple(replace(
+                s, token_ids=(last[s.seq_id].token_id,), start_pos=s.start_pos + i, num_sampled=s.num_sampled + i,
+                block_table=(), table_from=s.table_from + len(s.block_table), group_tables=tuple(() for _ in s.group_tables),
+                group_from=tuple(f + len(g) for f, g in zip(s.group_from, s.group_tables))) for s in seqs))
+            batch, ordered = forward_batch(step)
+            got = self.outputs(ordered, batch, self.forward(batch)).sampled
             sampled.extend(got)
             last.update((t.seq_id, t) for t in got)
         return StepOutput(sampled, first.prompt_logprobs, first.pooled)
 
     def _ends_run(self, t: SampledToken, s: ScheduledSeq) -> bool:
         """Whether the token ends its sequence's run: a failed row, an end-of-sequence id (unless ignored), a stop id."""
-        return t.error is not None or t.token_id in s.params.stop_token_ids or (
-            t.token_id in self.eos_token_ids and not s.params.ignore_eos)
+        return t.error is not None or t.token_id in self._run_stops(s)
 
-    def _greedy_forward(self, seqs: list[ScheduledSeq], tokens: list[int], i: int) -> list[SampledToken] | None:
-        """A run's forward i of greedy rows that the fused head picks for (as _sample_batch would), with no images and
-        one KV group: the forward and the pick with nothing between them but the step's tensors and attention metadata,
-        from the tables the runner keeps (the run's blocks are in them since its first forward). None: the rows need
-        the general way."""
-        if self.greedy_head is None or len(self.kv_groups) != 1 or any(s.images for s in seqs):
-            return None
+    def _run_stops(self, s: ScheduledSeq) -> tuple[int, ...]:
+        """The ids that end a sequence's run: its stop ids, and the end-of-sequence ids unless it ignores them."""
+        stops = tuple(s.params.stop_token_ids)
+        return stops if s.params.ignore_eos else stops + self.eos_token_ids
+
+    def _runs_natively(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether these decodes' runs go in one native call (DecoderPlan.greedy_run): every row a greedy pick the fused
+        head makes (as _sample_batch would: no logits processor but bans, no top logprobs) of a plain decode (one token,
+        no draft, grammar, history, images, pooling or prompt logprobs), one KV group, and a plan that looks up the
+        step's inputs itself."""
+        forward = self.model.model.native_forward
+        if forward is None or not forward.ids or self.greedy_head is None or len(self.kv_groups) != 1:
+            return False
+        if any(len(s.token_ids) != 1 or s.draft or s.images or s.pool or not s.sample or s.prompt_targets or s.history
+               or s.params.needs_history or s.token_mask is not None for s in seqs):
+            return False
+        return _head_picks(self._sampling_batch(seqs, self.greedy_head[1], {})[0])
+
+    def _native_step(self, batch: ForwardBatch, seqs: list[ScheduledSeq]) -> StepOutput:
+        """A step of decode runs in one native call, its first forwards too: what forward and sample keep from plan to
+        plan (the tables with the plan's diffs, its block copies, its finished sequences' histories dropped), then
+        every forward of the runs."""
+        spans = self._spans(batch)
+        self.copy_blocks(batch.block_copies)
+        self.kept_history.drop(batch.finished)
+        return StepOutput(self._native_run(seqs, [s.token_ids[0] for s in seqs], 0, self.attention.native_tables(spans[0])), {})
+
+    def _native_run(self, seqs: list[ScheduledSeq], tokens: list[int], done: int, tables: torch.Tensor) -> list[SampledToken]:
+        """The forwards of these sequences' runs after the first `done` (NativeForward.greedy_run), from the tokens the
+        last ones picked (or the step's own), over their block tables with the runs' blocks (the attention's
+        native_tables): each forward and pick as a step of its own would run them, with no Python between them. The
+        step's own forward (done 0) runs whatever the run's flag says."""
+        stops = [self._run_stops(s) for s in seqs]
         batch, _ = self._sampling_batch(seqs, self.greedy_head[1], {})
-        if not _head_picks(batch):
-            return None
-        tables = self.kept_tables.of
-        spans = [SeqSpan(s.start_pos + i, 1, t, s.seq_id, len(t)) for s in seqs for t in (tables[s.seq_id][0],)]
-        dev = self.device
-        hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=dev),
-                            torch.tensor([s.start_pos + i for s in seqs], dtype=torch.long, device=dev),
-                            self.kv_caches, self.attention.prepare(spans, []))
-        return _picks(seqs, *kernels.greedy_head(hidden, *self.greedy_head, batch.ban_index))
+        rows, tokens, logprobs = self.model.model.native_forward.greedy_run(
+            torch.tensor(tokens, dtype=torch.long), torch.tensor([s.start_pos + done for s in seqs], dtype=torch.long),
+            [s.steps - done for s in seqs], tables, self.attention, self.greedy_head, batch.ban_index, [t for x in stops for t in x],
+            list(itertools.accumulate(map(len, stops))), self.run_flag, int(done == 0))
+        return _picks([seqs[r] for r in rows], tokens, logprobs)
 
     def outputs(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor | None) -> StepOutput:
         """The step's end on rank 0 from the forward's hidden states: logits, sampled tokens, prompt logprobs."""

@@ -224,19 +224,23 @@ class InvariantAttention:
         write_kv(kv, k, v, slots, transposed_keys=self.native)  # the native op keeps keys transposed within their block
 
     def _native(self, spans: list[SeqSpan], null: int, window) -> NativeMetadata:
-        ids = {s.seq_id for s in spans}
-        if self.keep_tables and spans and min(ids) >= 0 and len(ids) == len(spans):
-            # the runner's sequences, each once: their rows kept across steps, per KV group
-            rows = self.table_rows.get((null, window))
-            if rows is None:
-                rows = self.table_rows[(null, window)] = TableRows(null, self.device)
-            tables_t = rows.tables(spans, ids)
-        else:
-            tables_t = self.tables(spans, null)
+        tables_t = self.native_tables(spans, null, window)
         # each row's cache slot, sequence and position, in one op from the spans and their tables
         starts_lengths = torch.tensor([s.start_pos for s in spans] + [s.length for s in spans], dtype=torch.long)
         slots, seq_t, pos_t = kernels.step_rows(starts_lengths, tables_t, self.block_size, null)
         return NativeMetadata(self, slots, tables_t, seq_t, pos_t)
+
+    def native_tables(self, spans: list[SeqSpan], null: int | None = None, window=MODEL_WINDOW) -> torch.Tensor:
+        """The spans' block tables [S, W] int32 as the native op reads them (a KV group's: its null block and window):
+        the runner's sequences, each once, from rows kept across steps (TableRows); others built afresh."""
+        null = self.null_block if null is None else null
+        ids = {s.seq_id for s in spans}
+        if self.keep_tables and spans and min(ids) >= 0 and len(ids) == len(spans):
+            rows = self.table_rows.get((null, window))
+            if rows is None:
+                rows = self.table_rows[(null, window)] = TableRows(null, self.device)
+            return rows.tables(spans, ids)
+        return self.tables(spans, null)
 
     def tables(self, spans: list[SeqSpan], null: int) -> torch.Tensor:
         """The spans' block tables [S, widest] int32, padded with `null`, built from scratch (what TableRows keeps)."""
