@@ -75,6 +75,8 @@ def _workload(llm: LLM) -> list:
     plain = SamplingParams(temperature=0.0, max_tokens=50)  # greedy rows the native run takes, ending apart
     outs += llm.chat(CHATS, plain)
     outs += llm.chat(CHATS, [plain, plain, SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3), plain])
+    # a row that leaves a native run before one with bans (ignore_eos), whose bans move up a row
+    outs += llm.chat(CHATS[:2], [SamplingParams(temperature=0.0, max_tokens=3), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)])
     outs += llm.chat(CHATS[:2], [SamplingParams(num_beams=2, n=2, max_tokens=6), greedy])
     return _answers(outs)
 
@@ -192,32 +194,86 @@ def test_runs_over_two_kv_groups_give_a_token_a_steps_tokens(monkeypatch, tmp_pa
     assert answers[1] == answers[0]
 
 
-def test_an_arrival_ends_a_run_after_its_current_forward(tiny_llama_path):
+def test_a_gemma_gguf_in_one_kv_group_runs_natively_over_its_two_windows(monkeypatch, tmp_path):
+    """A Gemma 3 GGUF in Q8_0 (local layers of an 8-token window beside global ones) with its KV in one group, as a
+    draft model's pool keeps it (kv_groups off): every layer reads the one group's tables, whatever its window, so a
+    native run gives a token a step's tokens and logprobs, greedy, with ignore_eos's bans, past several windows."""
+    import gguf  # noqa: PLC0415
+    from test_families import write_family_gguf  # noqa: PLC0415
+    from tiny_models import make_tiny_model  # noqa: PLC0415
+
+    folder = make_tiny_model("gemma3", tmp_path / "hf")
+    path = str(tmp_path / "gemma3.gguf")
+    write_family_gguf(folder, path, "gemma3", quantize=gguf.GGMLQuantizationType.Q8_0)
+    prompts = [[(5 * i + 3 * j) % 390 + 5 for i in range(n)] for j, n in enumerate((3, 21, 9))]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), SamplingParams(temperature=0.0, max_tokens=33),
+              SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True)]
+    seen = _spy(monkeypatch)
+    answers = []
+    for ms in (0, 15):
+        with LLM(path, dtype="float32", kv_groups=False, num_blocks=96, block_size=4, max_model_len=128, check_integrity=True) as llm:
+            assert len(llm.engine.runner.kv_groups) == 1 and len(llm.engine.runner.model.model.native_forward.windows) == 2
+            llm.engine.timer = lambda: 0.0
+            llm.engine._run_budget = ms / 1000
+            answers.append(_answers(llm.generate(prompts, params)))
+    assert seen["native"] > 3 and max(seen["runs"]) == 8
+    assert answers[1] == answers[0]
+
+
+def test_a_run_cut_short_sizes_the_next_by_the_forwards_it_ran():
+    """The engine sizes runs by a forward's time: a step's time over the most tokens one sequence got (a run that an
+    arrival or the sequences' ends cut short ran fewer forwards than planned)."""
+    from shoal.engine.engine import Engine  # noqa: PLC0415
+    from shoal.types import SampledToken  # noqa: PLC0415
+
+    engine = Engine.__new__(Engine)  # (only what _size_runs reads)
+    engine._run_budget = 0.025
+    picks = [SampledToken(1, 5, -0.1), SampledToken(2, 6, -0.2), SampledToken(1, 7, -0.3)]
+    engine._size_runs(0.010, picks)  # two forwards of 5 ms: runs of 5
+    assert engine._run_steps == 5 and engine._decode_time is None
+    engine._size_runs(0.010, picks[:1])  # one forward of 10 ms
+    assert engine._run_steps == 2
+    engine._size_runs(0.001, picks)  # forwards of 0.5 ms: the most, 8
+    assert engine._run_steps == 8
+    engine._size_runs(0.030, picks[:1])  # past the budget: none
+    assert engine._run_steps == 1
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_path", "default_gguf_path"])
+def test_an_arrival_ends_a_run_after_its_current_forward(model, request):
     """In the server, a request that arrives while a run is under way waits for the forward in progress, not for the
     run: the engine is held at the start of a run of 8 while a second request comes in, and the run then stops after
-    one forward; the next step takes the arrival in. A run cut short gives its other blocks back."""
+    one forward; the next step takes the arrival in. A run cut short gives its other blocks back. The tiny Llama's
+    runs go a forward at a time (float weights: no native forward), the default model's in one native call, whose
+    loop reads the flag the server's thread raised."""
     import threading  # noqa: PLC0415
 
     from server_utils import Gate, LiveServer, tiny_engine  # noqa: PLC0415
     from shoal.server import ServerSettings  # noqa: PLC0415
 
-    engine = tiny_engine(tiny_llama_path, decode_run_ms=25, check_integrity=True)
+    engine = tiny_engine(request.getfixturevalue(model), decode_run_ms=25, check_integrity=True)
     engine.timer = lambda: 0.0  # runs of the most
     runner, steps = engine.runner, []
-    forward, execute = runner.forward, runner.execute
+    forward, execute, native_run = runner.forward, runner.execute, runner._native_run
 
     def counted(*a, **k):
         steps[-1][1] += 1
         return forward(*a, **k)
 
+    def native(seqs, *a):
+        got = native_run(seqs, *a)
+        steps[-1][1] += max((sum(t.seq_id == s.seq_id for t in got) for s in seqs), default=0)  # its forwards
+        steps[-1][3] += 1
+        return got
+
     def recorded(plan):
-        steps.append([plan.run_steps, 0, len(plan.seqs)])
+        steps.append([plan.run_steps, 0, len(plan.seqs), 0])
         return execute(plan)
 
-    runner.forward, runner.execute = counted, recorded
+    runner.forward, runner.execute, runner._native_run = counted, recorded, native
     with LiveServer(engine, ServerSettings(log_requests=False)) as srv:
         with Gate(engine, when=lambda: len(steps) >= 3 and steps[-1][0] == 8) as gate, srv.http() as h:
-            a = {"prompt": "A", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            a = {"prompt": "A", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
             with h.stream("POST", "/v1/completions", json=a) as stream_a:
                 lines = stream_a.iter_lines()
                 next(ln for ln in lines if ln.startswith("data: "))
@@ -230,4 +286,5 @@ def test_an_arrival_ends_a_run_after_its_current_forward(tiny_llama_path):
                 b.join(30)
         srv.wait_until(lambda: engine.num_running == 0 and engine.pool.num_free == engine.pool.num_blocks, what="the blocks")
     assert steps[held][:2] == [8, 1]  # the held run stopped after its first forward
+    assert steps[held][3] == (model == "default_gguf_path")  # in the native loop, for the default model
     assert steps[held + 1][2] == 2  # and the next step took the arrival in beside the stream

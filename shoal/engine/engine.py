@@ -96,6 +96,7 @@ class Engine:
         # step of decodes alone took a forward (real time, whatever the clock); 0: none (or an executor without them)
         self._run_budget = sched.decode_run_ms / 1000 if getattr(executor, "decode_runs", False) else 0.0
         self._run_steps = 1
+        self._decode_time: float | None = None  # how long the step of decodes alone in flight took (_size_runs)
         self.timer = time.perf_counter  # what times a forward for them (tests pass a fake one)
 
     def interrupt_run(self) -> None:
@@ -207,6 +208,7 @@ class Engine:
     def discard_pending_outputs(self) -> None:
         """After a failed step: forget the outputs waiting to be returned and the steps in flight."""
         self._pending.clear()
+        self._decode_time = None
         for out, _, _ in self._in_flight:
             for seq, _ in out.scheduled:
                 seq.in_flight = False
@@ -269,6 +271,8 @@ class Engine:
             return outputs
         sched, ticket, now = self._in_flight.popleft()
         result: StepOutput = self.executor.collect(ticket)
+        if self._decode_time is not None:
+            self._size_runs(self._decode_time, result.sampled)
         for seq, _ in sched.scheduled:
             seq.in_flight = False
         if sched.empty:  # only block copies, promised to sequences that run later
@@ -309,9 +313,8 @@ class Engine:
             now = self.clock()
             started = self.timer()
             ticket = self.executor.submit(out.plan)
-            if self._run_budget and out.plan.seqs and all(len(s.token_ids) == 1 for s in out.plan.seqs):  # decodes alone: a forward's time
-                forward = (self.timer() - started) / out.plan.run_steps
-                self._run_steps = max(1, min(MAX_DECODE_RUN, int(self._run_budget / forward) if forward > 0 else MAX_DECODE_RUN))
+            if self._run_budget and out.plan.seqs and all(len(s.token_ids) == 1 for s in out.plan.seqs):  # decodes alone
+                self._decode_time = self.timer() - started  # (an executor with decode runs has run the step by now)
             for seq, _ in out.scheduled:
                 seq.in_flight = True
                 m = self._requests[seq.request_id].metrics
@@ -320,6 +323,16 @@ class Engine:
             self._in_flight.append((out, ticket, now))
             if out.empty:
                 return
+
+    def _size_runs(self, elapsed: float, sampled: list[SampledToken]) -> None:
+        """The next decode runs' length from a step of decodes alone that took `elapsed`: as many forwards as fit in
+        decode_run_ms at its time a forward (the most tokens one sequence got: a run cut short ran fewer than planned)."""
+        self._decode_time = None
+        counts: dict[int, int] = {}
+        for t in sampled:
+            counts[t.seq_id] = counts.get(t.seq_id, 0) + 1
+        forward = elapsed / max(counts.values(), default=1)
+        self._run_steps = max(1, min(MAX_DECODE_RUN, int(self._run_budget / forward) if forward > 0 else MAX_DECODE_RUN))
 
     def _move_tier_blocks(self, plan):
         """Before the plan's forward, in this order: copy out the blocks the schedule evicted (anything may

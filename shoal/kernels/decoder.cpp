@@ -145,6 +145,7 @@ struct DecoderPlan : torch::CustomClassHolder {
   int64_t embedding_type = 0, embedding_cols = 0;
   at::ScalarType dtype = at::kFloat;  // the model's activations
   std::vector<at::Tensor> cos_tables, sin_tables;  // per rope: [positions, rotated dims] float32, the sin signed
+  int64_t groups = 1;  // the step metadata's count: one more than the layers' highest KV group index
 
   DecoderPlan(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats) {
     Reader r{tensors, ints, floats};
@@ -189,6 +190,7 @@ struct DecoderPlan : torch::CustomClassHolder {
       }
       TORCH_CHECK(y.heads % y.kv_heads == 0, "decoder plan: query heads not a multiple of KV heads");
       TORCH_CHECK(y.group >= 0, "decoder plan: a layer's KV group");
+      groups = std::max(groups, y.group + 1);
       TORCH_CHECK(!y.sandwich || y.experts.top_k == 0, "decoder plan: a sandwich layer with experts");
       TORCH_CHECK(layers.empty() || layers[0].sandwich == y.sandwich, "decoder plan: sandwich and plain layers mixed");
       layers.push_back(std::move(y));
@@ -227,15 +229,20 @@ struct DecoderPlan : torch::CustomClassHolder {
       at::Tensor ids, at::Tensor positions, std::vector<int64_t> steps, at::Tensor tables, int64_t block_size, int64_t null,
       int64_t window, at::Tensor head, int64_t head_rows, int64_t head_type, c10::optional<at::Tensor> bans,
       std::vector<int64_t> stop_ids, std::vector<int64_t> stop_ends, at::Tensor interrupt, int64_t own) {
+    TORCH_CHECK(last && embedding.defined(), "decoder plan: a run needs the last stage's plan, with the embedding table");
+    TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
+                "decoder plan: a run's ids and positions, int64 [S]");
     const int64_t S = ids.size(0);
-    TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == S && ids.scalar_type() == at::kLong &&
-                    positions.scalar_type() == at::kLong && static_cast<int64_t>(steps.size()) == S &&
-                    static_cast<int64_t>(stop_ends.size()) == S,
+    TORCH_CHECK(positions.size(0) == S && static_cast<int64_t>(steps.size()) == S && static_cast<int64_t>(stop_ends.size()) == S,
                 "decoder plan: a run's ids, positions, steps and stop ends, one of each a sequence");
     TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S && tables.scalar_type() == at::kInt && tables.stride(1) == 1,
                 "decoder plan: a run's tables [S, W] int32");
     TORCH_CHECK(interrupt.scalar_type() == at::kInt && interrupt.numel() == 1, "decoder plan: a run's interrupt flag, int32 [1]");
+    TORCH_CHECK(ids.is_cpu() && positions.is_cpu() && tables.is_cpu() && interrupt.is_cpu() && (!bans.has_value() || bans->is_cpu()),
+                "decoder plan: a run's tensors on the CPU");
     TORCH_CHECK(block_size > 0 && head_rows > 0, "decoder plan: a run's block size and head rows");
+    ids = ids.contiguous();
+    positions = positions.contiguous();
     for (int64_t s = 0; s < S; ++s)
       TORCH_CHECK(stop_ends[s] >= (s > 0 ? stop_ends[s - 1] : 0) && stop_ends[s] <= static_cast<int64_t>(stop_ids.size()),
                   "decoder plan: a run's stop ends, rising, within its stop ids");
@@ -267,7 +274,7 @@ struct DecoderPlan : torch::CustomClassHolder {
       std::vector<int64_t> ban_flat;
       for (int64_t a = 0; a < A; ++a) {
         const int64_t s = live[a], p = pos[s], b = p / block_size;
-        TORCH_CHECK(b < W && table[s * ts + b] != null, "decoder plan: a run's position past its sequence's block table");
+        TORCH_CHECK(p >= 0 && b < W && table[s * ts + b] != null, "decoder plan: a run's position outside its sequence's block table");
         ids_t.data_ptr<int64_t>()[a] = token[s];
         pos_t.data_ptr<int64_t>()[a] = p;
         slots.data_ptr<int64_t>()[a] = static_cast<int64_t>(table[s * ts + b]) * block_size + p % block_size;
@@ -275,7 +282,10 @@ struct DecoderPlan : torch::CustomClassHolder {
         row_pos.data_ptr<int32_t>()[a] = static_cast<int32_t>(p);
         for (const int64_t t : banned[s]) ban_flat.push_back(a * head_rows + t);
       }
-      const at::Tensor h = forward_ids(ids_t, pos_t, {slots}, {tables}, {row_seq}, {row_pos}, window);
+      // one KV group: every layer's group index (its window's, in the plan) reads the same metadata
+      const size_t g = static_cast<size_t>(groups);
+      const at::Tensor h = forward_ids(ids_t, pos_t, std::vector<at::Tensor>(g, slots), std::vector<at::Tensor>(g, tables),
+                                       std::vector<at::Tensor>(g, row_seq), std::vector<at::Tensor>(g, row_pos), window);
       c10::optional<at::Tensor> ban_t;
       if (!ban_flat.empty()) ban_t = at::tensor(ban_flat, longs);
       auto [got, logp] = shoal_greedy_head(h, head, head_rows, head_type, ban_t);

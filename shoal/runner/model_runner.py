@@ -395,8 +395,9 @@ class ModelRunner:
         last ones picked (or the step's own), over their block tables with the runs' blocks (the attention's
         native_tables): each forward and pick as a step of its own would run them, with no Python between them. The
         step's own forward (done 0) runs whatever the run's flag says."""
-        stops = [self._run_stops(s) for s in seqs]
-        batch, _ = self._sampling_batch(seqs, self.greedy_head[1], {})
+        vocab = self.greedy_head[1]
+        stops = [[t for t in self._run_stops(s) if 0 <= t < vocab] for s in seqs]  # (others are never picked)
+        batch, _ = self._sampling_batch(seqs, vocab, {})
         rows, tokens, logprobs = self.model.model.native_forward.greedy_run(
             torch.tensor(tokens, dtype=torch.long), torch.tensor([s.start_pos + done for s in seqs], dtype=torch.long),
             [s.steps - done for s in seqs], tables, self.attention, self.greedy_head, batch.ban_index, [t for x in stops for t in x],
