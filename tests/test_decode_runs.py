@@ -145,6 +145,35 @@ def test_a_raised_flag_ends_a_native_run_before_its_next_forward(monkeypatch, de
     assert got == ref
 
 
+def test_the_native_run_refuses_inputs_outside_its_tables(default_gguf_path):
+    """DecoderPlan.greedy_run checks what it reads before it reads it: a negative position, one past the sequence's
+    block table, stop ends that fall or pass the stop ids, a ban outside the rows' logits, a tensor of another type.
+    A good call computes the asked forwards."""
+    import torch  # noqa: PLC0415
+
+    with LLM(str(default_gguf_path), speculative="off", **KW) as llm:
+        runner = llm.engine.runner
+        forward, head = runner.model.model.native_forward, runner.greedy_head
+        tables = torch.tensor([[0, 1], [2, runner.num_blocks]], dtype=torch.int32)  # the second: one block, then null
+
+        def run(positions=(0, 1), steps=(2, 2), ids=(5, 6), stop_ends=(0, 0), bans=None, stop_ids=(), flag=None):
+            return forward.greedy_run(torch.tensor(ids), torch.tensor(positions), list(steps), tables, runner.attention, head,
+                                      bans, list(stop_ids), list(stop_ends), torch.zeros(1, dtype=torch.int32) if flag is None else flag, 1)
+
+        rows, tokens, logprobs = run()
+        assert rows == [0, 1, 0, 1] and len(tokens) == len(logprobs) == 4
+        bad = [(dict(positions=(-1, 1)), "outside its sequence's block table"),
+               (dict(positions=(0, 3)), "outside its sequence's block table"),  # its second forward, at 4: past its block
+               (dict(stop_ends=(1, 0), stop_ids=(7,)), "stop ends, rising"),
+               (dict(stop_ends=(0, 2), stop_ids=(7,)), "stop ends, rising"),
+               (dict(bans=torch.tensor([2 * head[1]])), "a ban outside the run's logits"),
+               (dict(flag=torch.zeros(1)), "interrupt flag, int32"),
+               (dict(steps=(1,)), "one of each a sequence")]
+        for kwargs, message in bad:
+            with pytest.raises(RuntimeError, match=message):
+                run(**kwargs)
+
+
 def test_runs_are_as_long_as_fit_in_decode_run_ms(monkeypatch, default_gguf_path):
     """The engine times a step of decodes alone (its `timer`, real time, not its clock) and gives the next step as
     many forwards as fit in decode_run_ms: 4 ms forwards and 15 ms make runs of 3."""

@@ -217,8 +217,8 @@ struct DecoderPlan : torch::CustomClassHolder {
 
   // Greedy decode runs (runner/model_runner.py ModelRunner._native_run) in one call: S sequences of one KV group,
   // each from token ids[s] at position positions[s], run up to steps[s] one-token forwards, each forward followed by
-  // the head and the greedy pick (cpu.cpp greedy_head) and fed the token it picked, as a step of its own would: the same forward of
-  // the same rows (forward_ids), the rows' cache slots and positions as step_rows gives them from `tables` [S, W]
+  // the head and the greedy pick (cpu.cpp greedy_head) and fed the token it picked, as a step of its own would: the
+  // same forward of the same rows (forward_ids), the rows' cache slots and positions as step_rows gives them from `tables` [S, W]
   // (the sequences' block tables, the run's blocks in them), the bans of the sequences still running (`bans`: flat
   // indices s * head_rows + token into the S rows' logits, as greedy_rows takes them). A sequence stops after a pick
   // that ends it: a negative code (a failed row), or one of its stop ids (stop_ids[stop_ends[s - 1] .. stop_ends[s]):
