@@ -6,6 +6,7 @@ ends its sequence, so it runs no forward a token a step would not; the engine si
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shoal import kernels
 from shoal.engine.llm import LLM
@@ -149,8 +150,6 @@ def test_the_native_run_refuses_inputs_outside_its_tables(default_gguf_path):
     """DecoderPlan.greedy_run checks what it reads before it reads it: a negative position, one past the sequence's
     block table, stop ends that fall or pass the stop ids, a ban outside the rows' logits, a tensor of another type.
     A good call computes the asked forwards."""
-    import torch  # noqa: PLC0415
-
     with LLM(str(default_gguf_path), speculative="off", **KW) as llm:
         runner = llm.engine.runner
         forward, head = runner.model.model.native_forward, runner.greedy_head
@@ -242,6 +241,27 @@ def test_a_gemma_gguf_in_one_kv_group_runs_natively_over_its_two_windows(monkeyp
     for ms in (0, 15):
         with LLM(path, dtype="float32", kv_groups=False, num_blocks=96, block_size=4, max_model_len=128, check_integrity=True) as llm:
             assert len(llm.engine.runner.kv_groups) == 1 and len(llm.engine.runner.model.model.native_forward.windows) == 2
+            llm.engine.timer = lambda: 0.0
+            llm.engine._run_budget = ms / 1000
+            answers.append(_answers(llm.generate(prompts, params)))
+    assert seen["native"] > 3 and max(seen["runs"]) == 8
+    assert answers[1] == answers[0]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_float_embedding_table_runs_natively(monkeypatch, tiny_llama_path, quantization):
+    """A safetensors model on shoal's int8 or int4 kernels keeps its float embedding table: the plan looks up its rows
+    too (forward_ids), so its runs go in one native call, with a token a step's tokens and logprobs."""
+    prompts = [[(7 * i + j) % 300 + 3 for i in range(n)] for j, n in enumerate((4, 13, 7))]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0.0, max_tokens=21), SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True)]
+    seen = _spy(monkeypatch)
+    answers = []
+    for ms in (0, 15):
+        with LLM(tiny_llama_path, dtype="float32", quantization=quantization, speculative="off", num_blocks=96, block_size=4,
+                 max_model_len=128, check_integrity=True) as llm:
+            forward = llm.engine.runner.model.model.native_forward
+            assert forward.ids and type(llm.engine.runner.model.model.embed_tokens) is torch.nn.Embedding
             llm.engine.timer = lambda: 0.0
             llm.engine._run_budget = ms / 1000
             answers.append(_answers(llm.generate(prompts, params)))

@@ -20,9 +20,9 @@
 //
 // The plan's description, from model/native.py (`ints`, `floats` and `tensors` read in this order):
 //   model:  ints [layers, last, final norm (1 + w)], floats [final norm eps], tensors [final norm weight (when last)]
-//   input:  ints [has embedding, (its GGUF type, columns, has a scale), rope tables], tensors [(its packed rows, an
-//           empty tensor of the model's dtype, (the scale, a 0-dim tensor of that dtype)), (cos, signed sin) per rope
-//           table]: what `forward_ids` looks up
+//   input:  ints [has embedding, (its GGUF type (-1: a float table), columns, has a scale), rope tables], tensors
+//           [(its packed rows or the float table, an empty tensor of the model's dtype, (the scale, a 0-dim tensor of
+//           that dtype)), (cos, signed sin) per rope table]: what `forward_ids` looks up
 //   layer:  ints [heads, kv heads, head dim, window (-1: the backend's), rope table, has q/k norms, KV group (which
 //           of the step's metadata), sandwich, gelu]
 //           floats [input norm eps, pre-MLP norm eps, q/k norm eps, scale, softcap (0: none), (sandwich: the
@@ -205,7 +205,8 @@ struct DecoderPlan : torch::CustomClassHolder {
                          std::vector<at::Tensor> row_seq, std::vector<at::Tensor> row_pos, int64_t window) {
     TORCH_CHECK(embedding.defined(), "decoder plan: no embedding table: call forward with the embeddings");
     TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0), "decoder plan: ids and positions [T]");
-    at::Tensor x = shoal_gguf_rows(embedding, ids, embedding_type, embedding_cols).to(dtype);
+    at::Tensor x = embedding_type < 0 ? embedding.index_select(0, ids)  // a float table: nn.Embedding's rows
+                                      : shoal_gguf_rows(embedding, ids, embedding_type, embedding_cols).to(dtype);
     if (embed_scale.defined()) x = x * embed_scale;
     std::vector<at::Tensor> cos, sin;
     for (size_t k = 0; k < cos_tables.size(); ++k) {

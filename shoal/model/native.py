@@ -19,7 +19,7 @@ A plan covers (`unsupported` says why not, in the start-up log):
 - q/k norms per head (Qwen3, Gemma 3), rotary over the whole head, the invariant attention op;
 - one process: tensor parallelism's gathers sit between the ops, so a sharded model keeps the Python forward.
 A pipeline stage is covered (its layers; the stage before the last hands on its residual stream). Where the
-embedding is a GGUF table and the rotary tables are plain, the plan looks up the step's embeddings and rope rows too
+embedding is a GGUF table or a float one and the rotary tables are plain, the plan looks up the step's embeddings and rope rows too
 (`forward_ids`), so a step is one call from its token ids. Then a step of greedy decode runs (engine/scheduler.py) is
 one call too, every forward of it with the head's pick between them (`greedy_run`, ModelRunner._native_step).
 
@@ -32,6 +32,7 @@ import logging
 import os
 
 import torch
+from torch import nn
 
 from shoal import kernels
 from shoal.model.attention.common import MODEL_WINDOW, GroupedMetadata
@@ -174,9 +175,11 @@ def _experts_unsupported(layer) -> str | None:
 
 def takes_ids(model) -> bool:
     """Whether the plan looks up the step's embeddings and rope tables itself (forward_ids): a GGUF embedding table of
-    one type (times Gemma's scale, where the model has one) and plain rotary tables (not M-RoPE's)."""
+    one type or a float one (nn.Embedding's), times Gemma's scale where the model has one, and plain rotary tables (not
+    M-RoPE's)."""
     embed = model.embed_tokens
-    return type(embed) is GGUFEmbedding and len(embed.runs) == 1 and all(type(r) is Rotary for r in model.rotaries)
+    gguf = type(embed) is GGUFEmbedding and len(embed.runs) == 1
+    return (gguf or type(embed) is nn.Embedding) and all(type(r) is Rotary for r in model.rotaries)
 
 
 def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[float]]:
@@ -189,12 +192,18 @@ def describe(model, kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
         tensors.append(model.norm.scale())
     embed = model.embed_tokens
     if takes_ids(model):  # the step's lookups too: the embedding's rows, and each rope's (forward_ids)
-        (fmt, _), = embed.runs
         scale = model.spec.embed_scale
-        ints += [1, int(fmt.type), embed.in_features, int(scale is not None)]
-        tensors += [embed.packed0, torch.empty(0, dtype=embed.dtype)]
+        if type(embed) is GGUFEmbedding:
+            (fmt, _), = embed.runs
+            dtype = embed.dtype
+            ints += [1, int(fmt.type), embed.in_features, int(scale is not None)]
+            tensors += [embed.packed0, torch.empty(0, dtype=dtype)]
+        else:  # a float table (type -1): its rows as nn.Embedding gives them
+            dtype = embed.weight.dtype
+            ints += [1, -1, embed.embedding_dim, int(scale is not None)]
+            tensors += [embed.weight, torch.empty(0, dtype=dtype)]
         if scale is not None:  # DecoderModel.forward's factor, a 0-dim tensor of the model's dtype
-            tensors.append(torch.tensor(scale, dtype=embed.dtype))
+            tensors.append(torch.tensor(scale, dtype=dtype))
         ints.append(len(model.rotaries))
         for rotary in model.rotaries:
             tensors += [rotary.cos, rotary.sin]
