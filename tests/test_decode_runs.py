@@ -161,8 +161,8 @@ def test_the_native_run_refuses_inputs_outside_its_tables(default_gguf_path):
 
         rows, tokens, logprobs = run()
         assert rows == [0, 1, 0, 1] and len(tokens) == len(logprobs) == 4
-        bad = [(dict(positions=(-1, 1)), "outside its sequence's block table"),
-               (dict(positions=(0, 3)), "outside its sequence's block table"),  # its second forward, at 4: past its block
+        bad = [(dict(positions=(-1, 1)), "negative positions"),
+               (dict(positions=(0, 3)), "a position past its sequence's block table"),  # its second forward, at 4: past its block
                (dict(stop_ends=(1, 0), stop_ids=(7,)), "stop ends, rising"),
                (dict(stop_ends=(0, 2), stop_ids=(7,)), "stop ends, rising"),
                (dict(bans=torch.tensor([2 * head[1]])), "a ban outside the run's logits"),

@@ -1465,6 +1465,10 @@ std::tuple<at::Tensor, at::Tensor> shoal_add_rms_norm(const at::Tensor& x, const
 at::Tensor shoal_rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) { return rope_(x, cos, sin); }
 at::Tensor shoal_silu_mul(const at::Tensor& x) { return silu_mul(x); }
 at::Tensor shoal_weight_empty(at::IntArrayRef shape) { return weight_empty(shape); }
+std::tuple<at::Tensor, at::Tensor, at::Tensor> shoal_step_rows(const at::Tensor& spans, const at::Tensor& tables, int64_t block_size,
+                                                               int64_t null) {
+  return step_rows(spans, tables, block_size, null);
+}
 std::tuple<at::Tensor, at::Tensor> shoal_greedy_head(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t,
                                                      const c10::optional<at::Tensor>& bans) {
   const at::Tensor logits = shoal_gguf_linear(x, w, n, t).to(at::kFloat).contiguous();

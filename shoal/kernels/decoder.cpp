@@ -219,7 +219,7 @@ struct DecoderPlan : torch::CustomClassHolder {
   // Greedy decode runs (runner/model_runner.py ModelRunner._native_run) in one call: S sequences of one KV group,
   // each from token ids[s] at position positions[s], run up to steps[s] one-token forwards, each forward followed by
   // the head and the greedy pick (cpu.cpp greedy_head) and fed the token it picked, as a step of its own would: the
-  // same forward of the same rows (forward_ids), the rows' cache slots and positions as step_rows gives them from `tables` [S, W]
+  // same forward of the same rows (forward_ids), the rows' cache slots and positions by step_rows from `tables` [S, W]
   // (the sequences' block tables, the run's blocks in them), the bans of the sequences still running (`bans`: flat
   // indices s * head_rows + token into the S rows' logits, as greedy_rows takes them). A sequence stops after a pick
   // that ends it: a negative code (a failed row), or one of its stop ids (stop_ids[stop_ends[s - 1] .. stop_ends[s]):
@@ -236,12 +236,10 @@ struct DecoderPlan : torch::CustomClassHolder {
     const int64_t S = ids.size(0);
     TORCH_CHECK(positions.size(0) == S && static_cast<int64_t>(steps.size()) == S && static_cast<int64_t>(stop_ends.size()) == S,
                 "decoder plan: a run's ids, positions, steps and stop ends, one of each a sequence");
-    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S && tables.scalar_type() == at::kInt && tables.stride(1) == 1,
-                "decoder plan: a run's tables [S, W] int32");
     TORCH_CHECK(interrupt.scalar_type() == at::kInt && interrupt.numel() == 1, "decoder plan: a run's interrupt flag, int32 [1]");
     TORCH_CHECK(ids.is_cpu() && positions.is_cpu() && tables.is_cpu() && interrupt.is_cpu() && (!bans.has_value() || bans->is_cpu()),
                 "decoder plan: a run's tensors on the CPU");
-    TORCH_CHECK(block_size > 0 && head_rows > 0, "decoder plan: a run's block size and head rows");
+    TORCH_CHECK(head_rows > 0, "decoder plan: a run's head rows");  // (step_rows checks the tables and block size)
     ids = ids.contiguous();
     positions = positions.contiguous();
     for (int64_t s = 0; s < S; ++s)
@@ -262,27 +260,25 @@ struct DecoderPlan : torch::CustomClassHolder {
     std::vector<int64_t> token(idp, idp + S), pos(posp, posp + S), live;
     for (int64_t s = 0; s < S; ++s)
       if (steps[s] > 0) live.push_back(s);
-    const int32_t* table = tables.data_ptr<int32_t>();
-    const int64_t W = tables.size(1), ts = tables.stride(0);
     const int32_t* flag = interrupt.data_ptr<int32_t>();
+    const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong);
     std::vector<int64_t> rows, picks;
     std::vector<double> logprobs;
     for (int64_t i = 0; !live.empty() && (i < own || __atomic_load_n(flag, __ATOMIC_RELAXED) == 0); ++i) {
       const int64_t A = static_cast<int64_t>(live.size());
-      const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong), ints = at::TensorOptions().dtype(at::kInt);
-      at::Tensor ids_t = at::empty({A}, longs), pos_t = at::empty({A}, longs), slots = at::empty({A}, longs);
-      at::Tensor row_seq = at::empty({A}, ints), row_pos = at::empty({A}, ints);
+      // the live sequences' rows, as a step of them alone: a row each (step_rows: slots, rows' sequences in `tables`,
+      // positions, each checked against its table)
+      at::Tensor ids_t = at::empty({A}, longs), pos_t = at::empty({A}, longs), spans = at::zeros({2 * S}, longs);
+      int64_t* sp = spans.data_ptr<int64_t>();
       std::vector<int64_t> ban_flat;
       for (int64_t a = 0; a < A; ++a) {
-        const int64_t s = live[a], p = pos[s], b = p / block_size;
-        TORCH_CHECK(p >= 0 && b < W && table[s * ts + b] != null, "decoder plan: a run's position outside its sequence's block table");
+        const int64_t s = live[a];
         ids_t.data_ptr<int64_t>()[a] = token[s];
-        pos_t.data_ptr<int64_t>()[a] = p;
-        slots.data_ptr<int64_t>()[a] = static_cast<int64_t>(table[s * ts + b]) * block_size + p % block_size;
-        row_seq.data_ptr<int32_t>()[a] = static_cast<int32_t>(s);
-        row_pos.data_ptr<int32_t>()[a] = static_cast<int32_t>(p);
+        pos_t.data_ptr<int64_t>()[a] = sp[s] = pos[s];
+        sp[S + s] = 1;
         for (const int64_t t : banned[s]) ban_flat.push_back(a * head_rows + t);
       }
+      const auto [slots, row_seq, row_pos] = shoal_step_rows(spans, tables, block_size, null);
       // one KV group: every layer's group index (its window's, in the plan) reads the same metadata
       const size_t g = static_cast<size_t>(groups);
       const at::Tensor h = forward_ids(ids_t, pos_t, std::vector<at::Tensor>(g, slots), std::vector<at::Tensor>(g, tables),

@@ -30,6 +30,9 @@ std::tuple<at::Tensor, at::Tensor> shoal_add_rms_norm(const at::Tensor& x, const
 at::Tensor shoal_rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor shoal_silu_mul(const at::Tensor& x);
 at::Tensor shoal_weight_empty(at::IntArrayRef shape);  // uint8, on huge pages where it can (cpu.cpp weight_empty)
+// cpu.cpp step_rows: a step's slots, rows' sequences and positions from its spans (first positions, then row counts)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> shoal_step_rows(const at::Tensor& spans, const at::Tensor& tables, int64_t block_size,
+                                                               int64_t null);
 // cpu.cpp greedy_head's tensors: each row's token (or greedy_rows' negative code) [B] int64 and logprob [B] float32
 std::tuple<at::Tensor, at::Tensor> shoal_greedy_head(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t t,
                                                      const c10::optional<at::Tensor>& bans);
