@@ -248,17 +248,18 @@ def test_a_gemma_gguf_in_one_kv_group_runs_natively_over_its_two_windows(monkeyp
     assert answers[1] == answers[0]
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_a_float_embedding_table_runs_natively(monkeypatch, tiny_llama_path, quantization):
+@pytest.mark.parametrize("quantization,dtype", [("int8", "auto"), ("int4", "auto"), ("int8", "bfloat16")])
+def test_a_float_embedding_table_runs_natively(monkeypatch, tiny_llama_path, quantization, dtype):
     """A safetensors model on shoal's int8 or int4 kernels keeps its float embedding table: the plan looks up its rows
-    too (forward_ids), so its runs go in one native call, with a token a step's tokens and logprobs."""
+    too (forward_ids), so its runs go in one native call, with a token a step's tokens and logprobs, in the dtype a
+    user gets by default (`auto`: float32 for shoal's low-bit codes) and with a bfloat16 table and activations."""
     prompts = [[(7 * i + j) % 300 + 3 for i in range(n)] for j, n in enumerate((4, 13, 7))]
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0),
               SamplingParams(temperature=0.0, max_tokens=21), SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True)]
     seen = _spy(monkeypatch)
     answers = []
     for ms in (0, 15):
-        with LLM(tiny_llama_path, dtype="float32", quantization=quantization, speculative="off", num_blocks=96, block_size=4,
+        with LLM(tiny_llama_path, dtype=dtype, quantization=quantization, speculative="off", num_blocks=96, block_size=4,
                  max_model_len=128, check_integrity=True) as llm:
             forward = llm.engine.runner.model.model.native_forward
             assert forward.ids and type(llm.engine.runner.model.model.embed_tokens) is torch.nn.Embedding
